@@ -1,0 +1,1 @@
+"""corral: run AI agents commands inside Linux sandboxes."""

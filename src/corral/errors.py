@@ -1,0 +1,158 @@
+"""The one error tree of corral, with stable codes.
+
+Every error corral raises derives from :class:`SandboxError` and carries a ``code`` from
+:class:`ErrorCode` (stable, safe to show to an agent and to match on) and a human sentence
+that names the cause and, where there is one, the fix.
+
+::
+
+    SandboxError                     code
+    ├── PolicyError (ValueError)     invalid_policy
+    ├── BackendError                 backend_failed
+    │   └── BackendUnavailable       backend_unavailable
+    ├── SandboxClosed                sandbox_closed
+    ├── SandboxBroken                sandbox_broken
+    ├── ProtocolError                protocol_error
+    ├── ProcessError
+    │   ├── ProcessNotFound          process_not_found
+    │   ├── SpawnFailed              spawn_failed
+    │   └── CommandFailed            command_failed   (check=True and exit != 0)
+    ├── SessionError
+    │   ├── SessionNotFound          session_not_found
+    │   └── SessionBusy              session_busy
+    ├── FileOpError
+    │   ├── PathOutsideSandbox       path_outside_sandbox
+    │   ├── FileNotFound             file_not_found
+    │   ├── FileTooLarge             file_too_large
+    │   └── FilePermissionDenied     permission_denied
+    └── Timeout (TimeoutError)       timeout
+
+A non-zero exit status is a result, not an error (see ``CommandResult``), unless the caller
+asked for ``check=True``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable codes; agents and tools match on these, never on class names."""
+
+    INVALID_POLICY = "invalid_policy"
+    INVALID_INPUT = "invalid_input"
+    BACKEND_FAILED = "backend_failed"
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    SANDBOX_CLOSED = "sandbox_closed"
+    SANDBOX_BROKEN = "sandbox_broken"
+    PROTOCOL_ERROR = "protocol_error"
+    PROCESS_NOT_FOUND = "process_not_found"
+    SPAWN_FAILED = "spawn_failed"
+    COMMAND_FAILED = "command_failed"
+    SESSION_NOT_FOUND = "session_not_found"
+    SESSION_BUSY = "session_busy"
+    PATH_OUTSIDE_SANDBOX = "path_outside_sandbox"
+    FILE_NOT_FOUND = "file_not_found"
+    FILE_TOO_LARGE = "file_too_large"
+    PERMISSION_DENIED = "permission_denied"
+    FILE_ERROR = "file_error"
+    TIMEOUT = "timeout"
+
+
+class SandboxError(Exception):
+    """Root of every error corral raises."""
+
+    code: ErrorCode = ErrorCode.BACKEND_FAILED
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        """The structured form handed to agents: a stable code and a sentence."""
+        return {"error": {"code": str(self.code), "message": self.message}}
+
+
+class PolicyError(SandboxError, ValueError):
+    code = ErrorCode.INVALID_POLICY
+
+
+class BackendError(SandboxError):
+    code = ErrorCode.BACKEND_FAILED
+
+
+class BackendUnavailable(BackendError):
+    code = ErrorCode.BACKEND_UNAVAILABLE
+
+
+class SandboxClosed(SandboxError):
+    code = ErrorCode.SANDBOX_CLOSED
+
+
+class SandboxBroken(SandboxError):
+    code = ErrorCode.SANDBOX_BROKEN
+
+
+class ProtocolError(SandboxError):
+    code = ErrorCode.PROTOCOL_ERROR
+
+
+class ProcessError(SandboxError):
+    code = ErrorCode.PROCESS_NOT_FOUND
+
+
+class ProcessNotFound(ProcessError, LookupError):
+    code = ErrorCode.PROCESS_NOT_FOUND
+
+
+class SpawnFailed(ProcessError):
+    code = ErrorCode.SPAWN_FAILED
+
+
+class CommandFailed(ProcessError):
+    """Raised by ``run(..., check=True)``; ``result`` carries the full CommandResult."""
+
+    code = ErrorCode.COMMAND_FAILED
+
+    def __init__(self, message: str, result: object) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class SessionError(SandboxError):
+    code = ErrorCode.SESSION_NOT_FOUND
+
+
+class SessionNotFound(SessionError, LookupError):
+    code = ErrorCode.SESSION_NOT_FOUND
+
+
+class SessionBusy(SessionError):
+    code = ErrorCode.SESSION_BUSY
+
+
+class FileOpError(SandboxError):
+    code = ErrorCode.FILE_ERROR
+
+
+class PathOutsideSandbox(FileOpError, PermissionError):
+    code = ErrorCode.PATH_OUTSIDE_SANDBOX
+
+
+class FileNotFound(FileOpError, FileNotFoundError):
+    code = ErrorCode.FILE_NOT_FOUND
+
+
+class FileTooLarge(FileOpError):
+    code = ErrorCode.FILE_TOO_LARGE
+
+
+class FilePermissionDenied(FileOpError, PermissionError):
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class Timeout(SandboxError, TimeoutError):
+    code = ErrorCode.TIMEOUT
