@@ -1,0 +1,268 @@
+"""File operations of the guest agent, confined beneath a root with ``openat2``.
+
+The host has already checked every path lexically (no ``..`` out of the root, no absolute
+path outside what the policy grants). What the host cannot see is the box's own symlinks,
+and a command could swap one in between a check and a use. So every path is opened here
+with ``openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`` relative to the root's fd: the
+kernel refuses, atomically, any resolution that leaves the root, whatever the symlinks say.
+
+Operations run with the effective uid/gid of the box's command user, so the kernel's own
+permission checks apply exactly as they would to a command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+SYS_OPENAT2 = 437  # the same number on every architecture (new-style syscall table)
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_BENEATH = 0x08
+MAX_READ = 15 << 20
+MAX_ENTRIES = 10000
+
+
+class FileOpFailed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Openat2:
+    """Lazily built ctypes binding (ctypes costs start-up time; most boxes never need it)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        class OpenHow(ctypes.Structure):
+            _fields_ = [
+                ("flags", ctypes.c_uint64),
+                ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64),
+            ]
+
+        self.ctypes = ctypes
+        self.how_type = OpenHow
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.syscall.restype = ctypes.c_long
+
+    def open(self, dirfd: int, rel: str, flags: int, mode: int = 0) -> int:
+        how = self.how_type(flags | os.O_CLOEXEC, mode, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+        fd = self.libc.syscall(
+            SYS_OPENAT2, dirfd, os.fsencode(rel), self.ctypes.byref(how), self.ctypes.sizeof(how)
+        )
+        if fd < 0:
+            err = self.ctypes.get_errno()
+            raise OSError(err, os.strerror(err), rel)
+        return int(fd)
+
+
+def _fail(exc: OSError, path: str) -> FileOpFailed:
+    import errno
+
+    codes = {
+        errno.ENOENT: ("file_not_found", "no such file or directory"),
+        errno.EACCES: ("permission_denied", "permission denied"),
+        errno.EPERM: ("permission_denied", "operation not permitted"),
+        errno.EROFS: ("permission_denied", "read-only file system"),
+        errno.EXDEV: ("path_outside_sandbox", "path resolves outside the allowed root"),
+        errno.ELOOP: ("path_outside_sandbox", "path goes through a symlink that is not allowed"),
+        errno.EISDIR: ("file_error", "is a directory"),
+        errno.ENOTDIR: ("file_error", "not a directory"),
+        errno.ENOTEMPTY: ("file_error", "directory not empty"),
+        errno.EEXIST: ("file_error", "already exists"),
+        errno.ENOSPC: ("file_error", "no space left on device"),
+        errno.EFBIG: ("file_too_large", "file too large for the box's limits"),
+        errno.EDQUOT: ("file_error", "disk quota exceeded"),
+    }
+    code, text = codes.get(exc.errno or 0, ("file_error", exc.strerror or str(exc)))
+    return FileOpFailed(code, f"{text}: {path}")
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def _describe(name: str, st: os.stat_result) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": _kind(st.st_mode),
+        "size": st.st_size,
+        "mode": stat.S_IMODE(st.st_mode),
+        "mtime": st.st_mtime,
+    }
+
+
+class FileOps:
+    def __init__(self, uid: int, gid: int) -> None:
+        self.uid = uid
+        self.gid = gid
+        self._openat2: _Openat2 | None = None
+
+    @contextlib.contextmanager
+    def _as_user(self, h: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
+        """Open the root, drop to the command user's ids, yield (root fd, rel path, path)."""
+        if self._openat2 is None:
+            self._openat2 = _Openat2()
+        path = str(h["path"])
+        root = str(h["root"])
+        rel = os.path.relpath(path, root)
+        if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
+            raise FileOpFailed("path_outside_sandbox", f"path is outside {root}: {path}")
+        os.setegid(self.gid)
+        os.seteuid(self.uid)
+        root_fd = -1
+        try:
+            root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            yield root_fd, rel, path
+        except OSError as exc:
+            raise _fail(exc, path) from None
+        finally:
+            if root_fd >= 0:
+                os.close(root_fd)
+            os.seteuid(0)
+            os.setegid(0)
+
+    def _open(self, root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
+        assert self._openat2 is not None
+        return self._openat2.open(root_fd, rel, flags, mode)
+
+    def _parent(self, root_fd: int, rel: str, create: bool) -> tuple[int, str]:
+        """An fd of the parent directory of ``rel`` (created beneath the root if asked)."""
+        parent, name = os.path.split(rel)
+        if not name or name in (".", ".."):
+            raise FileOpFailed("invalid_input", f"not a file name: {rel!r}")
+        if create and parent:
+            self._makedirs(root_fd, parent)
+        return self._open(root_fd, parent or ".", os.O_PATH | os.O_DIRECTORY), name
+
+    def _makedirs(self, root_fd: int, rel: str) -> None:
+        current = ""
+        for part in rel.split("/"):
+            if not part or part == ".":
+                continue
+            parent_fd = self._open(root_fd, current or ".", os.O_PATH | os.O_DIRECTORY)
+            try:
+                os.mkdir(part, 0o755, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
+            finally:
+                os.close(parent_fd)
+            current = os.path.join(current, part)
+
+    def read(self, h: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        offset = int(h.get("offset", 0))
+        limit = min(int(h.get("limit", MAX_READ)), MAX_READ)
+        with self._as_user(h) as (root_fd, rel, _path):
+            fd = self._open(root_fd, rel, os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISDIR(st.st_mode):
+                    raise OSError(21, "is a directory")
+                chunks = []
+                remaining = limit
+                pos = offset
+                while remaining > 0:
+                    data = os.pread(fd, min(remaining, 1 << 20), pos)
+                    if not data:
+                        break
+                    chunks.append(data)
+                    pos += len(data)
+                    remaining -= len(data)
+            finally:
+                os.close(fd)
+        data = b"".join(chunks)
+        return {"size": st.st_size, "offset": offset, "eof": pos >= st.st_size}, data
+
+    def write(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        flags = os.O_WRONLY | os.O_CREAT
+        flags |= os.O_APPEND if h.get("append") else os.O_TRUNC
+        with self._as_user(h) as (root_fd, rel, _path):
+            if h.get("parents", True):
+                parent = os.path.dirname(rel)
+                if parent:
+                    self._makedirs(root_fd, parent)
+            fd = self._open(root_fd, rel, flags, int(h.get("perm", 0o644)))
+            try:
+                view = memoryview(payload)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        return {"size": size}
+
+    def list(self, h: dict[str, Any]) -> dict[str, Any]:
+        with self._as_user(h) as (root_fd, rel, _path):
+            fd = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+            entries = []
+            truncated = False
+            try:
+                for name in sorted(os.listdir(fd)):
+                    if len(entries) >= MAX_ENTRIES:
+                        truncated = True
+                        break
+                    try:
+                        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        continue
+                    entries.append(_describe(name, st))
+            finally:
+                os.close(fd)
+        return {"entries": entries, "truncated": truncated}
+
+    def stat(self, h: dict[str, Any]) -> dict[str, Any]:
+        with self._as_user(h) as (root_fd, rel, _path):
+            if rel == ".":
+                return {"exists": True, **_describe(".", os.stat(root_fd))}
+            try:
+                parent_fd, name = self._parent(root_fd, rel, create=False)
+            except FileNotFoundError:
+                return {"exists": False}
+            try:
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return {"exists": False}
+            finally:
+                os.close(parent_fd)
+        return {"exists": True, **_describe(name, st)}
+
+    def mkdir(self, h: dict[str, Any]) -> dict[str, Any]:
+        with self._as_user(h) as (root_fd, rel, _path):
+            if h.get("parents", True):
+                self._makedirs(root_fd, rel)
+            else:
+                parent_fd, name = self._parent(root_fd, rel, create=False)
+                try:
+                    os.mkdir(name, 0o755, dir_fd=parent_fd)
+                finally:
+                    os.close(parent_fd)
+        return {"ok": True}
+
+    def remove(self, h: dict[str, Any]) -> dict[str, Any]:
+        import shutil
+
+        with self._as_user(h) as (root_fd, rel, _path):
+            parent_fd, name = self._parent(root_fd, rel, create=False)
+            try:
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(name, dir_fd=parent_fd)
+                elif h.get("recursive"):
+                    shutil.rmtree(name, dir_fd=parent_fd)
+                else:
+                    os.rmdir(name, dir_fd=parent_fd)
+            finally:
+                os.close(parent_fd)
+        return {"ok": True}

@@ -1,0 +1,190 @@
+"""File operations on a box, confined to what the policy grants.
+
+Two checks, at two depths:
+
+* here, lexically (pure, :func:`resolve`): a relative path is taken from the workspace; an
+  absolute one must lie under a root the policy grants (the workspace, ``/tmp``, the
+  ``allow_write`` paths and the mounts); ``..`` that climbs out and masked (``deny_read``)
+  paths are refused before anything is sent;
+* in the agent, by the kernel: the path is opened with ``openat2(RESOLVE_BENEATH)`` from the
+  root's fd, so a symlink that points out is refused however and whenever it was made.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from corral import errors
+from corral.models import FileInfo
+from corral.policy import Policy
+
+Request = Callable[..., Awaitable[tuple[dict[str, Any], bytes]]]
+CHUNK = 8 << 20
+DEFAULT_MAX_READ = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    path: str
+    """Absolute, normalised path inside the box."""
+    root: str
+    """The granted root it lies under; the agent opens beneath it."""
+
+
+def granted_roots(policy: Policy, home: str | None = None) -> tuple[str, ...]:
+    home = home or os.path.expanduser("~")
+    roots = [policy.workdir, "/tmp"]
+    for raw in policy.filesystem.allow_write:
+        roots.append(_expand(raw, home))
+    roots.extend(m.guest for m in policy.filesystem.mounts)
+    return tuple(posixpath.normpath(r) for r in roots)
+
+
+def _expand(path: str, home: str) -> str:
+    if path == "~" or path.startswith("~/"):
+        return home + path[1:]
+    return path
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def resolve(path: str, policy: Policy, home: str | None = None) -> Resolved:
+    """Map a user path to (absolute box path, granted root) or raise PathOutsideSandbox."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise errors.SandboxError(
+            f"invalid path {path!r}: give a non-empty path without NUL bytes",
+            code=errors.ErrorCode.INVALID_INPUT,
+        )
+    home = home or os.path.expanduser("~")
+    raw = path if path.startswith("/") else posixpath.join(policy.workdir, path)
+    norm = posixpath.normpath(raw)
+    if norm.startswith("//"):
+        norm = "/" + norm.lstrip("/")
+    if not path.startswith("/") and not _under(norm, policy.workdir):
+        raise errors.PathOutsideSandbox(
+            f"path {path!r} climbs out of the workspace {policy.workdir}; "
+            "use a path inside the workspace"
+        )
+    for denied in policy.filesystem.deny_read:
+        d = posixpath.normpath(_expand(denied, home))
+        if not denied.startswith(("/", "~")):
+            d = posixpath.normpath(posixpath.join(policy.workdir, denied))
+        if _under(norm, d):
+            raise errors.PathOutsideSandbox(f"path {path!r} is masked by the policy (deny_read)")
+    roots = sorted(granted_roots(policy, home), key=len, reverse=True)
+    for root in roots:
+        if _under(norm, root):
+            return Resolved(norm, root)
+    raise errors.PathOutsideSandbox(
+        f"path {path!r} is outside what the policy grants to file operations "
+        f"({', '.join(sorted(set(roots)))})"
+    )
+
+
+class Files:
+    """``sandbox.files``: read, write, list, stat, mkdir, remove inside the box."""
+
+    def __init__(self, policy: Policy, request: Request) -> None:
+        self._policy = policy
+        self._request = request
+
+    def _resolve(self, path: str) -> Resolved:
+        return resolve(path, self._policy)
+
+    async def read(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """Whole file contents. Larger than ``max_bytes`` (default 64 MiB) -> FileTooLarge."""
+        r = self._resolve(path)
+        limit = DEFAULT_MAX_READ if max_bytes is None else max_bytes
+        chunks: list[bytes] = []
+        offset = 0
+        while True:
+            want = min(CHUNK, limit + 1 - offset)
+            reply, data = await self._request(
+                "file_read", path=r.path, root=r.root, offset=offset, limit=want
+            )
+            chunks.append(data)
+            offset += len(data)
+            if offset > limit:
+                raise errors.FileTooLarge(
+                    f"{path} is {reply.get('size')} bytes, more than the {limit} allowed; "
+                    "pass max_bytes= to read more"
+                )
+            if reply.get("eof") or not data:
+                return b"".join(chunks)
+
+    async def read_text(self, path: str, *, max_bytes: int | None = None) -> str:
+        return (await self.read(path, max_bytes=max_bytes)).decode(errors="replace")
+
+    async def write(
+        self, path: str, data: bytes | str, *, append: bool = False, parents: bool = True
+    ) -> int:
+        """Write (or append) a file, creating parent directories; returns the new size."""
+        r = self._resolve(path)
+        raw = data.encode() if isinstance(data, str) else data
+        size = 0
+        first = True
+        for start in range(0, max(len(raw), 1), CHUNK):
+            reply, _ = await self._request(
+                "file_write",
+                raw[start : start + CHUNK],
+                path=r.path,
+                root=r.root,
+                append=append or not first,
+                parents=parents,
+            )
+            size = int(reply.get("size", 0))
+            first = False
+        return size
+
+    async def list(self, path: str = ".") -> list[FileInfo]:
+        r = self._resolve(path)
+        reply, _ = await self._request("file_list", path=r.path, root=r.root)
+        return [
+            FileInfo(
+                name=str(e["name"]),
+                path=posixpath.join(r.path, str(e["name"])),
+                type=e["type"],
+                size=int(e["size"]),
+                mode=int(e["mode"]),
+                mtime=float(e["mtime"]),
+            )
+            for e in reply.get("entries", [])
+        ]
+
+    async def stat(self, path: str) -> FileInfo | None:
+        r = self._resolve(path)
+        reply, _ = await self._request("file_stat", path=r.path, root=r.root)
+        if not reply.get("exists"):
+            return None
+        return FileInfo(
+            name=posixpath.basename(r.path) or "/",
+            path=r.path,
+            type=reply["type"],
+            size=int(reply["size"]),
+            mode=int(reply["mode"]),
+            mtime=float(reply["mtime"]),
+        )
+
+    async def exists(self, path: str) -> bool:
+        return await self.stat(path) is not None
+
+    async def mkdir(self, path: str, *, parents: bool = True) -> None:
+        r = self._resolve(path)
+        await self._request("file_mkdir", path=r.path, root=r.root, parents=parents)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        r = self._resolve(path)
+        if r.path == r.root:
+            raise errors.SandboxError(
+                f"refusing to remove the root {r.root} itself", code=errors.ErrorCode.INVALID_INPUT
+            )
+        await self._request("file_remove", path=r.path, root=r.root, recursive=recursive)
+
+
+FileKind = Literal["file", "dir", "symlink", "other"]

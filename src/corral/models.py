@@ -1,0 +1,92 @@
+"""Results are data: frozen dataclasses the library returns and the tools serialise."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+ProcessStatus = Literal["running", "exited"]
+
+
+@dataclass(frozen=True, slots=True)
+class CommandResult:
+    """The outcome of ``Sandbox.run``. A non-zero exit is a result, not an error."""
+
+    exit_code: int
+    """Exit status; ``-N`` when killed by signal N (as ``subprocess`` reports it)."""
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration: float
+    """Seconds from start to exit."""
+    truncated: bool
+    """True when output beyond ``limits.output_bytes`` was dropped (head and tail are kept)."""
+    pid: int
+    oom_killed: bool = False
+    """True when the box's memory limit killed a process while this command ran."""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["duration_ms"] = round(self.duration * 1000, 3)
+        del data["duration"]
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class WaitResult:
+    """The outcome of ``Process.wait``: ``exited`` with a code, or ``timeout``."""
+
+    pid: int
+    status: Literal["exited", "timeout"]
+    exit_code: int | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    pid: int
+    command: str
+    status: ProcessStatus
+    exit_code: int | None
+    started_at: float
+    """Unix time the process started."""
+    duration: float
+    """Seconds it has run (so far, or in all)."""
+    timed_out: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStats:
+    pid: int
+    status: str
+    cpu_seconds: float
+    rss_bytes: int
+    processes: int
+    """How many processes its process group holds now."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    name: str
+    path: str
+    """Absolute path inside the box."""
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,242 @@
+"""Sans-IO helpers for process and terminal output: decoding, ANSI stripping, capping.
+
+Nothing here does I/O, starts threads or touches an event loop; callers feed bytes in
+and take text or bytes out, so every piece can be tested deterministically.
+
+* :class:`IncrementalDecoder` turns a byte stream into text without ever splitting a
+  multi-byte UTF-8 character across two results; invalid bytes become U+FFFD.
+* :func:`strip_ansi` / :class:`AnsiStripper` remove terminal escape sequences and
+  control characters so that an agent (and a regex) sees plain text.
+* :class:`HeadTailBuffer` stores a capped byte stream as "first half + last half", which
+  is what an agent wants from a huge log: how it started and how it ended.
+* :func:`cap_text` applies the same head + tail idea to a string.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+
+from corral.errors import ErrorCode, SandboxError
+
+__all__ = [
+    "AnsiStripper",
+    "HeadTailBuffer",
+    "IncrementalDecoder",
+    "cap_text",
+    "strip_ansi",
+]
+
+
+class IncrementalDecoder:
+    """UTF-8 decoder for a chunked byte stream.
+
+    A character split across two :meth:`feed` calls is held back until it is complete,
+    so the concatenation of all results equals decoding the whole stream at once.
+    Invalid bytes are replaced with U+FFFD rather than raising: sandboxed programs print
+    arbitrary bytes and an agent must still see the rest of the output.
+    """
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, data: bytes) -> str:
+        """Decode ``data``; an incomplete trailing character is kept for the next call."""
+        return self._decoder.decode(data, final=False)
+
+    def flush(self) -> str:
+        """End of stream: emit what is held back (an incomplete character becomes U+FFFD)."""
+        text = self._decoder.decode(b"", final=True)
+        self._decoder.reset()
+        return text
+
+
+# One token of terminal noise. Alternatives are tried in order at each position:
+#   CSI  ESC [ params intermediates final           (colours, cursor movement, ...)
+#   string sequences OSC/DCS/SOS/PM/APC (ESC ] P X ^ _) ended by BEL or ST (ESC \);
+#        an ESC that is not ST aborts the string, as in a real terminal, hence (?=\x1b)
+#   any other ESC sequence: ESC intermediates final  (charset selection, keypad mode, ...)
+#   a lone C0/C1 control character other than \t and \n; this includes \r (see strip_ansi)
+_SEQUENCE = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"
+    r"|\x1b[\]PX^_][^\x07\x1b]*(?:\x07|\x1b\\|(?=\x1b))"
+    r"|\x1b[ -/]*[0-~]"
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"
+)
+
+# A proper prefix of a sequence that more input could still complete (or change). These are
+# exactly the cases where _SEQUENCE's outcome at that position depends on text not seen yet.
+_PARTIAL = re.compile(r"\x1b(?:\[[0-?]*[ -/]*|[\]PX^_][^\x07\x1b]*\x1b?|[ -/]*)\Z")
+
+# An unterminated sequence is held back at most this many characters; past that it is
+# treated as garbage (its ESC is dropped, the rest passes through) so memory stays bounded.
+_MAX_HOLD = 4096
+
+
+def strip_ansi(text: str) -> str:
+    """Remove escape sequences and control characters, keeping ``\\n`` and ``\\t``.
+
+    Every ``\\r`` is dropped: ``"\\r\\n"`` becomes ``"\\n"`` and a lone ``\\r`` (progress-bar
+    redraws) simply disappears, so redrawn text is concatenated instead of inventing lines.
+    A sequence cut off by the end of the text loses its ESC and the character after it;
+    the rest of it stays as text.
+    """
+    return _SEQUENCE.sub("", text)
+
+
+class AnsiStripper:
+    """Incremental :func:`strip_ansi` that copes with sequences split across feeds.
+
+    For any chunking, ``"".join(feed(c) for c in chunks) + flush()`` equals
+    ``strip_ansi("".join(chunks))``, except when a single unterminated sequence grows past
+    4096 characters, which is given up on rather than buffered forever.
+    """
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        """Strip ``text``; an incomplete trailing escape sequence is held for the next feed."""
+        data = self._held + text if self._held else text
+        partial = _PARTIAL.search(data, max(0, len(data) - _MAX_HOLD))
+        stop = partial.start() if partial else len(data)
+        self._held = data[stop:]
+        # Scan the whole of `data`, not data[:stop]: a string sequence aborted by the held ESC
+        # ends via a lookahead that has to see that ESC. No token before `stop` reaches past it.
+        pieces: list[str] = []
+        last = 0
+        for token in _SEQUENCE.finditer(data):
+            if token.start() >= stop:
+                break
+            pieces.append(data[last : token.start()])
+            last = token.end()
+        pieces.append(data[last:stop])
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        """End of stream: strip and return whatever was held back."""
+        held, self._held = self._held, ""
+        return strip_ansi(held)
+
+
+def _invalid(message: str) -> SandboxError:
+    return SandboxError(message, code=ErrorCode.INVALID_INPUT)
+
+
+class HeadTailBuffer:
+    """A byte store capped at ``cap`` bytes: the first ``cap // 2`` and the latest rest.
+
+    Appends cost O(len(data)) amortised: the head is a bytearray that stops growing, and the
+    tail is a bytearray allowed to reach twice its size before its front is cut in one go,
+    so a multi-gigabyte flood never triggers repeated copies of the whole tail.
+    """
+
+    __slots__ = ("_cap", "_head", "_head_cap", "_tail", "_tail_cap", "_total")
+
+    def __init__(self, cap: int) -> None:
+        if cap < 0:
+            raise _invalid(f"output cap must be >= 0 bytes, got {cap}")
+        self._cap = cap
+        self._head_cap = cap // 2
+        self._tail_cap = cap - self._head_cap
+        self._head = bytearray()
+        self._tail = bytearray()
+        self._total = 0
+
+    @property
+    def cap(self) -> int:
+        return self._cap
+
+    @property
+    def total(self) -> int:
+        """Bytes ever appended."""
+        return self._total
+
+    @property
+    def dropped(self) -> int:
+        """Bytes appended but no longer held."""
+        return max(0, self._total - self._cap)
+
+    @property
+    def truncated(self) -> bool:
+        return self._total > self._cap
+
+    def append(self, data: bytes) -> None:
+        if not data:
+            return
+        self._total += len(data)
+        with memoryview(data) as view:
+            room = self._head_cap - len(self._head)
+            if room > 0:
+                self._head += view[:room]
+            rest = view[max(room, 0) :]
+            if not rest or self._tail_cap == 0:
+                return
+            if len(rest) >= self._tail_cap:
+                # Everything older in the tail is superseded; copy only what survives.
+                self._tail[:] = rest[len(rest) - self._tail_cap :]
+            else:
+                self._tail += rest
+                if len(self._tail) > 2 * self._tail_cap:
+                    del self._tail[: len(self._tail) - self._tail_cap]
+
+    def _tail_view(self) -> bytes:
+        excess = len(self._tail) - self._tail_cap
+        return bytes(self._tail[excess:]) if excess > 0 else bytes(self._tail)
+
+    def getvalue(self) -> bytes:
+        """Head followed by tail, with no marker in between."""
+        return bytes(self._head) + self._tail_view()
+
+    def render(self) -> str:
+        """Decode for display; when bytes were dropped a marker line says how many."""
+        if not self.truncated:
+            return self.getvalue().decode("utf-8", "replace")
+        tail = self._tail_view()
+        # Characters cut by the gap would decode to U+FFFD noise: drop an incomplete
+        # character at the end of the head and continuation bytes at the start of the tail.
+        head = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(bytes(self._head))
+        skip = 0
+        while skip < min(3, len(tail)) and 0x80 <= tail[skip] <= 0xBF:
+            skip += 1
+        marker = f"\n[... {self.dropped} bytes truncated ...]\n"
+        return head + marker + tail[skip:].decode("utf-8", "replace")
+
+    def read_since(self, offset: int) -> tuple[bytes, int, bool]:
+        """Bytes appended at or after absolute ``offset`` that are still held.
+
+        Returns ``(data, new_offset, lost)``: ``new_offset`` is :attr:`total` (pass it back
+        next time) and ``lost`` says whether some bytes at or after ``offset`` were dropped
+        (so the caller can tell the agent that its incremental view has a gap).
+        """
+        if not 0 <= offset <= self._total:
+            raise _invalid(f"read offset {offset} is outside 0..{self._total}")
+        tail = self._tail_view()
+        head_len = len(self._head)
+        tail_start = self._total - len(tail)
+        data = bytes(self._head[offset:]) if offset < head_len else b""
+        data += tail[max(0, offset - tail_start) :]
+        lost = max(offset, head_len) < tail_start
+        return data, self._total, lost
+
+
+def cap_text(text: str, limit_chars: int) -> tuple[str, bool]:
+    """Keep the first ``limit_chars // 2`` and the last remaining characters of ``text``.
+
+    Returns ``(text, truncated)``. When truncated, a marker line naming the number of
+    characters cut sits between head and tail; the marker is not counted in the limit, so
+    the result is at most ``limit_chars`` plus about 40 characters.
+    """
+    if limit_chars < 0:
+        raise _invalid(f"character limit must be >= 0, got {limit_chars}")
+    if len(text) <= limit_chars:
+        return text, False
+    head = limit_chars // 2
+    tail = limit_chars - head
+    cut = len(text) - limit_chars
+    tail_text = text[len(text) - tail :] if tail else ""
+    return f"{text[:head]}\n[... {cut} chars truncated ...]\n{tail_text}", True

@@ -1,0 +1,187 @@
+"""What a sandbox may do: filesystem, network, limits, security preset, environment.
+
+A :class:`Policy` is immutable and validated on construction (pydantic, ``extra="forbid"``),
+so a typo in a policy file is an error naming the field, never a silently ignored key. It
+mirrors the spec's ``SandboxConfig``. Sizes accept integers (bytes) or strings such as
+``"512M"`` or ``"2GiB"``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from corral.errors import PolicyError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: object) -> object:
+    """``"512M"`` -> 536870912; ints pass through; anything else is left for pydantic."""
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m:
+            raise ValueError(f"not a size: {value!r} (use bytes or a suffix: 64K, 512M, 2G)")
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return value
+
+
+Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+
+RlimitName = Literal["nofile", "fsize", "core", "nproc", "as", "cpu", "stack", "data", "memlock"]
+
+# Paths masked by default: the usual places for credentials. "~" is the home of the user
+# running corral, expanded when the sandbox starts.
+DEFAULT_DENY_READ: tuple[str, ...] = (
+    "~/.ssh",
+    "~/.aws",
+    "~/.config/gcloud",
+    "~/.azure",
+    "~/.kube",
+    "~/.docker",
+    "~/.gnupg",
+    "~/.netrc",
+    "~/.git-credentials",
+    "~/.npmrc",
+    "~/.pypirc",
+    "/root",
+    "/etc/shadow",
+    "/etc/gshadow",
+    "/etc/shadow-",
+    "/etc/gshadow-",
+    "/etc/ssh",
+    "/etc/sudoers",
+    "/etc/sudoers.d",
+)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Mount(_Model):
+    """A host directory shared into the box (the spec's shared directories)."""
+
+    host: Path
+    """Directory on the host."""
+    guest: str
+    """Absolute path inside the box."""
+    mode: Literal["ro", "rw"] = "ro"
+    """``ro`` (default) or ``rw``."""
+
+    @model_validator(mode="after")
+    def _absolute_guest(self) -> Mount:
+        if not self.guest.startswith("/"):
+            raise ValueError(f"guest path must be absolute, got {self.guest!r}")
+        return self
+
+
+class FilesystemPolicy(_Model):
+    inherit_readable: bool = True
+    """See the host root read-only (true), or only a minimal root for sh/python3/node (false)."""
+    allow_write: tuple[str, ...] = ()
+    """Extra host paths writable inside (at the same path). The workspace is always writable."""
+    deny_write: tuple[str, ...] = ()
+    """Paths made read-only inside, even within writable areas (e.g. ``/workspace/.git``)."""
+    deny_read: tuple[str, ...] = DEFAULT_DENY_READ
+    """Paths masked inside: neither readable nor listable."""
+    mounts: tuple[Mount, ...] = ()
+    """Host directories shared into the box."""
+    tmp_size: Size = 256 << 20
+    """Size cap of the private ``/tmp`` (a tmpfs)."""
+
+
+class NetworkPolicy(_Model):
+    mode: Literal["none"] = "none"
+    """``none``: loopback only. More modes (allowlist, ports, full) are planned."""
+
+
+class Limits(_Model):
+    memory_bytes: Size | None = 1 << 30
+    """Memory cap of the whole box (cgroup); exceeding it OOM-kills inside the box."""
+    cpu_quota: float | None = Field(default=None, gt=0)
+    """CPU cap in cores (0.5 = half a core)."""
+    max_pids: int | None = Field(default=256, gt=0)
+    """Maximum number of processes and threads in the box."""
+    exec_timeout_secs: float | None = Field(default=None, gt=0)
+    """Default timeout of ``run`` when the call gives none."""
+    rlimits: dict[RlimitName, int] = Field(default_factory=lambda: {"core": 0})
+    """Per-process rlimits applied to every command (``nofile``, ``fsize``, ``core``, ...)."""
+    output_bytes: Size = 1 << 20
+    """Captured output per stream; beyond it the head and the tail are kept."""
+
+
+class SecurityPolicy(_Model):
+    preset: Literal["baseline", "restricted"] = "baseline"
+    """``restricted``: no network ever, a smaller syscall set, nothing writable but the workspace."""
+
+
+class ProcessTracking(_Model):
+    enabled: bool = True
+    max_tracked: int | None = Field(default=64, gt=0)
+    """How many finished processes are remembered (running ones are always tracked)."""
+
+
+class Policy(_Model):
+    """Everything a sandbox may do. Immutable; build variants with ``model_copy(update=...)``."""
+
+    backend: Literal["bwrap"] = "bwrap"
+    filesystem: FilesystemPolicy = FilesystemPolicy()
+    network: NetworkPolicy = NetworkPolicy()
+    limits: Limits = Limits()
+    security: SecurityPolicy = SecurityPolicy()
+    process_tracking: ProcessTracking = ProcessTracking()
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment of every command (on top of PATH, HOME, LANG, TERM)."""
+    workdir: str = "/workspace"
+    """Where the workspace appears inside the box, and the default cwd."""
+
+    @model_validator(mode="after")
+    def _restricted_is_read_only(self) -> Policy:
+        if self.security.preset == "restricted":
+            if self.filesystem.allow_write:
+                raise ValueError("security.preset 'restricted' allows no filesystem.allow_write")
+            if any(m.mode == "rw" for m in self.filesystem.mounts):
+                raise ValueError("security.preset 'restricted' allows no rw mounts")
+        if not self.workdir.startswith("/"):
+            raise ValueError(f"workdir must be an absolute path inside the box: {self.workdir!r}")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Policy:
+        """Validate a mapping; errors become one PolicyError naming every bad field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise PolicyError(_describe(exc)) from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Policy:
+        """Load a TOML policy file (``corral run --policy corral.toml``)."""
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise PolicyError(f"policy file not found: {p}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise PolicyError(f"policy file {p} is not valid TOML: {exc}") from None
+        try:
+            return cls.from_dict(data)
+        except PolicyError as exc:
+            raise PolicyError(f"{p}: {exc.message}") from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err["loc"]) or "policy"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; see corral.Policy for the fields)"
+        parts.append(f"{where}: {msg} (got {err.get('input')!r})")
+    return "invalid policy: " + "; ".join(parts)

@@ -1,0 +1,220 @@
+"""Processes started in a box: host-side handles and the registry that tracks them.
+
+Output is stored on the host as it arrives (the agent never buffers it), capped per stream
+with head and tail kept, so a flood cannot exhaust the host and an agent can read partial
+output of a running process at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import signal as _signal
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from corral import errors
+from corral.models import ProcessInfo, ProcessStats, ProcessStatus, WaitResult
+from corral.output import HeadTailBuffer
+
+Stream = Literal["stdout", "stderr", "pty"]
+Request = Callable[..., Awaitable[tuple[dict[str, Any], bytes]]]
+
+
+def parse_signal(sig: str | int) -> int:
+    """``"SIGTERM"``, ``"term"``, ``15`` -> 15; anything else is a clear error."""
+    if isinstance(sig, int) and not isinstance(sig, bool):
+        if 0 < sig < _signal.NSIG:
+            return sig
+    elif isinstance(sig, str):
+        name = sig.strip().upper()
+        if name.isdigit():
+            return parse_signal(int(name))
+        name = name if name.startswith("SIG") else "SIG" + name
+        value = getattr(_signal.Signals, name, None)
+        if value is not None:
+            return int(value)
+    raise errors.SandboxError(
+        f"unknown signal {sig!r}; use a name like SIGTERM, SIGINT, SIGKILL or a number",
+        code=errors.ErrorCode.INVALID_INPUT,
+    )
+
+
+class Process:
+    """A process in the box. Made by ``Sandbox.spawn``; no public constructor."""
+
+    def __init__(self, pid: int, argv: list[str], output_cap: int, request: Request) -> None:
+        self.pid = pid
+        self.argv = argv
+        self.started_at = time.time()
+        self._t0 = time.monotonic()
+        self._request = request
+        self._buffers: dict[str, HeadTailBuffer] = {
+            "stdout": HeadTailBuffer(output_cap),
+            "stderr": HeadTailBuffer(output_cap),
+        }
+        self._exited = asyncio.Event()
+        self.exit_code: int | None = None
+        self.duration: float | None = None
+        self.timed_out = False
+        self._listeners: list[asyncio.Queue[tuple[str, bytes | int]]] = []
+
+    def __repr__(self) -> str:
+        state = "running" if self.exit_code is None else f"exited with status {self.exit_code}"
+        return f"<Process pid={self.pid} {self.command!r}: {state}>"
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
+
+    @property
+    def status(self) -> ProcessStatus:
+        return "running" if self.exit_code is None else "exited"
+
+    # Fed by the sandbox's event dispatch.
+    def _on_output(self, stream: str, data: bytes) -> None:
+        self._buffers["stdout" if stream == "pty" else stream].append(data)
+        for q in self._listeners:
+            q.put_nowait((stream, data))
+
+    def _on_exit(self, exit_code: int, duration: float | None) -> None:
+        self.exit_code = exit_code
+        self.duration = duration if duration is not None else time.monotonic() - self._t0
+        self._exited.set()
+        for q in self._listeners:
+            q.put_nowait(("exit", exit_code))
+
+    def _lost(self) -> None:
+        """The box died under the process: report it as killed."""
+        if self.exit_code is None:
+            self._on_exit(-int(_signal.SIGKILL), None)
+
+    def subscribe(self) -> asyncio.Queue[tuple[str, bytes | int]]:
+        """A queue of ("stdout"|"stderr"|"pty", bytes) and finally ("exit", code)."""
+        q: asyncio.Queue[tuple[str, bytes | int]] = asyncio.Queue()
+        if self.exit_code is not None:
+            q.put_nowait(("exit", self.exit_code))
+        self._listeners.append(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[tuple[str, bytes | int]]) -> None:
+        if q in self._listeners:
+            self._listeners.remove(q)
+
+    def output(self, stream: Literal["stdout", "stderr"] = "stdout") -> str:
+        """Output captured so far (partial while running, complete after exit)."""
+        return self._buffers[stream].render()
+
+    def output_bytes(self, stream: Literal["stdout", "stderr"] = "stdout") -> bytes:
+        return self._buffers[stream].getvalue()
+
+    @property
+    def truncated(self) -> bool:
+        return any(b.truncated for b in self._buffers.values())
+
+    async def wait(self, timeout: float | None = None) -> WaitResult:
+        """Wait for exit; on timeout the process keeps running and ``status`` is ``timeout``."""
+        if timeout is not None and timeout <= 0:
+            if self.exit_code is None:
+                return self._timeout_result(0)
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._exited.wait()
+            except TimeoutError:
+                return self._timeout_result(timeout or 0)
+        return WaitResult(pid=self.pid, status="exited", exit_code=self.exit_code)
+
+    def _timeout_result(self, timeout: float) -> WaitResult:
+        return WaitResult(
+            pid=self.pid,
+            status="timeout",
+            message=f"process still running after {round(timeout * 1000)}ms",
+        )
+
+    async def signal(self, sig: str | int = "SIGTERM", *, group: bool = True) -> bool:
+        """Send a signal to the process group (default) or the process; False if gone."""
+        number = parse_signal(sig)
+        if self.exit_code is not None:
+            return False
+        reply, _ = await self._request("signal", pid=self.pid, signal=number, group=group)
+        return bool(reply.get("delivered"))
+
+    async def kill(self) -> bool:
+        return await self.signal("SIGKILL")
+
+    async def write(self, data: bytes | str, *, eof: bool = False) -> None:
+        """Write to stdin (spawned with ``stdin="pipe"`` or on a PTY)."""
+        raw = data.encode() if isinstance(data, str) else data
+        await self._request("write", raw, pid=self.pid, eof=eof)
+
+    async def close_stdin(self) -> None:
+        await self._request("close_stdin", pid=self.pid)
+
+    async def stats(self) -> ProcessStats:
+        if self.exit_code is not None:
+            return ProcessStats(self.pid, "exited", 0.0, 0, 0)
+        reply, _ = await self._request("stats", pid=self.pid)
+        return ProcessStats(
+            pid=self.pid,
+            status=str(reply.get("state", "unknown")),
+            cpu_seconds=float(reply.get("cpu_seconds", 0.0)),
+            rss_bytes=int(reply.get("rss_bytes", 0)),
+            processes=int(reply.get("processes", 0)),
+        )
+
+    def info(self) -> ProcessInfo:
+        duration = self.duration if self.duration is not None else time.monotonic() - self._t0
+        return ProcessInfo(
+            pid=self.pid,
+            command=self.command,
+            status=self.status,
+            exit_code=self.exit_code,
+            started_at=self.started_at,
+            duration=duration,
+            timed_out=self.timed_out,
+        )
+
+
+class ProcessRegistry:
+    """Running processes plus the most recent ``max_tracked`` finished ones."""
+
+    def __init__(self, max_tracked: int | None = 64) -> None:
+        self.max_tracked = max_tracked
+        self._procs: OrderedDict[int, Process] = OrderedDict()
+
+    def add(self, proc: Process) -> None:
+        self._procs[proc.pid] = proc
+        self._evict()
+
+    def get(self, pid: int) -> Process:
+        proc = self._procs.get(pid)
+        if proc is None:
+            raise errors.ProcessNotFound(
+                f"no process with pid {pid} in this sandbox; list_processes shows the known ones"
+            )
+        return proc
+
+    def find(self, pid: int) -> Process | None:
+        return self._procs.get(pid)
+
+    def __contains__(self, pid: int) -> bool:
+        return pid in self._procs
+
+    def list(self) -> list[Process]:
+        return list(self._procs.values())
+
+    def running(self) -> list[Process]:
+        return [p for p in self._procs.values() if p.exit_code is None]
+
+    def _evict(self) -> None:
+        if self.max_tracked is None:
+            return
+        finished = [pid for pid, p in self._procs.items() if p.exit_code is not None]
+        for pid in finished[: max(0, len(finished) - self.max_tracked)]:
+            del self._procs[pid]
+
+    def on_exit(self) -> None:
+        self._evict()

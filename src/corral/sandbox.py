@@ -1,0 +1,310 @@
+"""``Sandbox``: one box, kept alive across commands, and everything you can do with it.
+
+::
+
+    async with corral.Sandbox(policy, workspace=path) as sb:
+        r = await sb.run(["cargo", "check"], timeout=60)
+        p = await sb.spawn("pytest -q")
+        await p.wait(timeout=10)
+        await sb.files.write("notes.txt", "hi")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import posixpath
+import secrets
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from corral import errors
+from corral.agent import protocol
+from corral.backends.base import Backend, Box, BoxSpec, BoxStats
+from corral.backends.bwrap_args import box_env
+from corral.channel import Channel
+from corral.files import Files
+from corral.models import CommandResult, ProcessInfo
+from corral.policy import Policy, RlimitName
+from corral.processes import Process, ProcessRegistry
+
+Command = str | Sequence[str]
+StdinArg = bytes | str | Literal["pipe"] | None
+READY_TIMEOUT = 15.0
+KILL_GRACE = 5.0
+
+
+def to_argv(cmd: Command) -> list[str]:
+    """A string runs through ``/bin/sh -c``; a sequence is an argv."""
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise _invalid("empty command")
+        return ["/bin/sh", "-c", cmd]
+    argv = [str(a) for a in cmd]
+    if not argv or not argv[0]:
+        raise _invalid("empty command: give a program and its arguments")
+    return argv
+
+
+def _invalid(message: str) -> errors.SandboxError:
+    return errors.SandboxError(message, code=errors.ErrorCode.INVALID_INPUT)
+
+
+def _default_backend(policy: Policy) -> Backend:
+    from corral.backends.bwrap import BwrapBackend
+
+    return BwrapBackend()
+
+
+class Sandbox:
+    """A Linux sandbox running the guest agent. Use as ``async with Sandbox(...) as sb``."""
+
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        *,
+        workspace: str | os.PathLike[str] | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        self.policy = policy or Policy()
+        self._workspace_arg = Path(workspace).resolve() if workspace is not None else None
+        self._backend = backend
+        self._box: Box | None = None
+        self._channel: Channel | None = None
+        self._owned_workspace: Path | None = None
+        self.workspace: Path | None = self._workspace_arg
+        self.sandbox_id = "cb-" + secrets.token_hex(6)
+        tracking = self.policy.process_tracking
+        self._registry = ProcessRegistry(tracking.max_tracked if tracking.enabled else 0)
+        self.files = Files(self.policy, self._request)
+        self._closed = False
+        self._broken: str | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._box else "not started")
+        return f"<Sandbox {self.sandbox_id} {state} workspace={self.workspace}>"
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def __aenter__(self) -> Sandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        if self._box is not None or self._closed:
+            raise errors.SandboxClosed("a Sandbox can be started once; create a new one")
+        from corral.backends.bwrap import state_root
+
+        if self._workspace_arg is None:
+            self._owned_workspace = Path(tempfile.mkdtemp(prefix="corral-ws-"))
+            self.workspace = self._owned_workspace
+        elif not self._workspace_arg.is_dir():
+            raise errors.SandboxError(
+                f"workspace {self._workspace_arg} is not a directory; create it or pick another",
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
+        assert self.workspace is not None
+        backend = self._backend or _default_backend(self.policy)
+        spec = BoxSpec(
+            policy=self.policy,
+            workspace=self.workspace,
+            sandbox_id=self.sandbox_id,
+            state_dir=state_root() / "boxes" / self.sandbox_id,
+        )
+        try:
+            self._box = await backend.start(spec)
+            self._channel = Channel(self._box.channel, self._on_event)
+            self._channel.on_lost = self._on_lost
+            await self._channel.start()
+            try:
+                await self._channel.wait_ready(READY_TIMEOUT)
+            except errors.BackendError as exc:
+                detail = await self._box.diagnose()
+                raise errors.BackendError(f"{exc.message}: {detail}" if detail else exc.message)
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        """Kill everything in the box and remove every trace of it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._channel is not None and not self._channel.lost.is_set():
+            with contextlib.suppress(errors.SandboxError, TimeoutError):
+                async with asyncio.timeout(2):
+                    await self._channel.request("shutdown")
+        if self._channel is not None:
+            await self._channel.close()
+        if self._box is not None:
+            await self._box.close()
+        for proc in self._registry.running():
+            proc._lost()
+        if self._owned_workspace is not None:
+            shutil.rmtree(self._owned_workspace, ignore_errors=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Limits of the policy the host could not enforce (empty when all hold)."""
+        return self._box.warnings if self._box is not None else ()
+
+    # ---- channel plumbing ----------------------------------------------------------------
+    async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
+        if self._closed:
+            raise errors.SandboxClosed("the sandbox is closed")
+        if self._broken is not None:
+            raise errors.SandboxBroken(f"the sandbox is gone: {self._broken}")
+        if self._channel is None:
+            raise errors.SandboxClosed("the sandbox is not started; use `async with Sandbox()`")
+        return await self._channel.request(op, payload, **fields)
+
+    def _on_event(self, header: dict[str, Any], payload: bytes) -> None:
+        proc = self._registry.find(header["pid"])
+        if proc is None:
+            return  # a process we forgot (tracking cap) or never started: nothing to feed
+        if header["ev"] == "out":
+            proc._on_output(header["stream"], payload)
+        elif header["ev"] == "exit":
+            duration = header.get("duration")
+            proc._on_exit(header["exit_code"], duration if isinstance(duration, float) else None)
+            self._registry.on_exit()
+
+    def _on_lost(self, reason: str) -> None:
+        if self._closed:
+            return
+        self._broken = reason
+        for proc in self._registry.running():
+            proc._lost()
+
+    # ---- processes -----------------------------------------------------------------------
+    async def spawn(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: StdinArg = None,
+        rlimits: dict[RlimitName, int] | None = None,
+        pty: bool = False,
+        cols: int = 80,
+        rows: int = 24,
+    ) -> Process:
+        """Start a command in the background and return its handle at once."""
+        argv = to_argv(cmd)
+        fields: dict[str, Any] = {
+            "argv": argv,
+            "cwd": self._cwd(cwd),
+            "env": {**box_env(self.policy), **(env or {})},
+            "rlimits": {**self.policy.limits.rlimits, **(rlimits or {})},
+            "pty": pty,
+            "cols": cols,
+            "rows": rows,
+        }
+        payload = b""
+        if stdin == "pipe" or pty:
+            fields["stdin"] = "pipe"
+        elif stdin is None:
+            fields["stdin"] = "null"
+        else:
+            fields["stdin"] = "data"
+            payload = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+        holder: list[Process] = []
+
+        def register(reply: dict[str, Any]) -> None:
+            pid = reply.get("pid")
+            if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+                raise protocol.FrameError(f"spawn reply with a bad pid {pid!r}")
+            proc = Process(pid, argv, self.policy.limits.output_bytes, self._request)
+            self._registry.add(proc)
+            holder.append(proc)
+
+        await self._request("spawn", payload, on_reply=register, **fields)
+        return holder[0]
+
+    def _cwd(self, cwd: str | None) -> str:
+        if cwd is None:
+            return self.policy.workdir
+        return posixpath.normpath(posixpath.join(self.policy.workdir, cwd))
+
+    async def run(
+        self,
+        cmd: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        rlimits: dict[RlimitName, int] | None = None,
+        check: bool = False,
+    ) -> CommandResult:
+        """Run a command to completion. On timeout its process group is killed and the
+        output produced so far is kept (``timed_out=True``)."""
+        timeout = timeout if timeout is not None else self.policy.limits.exec_timeout_secs
+        oom_before = self._oom_kills()
+        proc = await self.spawn(cmd, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits)
+        waited = await proc.wait(timeout)
+        if waited.status == "timeout":
+            proc.timed_out = True
+            with contextlib.suppress(errors.SandboxError):
+                await proc.kill()
+            await proc.wait(KILL_GRACE)
+        assert proc.duration is not None or proc.exit_code is None
+        result = CommandResult(
+            exit_code=proc.exit_code if proc.exit_code is not None else -9,
+            stdout=proc.output("stdout"),
+            stderr=proc.output("stderr"),
+            timed_out=proc.timed_out,
+            duration=proc.duration or 0.0,
+            truncated=proc.truncated,
+            pid=proc.pid,
+            oom_killed=self._oom_kills() > oom_before,
+        )
+        if check and not result.ok:
+            why = "timed out" if result.timed_out else f"exited with status {result.exit_code}"
+            raise errors.CommandFailed(f"command {proc.command!r} {why}", result)
+        return result
+
+    def _oom_kills(self) -> int:
+        return self._box.stats().oom_kills if self._box is not None else 0
+
+    def process(self, pid: int) -> Process:
+        """The handle of a tracked process (ProcessNotFound if unknown)."""
+        return self._registry.get(pid)
+
+    def processes(self) -> list[ProcessInfo]:
+        """Running processes and the most recent finished ones."""
+        return [p.info() for p in self._registry.list()]
+
+    @property
+    def registry(self) -> ProcessRegistry:
+        return self._registry
+
+    # ---- information ---------------------------------------------------------------------
+    async def info(self) -> dict[str, Any]:
+        """Kernel, hostname, cpus, memory of the box, plus its backend and limits."""
+        reply, _ = await self._request("info")
+        reply.pop("re", None)
+        assert self._box is not None
+        return {**reply, **self._box.describe(), "workspace": str(self.workspace)}
+
+    def stats(self) -> BoxStats:
+        """Resource use of the whole box (from its cgroup)."""
+        if self._box is None:
+            raise errors.SandboxClosed("the sandbox is not started")
+        return self._box.stats()
