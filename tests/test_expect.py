@@ -388,3 +388,30 @@ def test_no_case_starts_earlier_within_consumed_output(
         found = result.output.find(lit)
         if found != -1:
             assert (found, i) >= (win_start, result.matched_case)
+
+
+@given(
+    st.text(alphabet="abé", min_size=200, max_size=1500),
+    st.text(alphabet="abé", min_size=1, max_size=4),
+    st.integers(min_value=1, max_value=50),
+    st.sampled_from([None, 3, 16]),
+)
+def test_repeated_expects_find_successive_occurrences(
+    text: str, literal: str, chunk_size: int, lookback: int | None
+) -> None:
+    # Many consumptions exercise the store's compaction; a lookback of at least
+    # len(literal) - 1 cannot miss a literal.
+    buffer = ExpectBuffer(lookback=lookback)
+    data = text.encode()
+    outputs: list[str] = []
+    for offset in range(0, len(data), chunk_size):
+        buffer.feed(data[offset : offset + chunk_size])
+        while (result := buffer.match([Case(re.escape(literal))])) is not None:
+            outputs.append(result.output)
+    expected: list[str] = []
+    position = 0
+    while (found := text.find(literal, position)) != -1:
+        expected.append(text[position : found + len(literal)])
+        position = found + len(literal)
+    assert outputs == expected
+    assert buffer.take() == text[position:]

@@ -28,7 +28,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from corral.backends import seccomp
-from corral.errors import BackendUnavailable, PolicyError
 from corral.backends.seccomp import (
     ALLOW,
     ENOSYS,
@@ -38,6 +37,7 @@ from corral.backends.seccomp import (
     build_filter,
     denied_syscalls,
 )
+from corral.errors import BackendUnavailable, PolicyError
 
 PROFILES: Final[tuple[Profile, ...]] = ("baseline", "restricted")
 AUDIT_ARCH_X86_64: Final = 0xC000003E

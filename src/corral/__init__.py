@@ -1,1 +1,85 @@
-"""corral: run AI agents commands inside Linux sandboxes."""
+"""corral: run AI agents' commands and code inside Linux sandboxes, safely and fast.
+
+::
+
+    import corral
+
+    async with corral.Sandbox() as sb:
+        result = await sb.run("echo hello")
+"""
+
+from corral.errors import (
+    BackendError,
+    BackendUnavailable,
+    CommandFailed,
+    ErrorCode,
+    FileNotFound,
+    FileOpError,
+    FilePermissionDenied,
+    FileTooLarge,
+    PathOutsideSandbox,
+    PolicyError,
+    ProcessError,
+    ProcessNotFound,
+    ProtocolError,
+    SandboxBroken,
+    SandboxClosed,
+    SandboxError,
+    SessionBusy,
+    SessionError,
+    SessionNotFound,
+    SpawnFailed,
+    Timeout,
+)
+from corral.models import CommandResult, FileInfo, ProcessInfo, ProcessStats, WaitResult
+from corral.policy import (
+    FilesystemPolicy,
+    Limits,
+    Mount,
+    NetworkPolicy,
+    Policy,
+    ProcessTracking,
+    SecurityPolicy,
+)
+from corral.processes import Process
+from corral.sandbox import Sandbox
+from corral.sync import SyncSandbox
+
+__all__ = [
+    "BackendError",
+    "BackendUnavailable",
+    "CommandFailed",
+    "CommandResult",
+    "ErrorCode",
+    "FileInfo",
+    "FileNotFound",
+    "FileOpError",
+    "FilePermissionDenied",
+    "FileTooLarge",
+    "FilesystemPolicy",
+    "Limits",
+    "Mount",
+    "NetworkPolicy",
+    "PathOutsideSandbox",
+    "Policy",
+    "PolicyError",
+    "Process",
+    "ProcessError",
+    "ProcessInfo",
+    "ProcessNotFound",
+    "ProcessStats",
+    "ProcessTracking",
+    "ProtocolError",
+    "Sandbox",
+    "SandboxBroken",
+    "SandboxClosed",
+    "SandboxError",
+    "SecurityPolicy",
+    "SessionBusy",
+    "SessionError",
+    "SessionNotFound",
+    "SpawnFailed",
+    "SyncSandbox",
+    "Timeout",
+    "WaitResult",
+]

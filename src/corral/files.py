@@ -38,8 +38,7 @@ class Resolved:
 def granted_roots(policy: Policy, home: str | None = None) -> tuple[str, ...]:
     home = home or os.path.expanduser("~")
     roots = [policy.workdir, "/tmp"]
-    for raw in policy.filesystem.allow_write:
-        roots.append(_expand(raw, home))
+    roots.extend(_expand(raw, home) for raw in policy.filesystem.allow_write)
     roots.extend(m.guest for m in policy.filesystem.mounts)
     return tuple(posixpath.normpath(r) for r in roots)
 

@@ -60,6 +60,10 @@ DEFAULT_DENY_READ: tuple[str, ...] = (
 )
 
 
+def _no_core_dumps() -> dict[RlimitName, int]:
+    return {"core": 0}
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -110,7 +114,7 @@ class Limits(_Model):
     """Maximum number of processes and threads in the box."""
     exec_timeout_secs: float | None = Field(default=None, gt=0)
     """Default timeout of ``run`` when the call gives none."""
-    rlimits: dict[RlimitName, int] = Field(default_factory=lambda: {"core": 0})
+    rlimits: dict[RlimitName, int] = Field(default_factory=lambda: _no_core_dumps())
     """Per-process rlimits applied to every command (``nofile``, ``fsize``, ``core``, ...)."""
     output_bytes: Size = 1 << 20
     """Captured output per stream; beyond it the head and the tail are kept."""
@@ -118,7 +122,7 @@ class Limits(_Model):
 
 class SecurityPolicy(_Model):
     preset: Literal["baseline", "restricted"] = "baseline"
-    """``restricted``: no network ever, a smaller syscall set, nothing writable but the workspace."""
+    """``restricted``: no network ever, fewer syscalls, nothing writable but the workspace."""
 
 
 class ProcessTracking(_Model):

@@ -8,6 +8,7 @@ output of a running process at any time.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import shlex
 import signal as _signal
 import time
@@ -203,10 +204,10 @@ class ProcessRegistry:
     def __contains__(self, pid: int) -> bool:
         return pid in self._procs
 
-    def list(self) -> list[Process]:
+    def list(self) -> builtins.list[Process]:
         return list(self._procs.values())
 
-    def running(self) -> list[Process]:
+    def running(self) -> builtins.list[Process]:
         return [p for p in self._procs.values() if p.exit_code is None]
 
     def _evict(self) -> None:

@@ -19,12 +19,15 @@ import signal
 import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import files  # noqa: E402  (sibling module, found through the path set just above)
-import protocol  # noqa: E402
+if TYPE_CHECKING:
+    from corral.agent import files, protocol
+else:  # inside the box there is no corral package: the siblings are found through sys.path
+    import files
+    import protocol
 
 READ_CHUNK = 65536
 HIGH_WATER = 4 << 20  # stop reading children while this much output waits for the host
@@ -515,8 +518,14 @@ def process_group_stats(pgid: int, exited: bool) -> dict[str, Any]:
         cpu += (int(fields[11]) + int(fields[12])) / tick
         rss += int(fields[21]) * page
         if int(name) == pgid:
-            state = {"R": "running", "S": "sleeping", "D": "disk-sleep", "T": "stopped",
-                     "t": "stopped", "Z": "zombie"}.get(fields[0], fields[0])
+            state = {
+                "R": "running",
+                "S": "sleeping",
+                "D": "disk-sleep",
+                "T": "stopped",
+                "t": "stopped",
+                "Z": "zombie",
+            }.get(fields[0], fields[0])
     return {"cpu_seconds": cpu, "rss_bytes": rss, "state": state, "processes": count}
 
 

@@ -206,7 +206,7 @@ class FileOps:
     def list(self, h: dict[str, Any]) -> dict[str, Any]:
         with self._as_user(h) as (root_fd, rel, _path):
             fd = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
-            entries = []
+            entries: list[dict[str, Any]] = []
             truncated = False
             try:
                 for name in sorted(os.listdir(fd)):

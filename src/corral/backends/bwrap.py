@@ -146,8 +146,22 @@ async def _read_info(fd: int, proc: asyncio.subprocess.Process) -> dict[str, Any
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2):
                     stderr = await proc.stderr.read()
-        raise BackendError(f"bwrap failed to start the box: {stderr.decode(errors='replace').strip()}")
+        raise BackendError(
+            f"bwrap failed to start the box: {stderr.decode(errors='replace').strip()}"
+        )
     return dict(json.loads(data[: data.index(b"}") + 1]))
+
+
+def _setup_box_ids(spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int) -> None:
+    """Record the owner (for the orphan sweep) and write the box's id maps.
+
+    A handful of small writes to procfs and the state dir: cheaper than a thread hop.
+    """
+    owner = {"host_pid": os.getpid(), "bwrap_pid": bwrap_pid, "created": time.time()}
+    (spec.state_dir / "owner.json").write_text(json.dumps(owner))
+    Path(f"/proc/{child}/uid_map").write_text(id_map(uid))
+    Path(f"/proc/{child}/setgroups").write_text("deny")
+    Path(f"/proc/{child}/gid_map").write_text(id_map(gid))
 
 
 class BwrapBox:
@@ -231,7 +245,6 @@ class BwrapBox:
 
 class BwrapBackend:
     name = "bwrap"
-    _swept = False
 
     def __init__(self) -> None:
         self.bwrap = shutil.which("bwrap")
@@ -245,9 +258,7 @@ class BwrapBackend:
                 "the bwrap backend needs root on the host to map the box's users and cgroups; "
                 "run corral as root (or use a rootless backend when available)"
             )
-        if not BwrapBackend._swept:
-            BwrapBackend._swept = True
-            sweep_orphans()
+        sweep_orphans()  # cheap (a few directory listings), and catches any crash since
         self.python = find_python()
         self.cgroup_support = cgroups.detect()
 
@@ -305,14 +316,10 @@ class BwrapBackend:
             info_r = -1
             child = int(info["child-pid"])
             if cgroup is not None:
-                cgroup.add(proc.pid)
+                # Every process of the box descends from this child; bwrap's outer monitor
+                # only waits, and each cgroup v1 migration costs about a millisecond.
                 cgroup.add(child)
-            (spec.state_dir / "owner.json").write_text(
-                json.dumps({"host_pid": os.getpid(), "bwrap_pid": proc.pid, "created": time.time()})
-            )
-            Path(f"/proc/{child}/uid_map").write_text(id_map(ws_stat.st_uid))
-            Path(f"/proc/{child}/setgroups").write_text("deny")
-            Path(f"/proc/{child}/gid_map").write_text(id_map(ws_stat.st_gid))
+            _setup_box_ids(spec, proc.pid, child, ws_stat.st_uid, ws_stat.st_gid)
             os.write(block_w, b"1")
         except BaseException:
             if proc is not None and proc.returncode is None:

@@ -148,8 +148,9 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
         "0",
         "--gid",
         "0",
-        # bwrap runs unprivileged, so it drops every capability but these. The agent needs exactly these to run commands as the box's user; they are lost
-        # on that uid change, so no command ever holds a capability.
+        # bwrap runs unprivileged, so it drops every capability but these: the agent needs
+        # exactly these to run commands as the box's user, and they are lost on that uid
+        # change, so no command ever holds a capability.
         "--cap-add",
         "CAP_SETUID",
         "--cap-add",
@@ -183,7 +184,7 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
 
 def _guest_path(raw: str, policy: Policy, host: HostView) -> str:
     """deny_* entries may be relative to the workspace (``.git``), absolute, or under ``~``."""
-    if raw.startswith("/") or raw.startswith("~"):
+    if raw.startswith(("/", "~")):
         return expand(raw, host.home)
     return os.path.normpath(os.path.join(policy.workdir, raw))
 

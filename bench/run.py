@@ -1,0 +1,145 @@
+"""Foundation benchmarks: every figure next to a baseline measured in the same run.
+
+    python bench/run.py [--runs N]
+
+Prints p50/p90 in milliseconds and the ratios the foundation issue targets:
+  warm run       (a command in an existing box)   vs  subprocess.run(["true"])   target <= 3x
+  one-shot       (new box, run, close; library)   vs  raw `bwrap ... true`       target <= 3x
+  one-shot CLI   (`corral run -- true` process)   vs  raw `bwrap ... true`       (reported)
+  create-to-ready                                  vs  raw `bwrap ... true`       (reported)
+  host memory per idle box (RSS of its bwrap + agent processes, and the host-side heap)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from corral import Sandbox
+
+RAW_BWRAP = [
+    "bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/",
+    "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--", "true",
+]  # fmt: skip
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def line(name: str, samples: list[float]) -> float:
+    p50 = statistics.median(samples) * 1000
+    print(f"  {name:<34} p50 {p50:8.2f} ms   p90 {pct(samples, 0.9):8.2f} ms   n={len(samples)}")
+    return p50
+
+
+def timed_sync(fn: Callable[[], object], runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def timed_async(fn: Callable[[], Awaitable[object]], runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def pss_kib(pid: int) -> int:
+    """Proportional set size: shared pages (libpython, libc) divided among their users."""
+    for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if ln.startswith("Pss:"):
+            return int(ln.split()[1])
+    return 0
+
+
+def box_pids(sandbox_id: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if sandbox_id.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+async def idle_memory(count: int) -> tuple[float, float]:
+    """Mean PSS (MiB) of a box's processes, and host-side Python heap per box (MiB)."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    boxes = [Sandbox() for _ in range(count)]
+    await asyncio.gather(*(b.start() for b in boxes))
+    await asyncio.gather(*(b.run(["true"]) for b in boxes))
+    heap = (tracemalloc.get_traced_memory()[0] - base) / count / 2**20
+    tracemalloc.stop()
+    rss = [sum(pss_kib(p) for p in box_pids(b.sandbox_id)) / 1024 for b in boxes]
+    await asyncio.gather(*(b.aclose() for b in boxes))
+    return statistics.mean(rss), heap
+
+
+async def main(runs: int) -> None:
+    print(f"corral foundation benchmarks ({runs} runs each, {os.cpu_count()} cpus)")
+    print("baselines")
+    bare = line("subprocess.run(['true'])", timed_sync(lambda: subprocess.run(["true"]), runs))
+    raw = line("raw bwrap ... true", timed_sync(lambda: subprocess.run(RAW_BWRAP), runs))
+
+    print("corral")
+    async with Sandbox() as sb:
+        await sb.run(["true"])  # first spawn imports subprocess in the agent
+        warm = line("warm run (existing box)", await timed_async(lambda: sb.run(["true"]), runs))
+
+    async def create() -> None:
+        box = Sandbox()
+        await box.start()
+        create_samples.append(time.perf_counter() - t0[0])
+        await box.aclose()
+
+    create_samples: list[float] = []
+    t0 = [0.0]
+    for _ in range(runs):
+        t0[0] = time.perf_counter()
+        await create()
+    ready = line("create-to-ready", create_samples)
+
+    async def one_shot() -> None:
+        async with Sandbox() as box:
+            await box.run(["true"])
+
+    oneshot = line("one-shot (library)", await timed_async(one_shot, runs))
+    cli = [sys.executable, "-m", "corral.cli", "run", "--workspace", "/tmp", "--", "true"]
+    cli_ms = line("one-shot `corral run` (CLI)", timed_sync(lambda: subprocess.run(cli), runs // 2))
+    rss, heap = await idle_memory(10)
+    print(f"  {'idle box: its processes PSS':<34} {rss:8.2f} MiB")
+    print(f"  {'idle box: host-side heap':<34} {heap:8.3f} MiB")
+
+    print("ratios (p50)")
+    print(f"  warm run / bare subprocess        {warm / bare:6.2f}x   (target <= 3x)")
+    print(f"  one-shot (library) / raw bwrap    {oneshot / raw:6.2f}x   (target <= 3x)")
+    print(f"  one-shot (CLI) / raw bwrap        {cli_ms / raw:6.2f}x")
+    print(f"  create-to-ready / raw bwrap       {ready / raw:6.2f}x")
+    print(f"  idle box host memory              {rss + heap:6.2f} MiB (target <= 15 MB)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=40)
+    asyncio.run(main(parser.parse_args().runs))

@@ -1,0 +1,171 @@
+"""``corral doctor``: what this host supports, and how to fix what is missing."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _version(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr) else ""
+
+
+def check_bwrap() -> Check:
+    path = shutil.which("bwrap")
+    if path is None:
+        return Check("bwrap", False, "bubblewrap is not installed", "apt-get install bubblewrap")
+    return Check("bwrap", True, f"{path} ({_version([path, '--version'])})")
+
+
+def check_root() -> Check:
+    if os.geteuid() == 0:
+        return Check("privileges", True, "running as root: uid maps and cgroups can be set up")
+    return Check(
+        "privileges",
+        False,
+        "not root: the bwrap backend maps box users and creates cgroups as root",
+        "run corral as root (for example in a VM or container dedicated to agents)",
+    )
+
+
+def check_userns() -> Check:
+    try:
+        limit = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+    except (OSError, ValueError):
+        limit = -1
+    if limit == 0:
+        return Check(
+            "user namespaces",
+            False,
+            "disabled (max_user_namespaces = 0)",
+            "sysctl -w user.max_user_namespaces=15000",
+        )
+    return Check("user namespaces", True, f"enabled (max_user_namespaces = {limit})")
+
+
+def check_cgroups() -> Check:
+    from corral.backends import cgroups
+
+    support = cgroups.detect()
+    if support.version == "none":
+        return Check(
+            "cgroups",
+            False,
+            support.reason,
+            "run as root on a host with cgroup v1 or v2 controllers mounted",
+            required=False,
+        )
+    controllers = ", ".join(sorted(support.controllers))
+    return Check("cgroups", True, f"{support.version} at {support.root} ({controllers})")
+
+
+def check_seccomp() -> Check:
+    try:
+        actions = Path("/proc/sys/kernel/seccomp/actions_avail").read_text().split()
+    except OSError:
+        return Check(
+            "seccomp", False, "seccomp filters unavailable", "use a kernel with SECCOMP_FILTER"
+        )
+    ok = "errno" in actions and "kill_process" in actions
+    return Check("seccomp", ok, "filters available (" + " ".join(actions) + ")")
+
+
+def check_landlock() -> Check:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, VERSION)
+    if abi < 0:
+        return Check(
+            "landlock", False, "not available", "boot with lsm=...,landlock", required=False
+        )
+    return Check("landlock", True, f"ABI {abi}", required=False)
+
+
+def check_tool(name: str, purpose: str, package: str) -> Check:
+    path = shutil.which(name)
+    if path is None:
+        return Check(
+            name, False, f"not installed ({purpose})", f"apt-get install {package}", required=False
+        )
+    return Check(name, True, f"{path} ({purpose})", required=False)
+
+
+def check_kvm() -> Check:
+    if not os.path.exists("/dev/kvm"):
+        return Check(
+            "kvm",
+            False,
+            "/dev/kvm absent: microVMs would use software emulation (TCG)",
+            required=False,
+        )
+    usable = os.access("/dev/kvm", os.R_OK | os.W_OK)
+    return Check(
+        "kvm",
+        usable,
+        "/dev/kvm present"
+        + ("" if usable else " but not accessible")
+        + "; whether it boots a stock kernel is only known by trying (microVM backend)",
+        required=False,
+    )
+
+
+def check_sandbox() -> Check:
+    """Start a real box and run `true` in it: the only check that proves everything."""
+    import asyncio
+
+    from corral.errors import SandboxError
+    from corral.sandbox import Sandbox
+
+    async def go() -> str:
+        async with Sandbox() as sb:
+            r = await sb.run(["true"], timeout=10)
+            return f"exit {r.exit_code}"
+
+    try:
+        detail = asyncio.run(go())
+    except SandboxError as exc:
+        return Check("sandbox", False, exc.message, "see the failing checks above")
+    return Check("sandbox", True, f"a real box started and ran `true` ({detail})")
+
+
+def run_checks() -> list[Check]:
+    checks = [
+        check_bwrap(),
+        check_root(),
+        check_userns(),
+        check_cgroups(),
+        check_seccomp(),
+        check_landlock(),
+    ]
+    checks += [
+        check_tool("pasta", "network modes: user-mode networking", "passt"),
+        check_tool("slirp4netns", "network modes: user-mode networking", "slirp4netns"),
+        check_tool("runc", "OCI backend", "runc"),
+        check_tool("crun", "OCI backend", "crun"),
+        check_tool("qemu-system-x86_64", "microVM backend", "qemu-system-x86"),
+        check_kvm(),
+    ]
+    if all(c.ok for c in checks if c.required):
+        checks.append(check_sandbox())
+    return checks

@@ -1,0 +1,153 @@
+"""A thin synchronous facade for scripts and sync frameworks.
+
+The async :class:`corral.Sandbox` runs on a private event loop in a background thread; each
+sync call submits one coroutine to it and blocks for the result. Nothing is reimplemented
+here, so the two APIs cannot drift apart.
+
+::
+
+    with corral.SyncSandbox() as sb:
+        print(sb.run("echo hi").stdout)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+from corral.models import CommandResult, FileInfo, ProcessInfo, ProcessStats, WaitResult
+from corral.policy import Policy
+from corral.processes import Process
+from corral.sandbox import Command, Sandbox
+
+T = TypeVar("T")
+
+
+class _Loop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="corral-sync", daemon=True
+        )
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+class SyncProcess:
+    def __init__(self, proc: Process, loop: _Loop) -> None:
+        self._proc = proc
+        self._loop = loop
+        self.pid = proc.pid
+
+    def __repr__(self) -> str:
+        return repr(self._proc)
+
+    @property
+    def status(self) -> str:
+        return self._proc.status
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._proc.exit_code
+
+    def wait(self, timeout: float | None = None) -> WaitResult:
+        return self._loop.call(self._proc.wait(timeout))
+
+    def output(self, stream: Literal["stdout", "stderr"] = "stdout") -> str:
+        return self._proc.output(stream)
+
+    def signal(self, sig: str | int = "SIGTERM") -> bool:
+        return self._loop.call(self._proc.signal(sig))
+
+    def kill(self) -> bool:
+        return self._loop.call(self._proc.kill())
+
+    def write(self, data: bytes | str, *, eof: bool = False) -> None:
+        self._loop.call(self._proc.write(data, eof=eof))
+
+    def stats(self) -> ProcessStats:
+        return self._loop.call(self._proc.stats())
+
+
+class SyncFiles:
+    def __init__(self, sandbox: Sandbox, loop: _Loop) -> None:
+        self._files = sandbox.files
+        self._loop = loop
+
+    def read(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        return self._loop.call(self._files.read(path, max_bytes=max_bytes))
+
+    def read_text(self, path: str) -> str:
+        return self._loop.call(self._files.read_text(path))
+
+    def write(self, path: str, data: bytes | str, *, append: bool = False) -> int:
+        return self._loop.call(self._files.write(path, data, append=append))
+
+    def list(self, path: str = ".") -> list[FileInfo]:
+        return self._loop.call(self._files.list(path))
+
+    def exists(self, path: str) -> bool:
+        return self._loop.call(self._files.exists(path))
+
+    def mkdir(self, path: str) -> None:
+        self._loop.call(self._files.mkdir(path))
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._loop.call(self._files.remove(path, recursive=recursive))
+
+
+class SyncSandbox:
+    """``Sandbox`` for synchronous code: same arguments, same results."""
+
+    def __init__(self, policy: Policy | None = None, *, workspace: Any = None) -> None:
+        self._loop = _Loop()
+        self._sandbox = Sandbox(policy, workspace=workspace)
+        self.files = SyncFiles(self._sandbox, self._loop)
+        try:
+            self._loop.call(self._sandbox.start())
+        except BaseException:
+            self._loop.call(self._sandbox.aclose())
+            self._loop.stop()
+            raise
+
+    def __enter__(self) -> SyncSandbox:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def workspace(self) -> Any:
+        return self._sandbox.workspace
+
+    def run(self, cmd: Command, **kwargs: Any) -> CommandResult:
+        return self._loop.call(self._sandbox.run(cmd, **kwargs))
+
+    def spawn(self, cmd: Command, **kwargs: Any) -> SyncProcess:
+        return SyncProcess(self._loop.call(self._sandbox.spawn(cmd, **kwargs)), self._loop)
+
+    def processes(self) -> list[ProcessInfo]:
+        return self._sandbox.processes()
+
+    def info(self) -> dict[str, Any]:
+        return self._loop.call(self._sandbox.info())
+
+    def close(self) -> None:
+        if self._loop.thread.is_alive():
+            self._loop.call(self._sandbox.aclose())
+            self._loop.stop()

@@ -1,0 +1,174 @@
+"""``Policy -> bwrap argv`` is pure: these tests run no process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from corral import Policy
+from corral.backends.bwrap_args import (
+    BwrapFds,
+    BwrapInputs,
+    HostView,
+    box_env,
+    bwrap_argv,
+)
+
+HOST_TOP = ["bin", "etc", "usr", "lib", "proc", "dev", "tmp", "run", "home", "root", "var", "sys"]
+LINKS = {"/bin": "usr/bin", "/lib": "usr/lib"}
+EXISTING = {
+    "/root",
+    "/root/.ssh",
+    "/etc/shadow",
+    "/etc/ssh",
+    "/usr",
+    "/etc/ld.so.cache",
+    "/ws/.git",
+}
+DIRS = {"/root", "/root/.ssh", "/etc/ssh", "/usr", "/ws/.git"}
+
+
+def fake_host() -> HostView:
+    return HostView(
+        home="/root",
+        listdir=lambda _p: list(HOST_TOP),
+        lexists=lambda p: p in EXISTING or p in LINKS,
+        isdir=lambda p: p in DIRS,
+        readlink=lambda p: LINKS[p],
+        islink=lambda p: p in LINKS,
+    )
+
+
+def inputs() -> BwrapInputs:
+    return BwrapInputs(
+        workspace=Path("/ws"),
+        agent_dir=Path("/opt/corral/agent"),
+        python="/usr/bin/python3.11",
+        masked_file=Path("/run/corral/shared/masked-file"),
+        masked_dir=Path("/run/corral/shared/masked-dir"),
+        passwd_file=Path("/run/corral/shared/passwd"),
+        fds=BwrapFds(info=5, userns_block=6, seccomp=7),
+        agent_args=("{}",),
+    )
+
+
+def argv(policy: Policy | None = None) -> list[str]:
+    return bwrap_argv(policy or Policy(), inputs(), fake_host())
+
+
+def triples(args: list[str], flag: str) -> list[tuple[str, str]]:
+    return [(args[i + 1], args[i + 2]) for i, a in enumerate(args) if a == flag]
+
+
+def test_every_namespace_is_unshared() -> None:
+    args = argv()
+    for flag in (
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup",
+        "--unshare-net",
+    ):
+        assert flag in args
+    assert "--die-with-parent" in args
+    assert "--new-session" in args
+
+
+def test_the_agent_keeps_only_setuid_and_setgid() -> None:
+    args = argv()
+    caps = [args[i + 1] for i, a in enumerate(args) if a == "--cap-add"]
+    assert sorted(caps) == ["CAP_SETGID", "CAP_SETUID"]
+
+
+def test_host_root_is_bound_read_only_entry_by_entry_without_private_dirs() -> None:
+    args = argv()
+    ro = dict(triples(args, "--ro-bind"))
+    assert ro["/usr"] == "/usr"
+    assert ro["/etc"] == "/etc"
+    for private in ("/proc", "/dev", "/tmp", "/run", "/home"):
+        assert private not in ro, private
+    assert ("usr/bin", "/bin") in triples(args, "--symlink")
+    assert args[args.index("--remount-ro") + 1] == "/"
+
+
+def test_private_tmp_is_size_capped() -> None:
+    args = argv(Policy.from_dict({"filesystem": {"tmp_size": "32M"}}))
+    i = args.index("--tmpfs")
+    assert args[i - 2 : i + 2] == ["--size", str(32 << 20), "--tmpfs", "/tmp"]
+
+
+def test_workspace_is_the_only_default_writable_bind() -> None:
+    assert triples(argv(), "--bind") == [("/ws", "/workspace")]
+
+
+def test_existing_deny_read_paths_are_masked_and_missing_ones_skipped() -> None:
+    binds = triples(argv(), "--ro-bind")
+    assert ("/run/corral/shared/masked-dir", "/root/.ssh") in binds
+    assert ("/run/corral/shared/masked-file", "/etc/shadow") in binds
+    assert ("/run/corral/shared/masked-dir", "/etc/ssh") in binds
+    assert not any(dest == "/root/.aws" for _, dest in binds)  # does not exist on the host
+
+
+def test_masks_come_after_the_binds_they_cover() -> None:
+    args = argv()
+    assert args.index("/run/corral/shared/masked-dir") > args.index("/etc")
+
+
+def test_deny_write_relative_to_workspace_binds_host_source_read_only() -> None:
+    args = argv(Policy.from_dict({"filesystem": {"deny_write": [".git"]}}))
+    assert ("/ws/.git", "/workspace/.git") in triples(args, "--ro-bind")
+
+
+def test_mounts_and_allow_write() -> None:
+    policy = Policy.from_dict(
+        {
+            "filesystem": {
+                "mounts": [
+                    {"host": "/data", "guest": "/data", "mode": "ro"},
+                    {"host": "/cache", "guest": "/cache", "mode": "rw"},
+                ],
+                "allow_write": ["/srv/out"],
+            }
+        }
+    )
+    args = argv(policy)
+    assert ("/data", "/data") in triples(args, "--ro-bind")
+    assert ("/cache", "/cache") in triples(args, "--bind")
+    assert ("/srv/out", "/srv/out") in triples(args, "--bind")
+
+
+def test_minimal_root_binds_usr_but_not_the_host_root() -> None:
+    args = argv(Policy.from_dict({"filesystem": {"inherit_readable": False}}))
+    ro = triples(args, "--ro-bind")
+    assert ("/usr", "/usr") in ro
+    assert ("/etc", "/etc") not in ro
+    assert ("/run/corral/shared/passwd", "/etc/passwd") in ro
+
+
+def test_seccomp_fd_and_agent_command_come_last() -> None:
+    args = argv()
+    assert args[args.index("--seccomp") + 1] == "7"
+    tail = args[args.index("--") + 1 :]
+    assert tail == ["/usr/bin/python3.11", "-I", "-S", "/run/corral/agent/agent.py", "{}"]
+
+
+def test_env_is_built_from_policy_not_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "leak")
+    env = box_env(Policy.from_dict({"env": {"FOO": "1"}}))
+    assert "AWS_SECRET_ACCESS_KEY" not in env
+    assert env["FOO"] == "1"
+    assert env["HOME"] == "/home/user"
+    assert set(env) >= {"PATH", "HOME", "LANG", "TERM"}
+
+
+@given(st.lists(st.sampled_from(["/data", "/srv/a", "/opt/x", "/mnt/y"]), unique=True, max_size=4))
+def test_every_mount_appears_exactly_once(guests: list[str]) -> None:
+    mounts = [{"host": g, "guest": g, "mode": "ro"} for g in guests]
+    args = argv(Policy.from_dict({"filesystem": {"mounts": mounts}}))
+    binds = triples(args, "--ro-bind")
+    for g in guests:
+        assert binds.count((g, g)) == 1

@@ -1,0 +1,176 @@
+"""What the box must hold: each test tries the escape from inside and checks it failed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from corral import PathOutsideSandbox, Policy, Sandbox
+from corral.errors import FilePermissionDenied
+
+pytestmark = pytest.mark.needs_bwrap
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/etc/corral-escape",
+        "/usr/corral-escape",
+        "/corral-escape",
+        "/var/tmp/corral-escape",
+        "/run/corral-escape2",
+    ],
+)
+async def test_writes_outside_the_workspace_fail(sandbox: Sandbox, target: str) -> None:
+    r = await sandbox.run(["sh", "-c", f"echo x > {target}"])
+    assert r.exit_code != 0
+    assert not os.path.exists(target)
+
+
+async def test_workspace_writes_land_on_the_host_owned_by_its_owner(
+    sandbox: Sandbox, workspace: Path
+) -> None:
+    r = await sandbox.run("echo data > out.txt")
+    assert r.exit_code == 0
+    assert (workspace / "out.txt").read_text() == "data\n"
+    assert (workspace / "out.txt").stat().st_uid == workspace.stat().st_uid
+
+
+@pytest.mark.parametrize("path", ["/etc/shadow", "/root", "/etc/ssh"])
+async def test_default_deny_read_paths_are_unreadable(sandbox: Sandbox, path: str) -> None:
+    if not os.path.exists(path):
+        pytest.skip(f"{path} does not exist on this host")
+    r = await sandbox.run(["sh", "-c", f"if [ -d {path} ]; then ls -A {path}; else cat {path}; fi"])
+    assert r.exit_code != 0
+    assert "Permission denied" in r.stderr
+
+
+async def test_policy_deny_read_masks_a_workspace_file(workspace: Path) -> None:
+    (workspace / ".env").write_text("TOKEN=secret\n")
+    policy = Policy.from_dict({"filesystem": {"deny_read": [".env"]}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run("cat .env")
+        assert r.exit_code != 0 and "secret" not in r.stdout
+        with pytest.raises(PathOutsideSandbox):
+            await sb.files.read(".env")
+
+
+async def test_deny_write_makes_a_workspace_dir_read_only(workspace: Path) -> None:
+    (workspace / ".git").mkdir()
+    policy = Policy.from_dict({"filesystem": {"deny_write": [".git"]}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run("echo x > .git/config")
+        assert r.exit_code != 0
+        assert not (workspace / ".git" / "config").exists()
+        assert (await sb.run("echo y > ok.txt")).exit_code == 0
+
+
+async def test_host_processes_are_invisible(sandbox: Sandbox) -> None:
+    r = await sandbox.run("ls /proc | grep -E '^[0-9]+$'")
+    pids = {int(x) for x in r.stdout.split()}
+    assert max(pids) < 100  # only the box's own (1: bwrap init, 2: agent, then commands)
+    r = await sandbox.run(["kill", "-0", str(os.getpid())])
+    assert r.exit_code != 0
+
+
+async def test_commands_cannot_touch_the_agent(sandbox: Sandbox) -> None:
+    r = await sandbox.run("id -u; ls /proc/2/fd; cat /proc/2/environ; kill -9 2")
+    assert r.stdout.splitlines()[0] == "1000"
+    assert r.stderr.count("Permission denied") >= 2 or "not permitted" in r.stderr
+    assert (await sandbox.run("echo alive")).stdout == "alive\n"
+
+
+async def test_commands_hold_no_capabilities(sandbox: Sandbox) -> None:
+    r = await sandbox.run("grep -E '^Cap(Eff|Prm|Amb)' /proc/self/status")
+    for line in r.stdout.splitlines():
+        assert line.split()[1] == "0000000000000000", line
+
+
+async def test_namespaces_cannot_be_created_inside(sandbox: Sandbox) -> None:
+    r = await sandbox.run("unshare -U true; unshare -n true; unshare -m true")
+    assert r.stderr.count("Operation not permitted") == 3
+
+
+@pytest.fixture
+def host_server() -> Iterator[int]:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    srv.settimeout(5)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.sendall(b"host")
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    srv.close()
+    t.join(timeout=5)
+
+
+async def test_network_is_absent(sandbox: Sandbox, host_server: int) -> None:
+    code = (
+        "import socket\n"
+        "for addr in [('127.0.0.1', %d), ('1.1.1.1', 53)]:\n"
+        "    s = socket.socket(); s.settimeout(2)\n"
+        "    try:\n"
+        "        s.connect(addr); print('CONNECTED', addr)\n"
+        "    except OSError as e:\n"
+        "        print('refused', e.errno)\n"
+        "try:\n"
+        "    socket.getaddrinfo('example.com', 80); print('RESOLVED')\n"
+        "except OSError:\n"
+        "    print('no dns')\n"
+    ).replace("%d", str(host_server))
+    r = await sandbox.run(["python3", "-c", code], timeout=20)
+    assert "CONNECTED" not in r.stdout and "RESOLVED" not in r.stdout
+    assert r.stdout.count("refused") == 2 and "no dns" in r.stdout
+    links = await sandbox.run("cat /proc/net/dev")
+    assert [ln.split(":")[0].strip() for ln in links.stdout.splitlines()[2:]] == ["lo"]
+
+
+async def test_file_ops_refuse_traversal(sandbox: Sandbox) -> None:
+    for bad in ["../etc/passwd", "/etc/passwd", "a/../../x"]:
+        with pytest.raises(PathOutsideSandbox):
+            await sandbox.files.read(bad)
+
+
+async def test_file_ops_refuse_symlinks_that_point_out(sandbox: Sandbox) -> None:
+    await sandbox.run("ln -s /etc evil; ln -s ../../etc/passwd link; mkdir d; ln -s / d/up")
+    for path in ["evil/passwd", "link", "d/up/etc/hostname"]:
+        with pytest.raises(PathOutsideSandbox):
+            await sandbox.files.read(path)
+    with pytest.raises(PathOutsideSandbox):
+        await sandbox.files.write("evil/owned", "x")
+    assert not os.path.exists("/etc/owned")
+
+
+async def test_symlink_inside_the_workspace_is_followed(sandbox: Sandbox) -> None:
+    await sandbox.files.write("real.txt", "content")
+    await sandbox.run("ln -s real.txt alias")
+    assert await sandbox.files.read("alias") == b"content"
+
+
+async def test_file_ops_respect_read_only_mounts(workspace: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "f").write_text("ro")
+    policy = Policy.from_dict({"filesystem": {"mounts": [{"host": str(data), "guest": "/data"}]}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        assert await sb.files.read("/data/f") == b"ro"
+        with pytest.raises(FilePermissionDenied):
+            await sb.files.write("/data/f", "rw")
+    assert (data / "f").read_text() == "ro"

@@ -1,0 +1,123 @@
+"""Closing a box leaves nothing behind, also when its owner is killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox, SandboxBroken
+from corral.backends import cgroups
+from corral.backends.bwrap import state_root, sweep_orphans
+
+pytestmark = pytest.mark.needs_bwrap
+
+
+def box_processes(sandbox_id: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if sandbox_id.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def cgroup_dirs(sandbox_id: str) -> list[Path]:
+    support = cgroups.detect()
+    roots = [Path(m) for m in support.mounts.values()] if support.mounts else [Path(support.root)]
+    return [d for r in roots if (d := r / "corral" / sandbox_id).exists()]
+
+
+def wait_pid_gone(pid: int, timeout: float) -> bool:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        return bool(ready)
+    finally:
+        os.close(fd)
+
+
+async def test_close_leaves_no_process_cgroup_state_or_workspace() -> None:
+    fds_before = len(os.listdir("/proc/self/fd"))
+    sb = Sandbox()
+    await sb.start()
+    sid = sb.sandbox_id
+    ws = sb.workspace
+    assert ws is not None and ws.exists()
+    await sb.spawn("sleep 300 & sleep 300")
+    await sb.spawn(["sh", "-c", "setsid sleep 300"])
+    assert box_processes(sid) and cgroup_dirs(sid)
+    await sb.aclose()
+    assert box_processes(sid) == []
+    assert cgroup_dirs(sid) == []
+    assert not (state_root() / "boxes" / sid).exists()
+    assert not ws.exists()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+async def test_many_boxes_open_and_close_without_leaking_fds() -> None:
+    fds_before = len(os.listdir("/proc/self/fd"))
+    boxes = [Sandbox() for _ in range(5)]
+    await asyncio.gather(*(b.start() for b in boxes))
+    results = await asyncio.gather(*(b.run("echo $$") for b in boxes))
+    assert all(r.exit_code == 0 for r in results)
+    await asyncio.gather(*(b.aclose() for b in boxes))
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+SCRIPT = """
+import asyncio, json, sys
+from corral import Sandbox
+
+async def main():
+    sb = Sandbox()
+    await sb.start()
+    await sb.spawn("sleep 300")
+    owner = (sb._box._spec.state_dir / "owner.json").read_text()
+    print(json.dumps({"id": sb.sandbox_id, "owner": json.loads(owner)}), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_sigkill_of_the_owner_leaves_nothing_after_the_next_sweep() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    with proc.stdout:
+        line = proc.stdout.readline()
+    info = json.loads(line)
+    sid, bwrap_pid = info["id"], info["owner"]["bwrap_pid"]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    # bwrap dies with its parent (--die-with-parent), and the box's PID namespace with it.
+    assert wait_pid_gone(bwrap_pid, 10)
+    removed = sweep_orphans()
+    assert sid in removed
+    assert box_processes(sid) == []
+    assert cgroup_dirs(sid) == []
+    assert not (state_root() / "boxes" / sid).exists()
+
+
+async def test_a_killed_agent_breaks_the_sandbox_cleanly(sandbox: Sandbox) -> None:
+    p = await sandbox.spawn("sleep 300")
+    assert sandbox._box is not None
+    bwrap_pid = sandbox._box._proc.pid  # type: ignore[attr-defined]
+    os.kill(bwrap_pid, signal.SIGKILL)
+    result = await p.wait(timeout=10)
+    assert result.status == "exited" and result.exit_code == -9
+    with pytest.raises(SandboxBroken):
+        await sandbox.run("true")

@@ -1,0 +1,77 @@
+"""Resource limits of the box's cgroup, enforced for real (bombs included)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from corral import Policy, Sandbox
+
+pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
+
+
+async def test_memory_bomb_is_killed_and_reported(workspace: Path) -> None:
+    policy = Policy.from_dict({"limits": {"memory_bytes": "64M"}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run(
+            ["python3", "-c", "x = bytearray(400 << 20); print('survived')"], timeout=60
+        )
+        assert r.exit_code == -9
+        assert r.oom_killed
+        assert "survived" not in r.stdout
+        assert sb.stats().oom_kills >= 1
+        assert (await sb.run("echo still-usable")).stdout == "still-usable\n"
+
+
+async def test_fork_bomb_is_capped_and_the_host_stays_responsive(
+    workspace: Path, tmp_path: Path
+) -> None:
+    policy = Policy.from_dict({"limits": {"max_pids": 32}})
+    bomb = (
+        "import os, signal\n"
+        "n = 0\n"
+        "try:\n"
+        "    while True:\n"
+        "        if os.fork() == 0:\n"
+        "            signal.pause()\n"
+        "        n += 1\n"
+        "except OSError as e:\n"
+        "    print('capped', n, e.errno)\n"
+    )
+    other_ws = tmp_path / "other"
+    other_ws.mkdir()
+    async with Sandbox(policy, workspace=workspace) as sb, Sandbox(workspace=other_ws) as other:
+        r = await sb.run(["python3", "-c", bomb], timeout=60)
+        word, forked, errno = r.stdout.split()
+        assert word == "capped" and errno == "11"  # EAGAIN from the pids controller
+        assert int(forked) < 32
+        assert sb.stats().pids_limit_hits >= 1
+        assert (sb.stats().pids or 0) <= 32
+        # Another box (and so the host) still runs commands while the bomb's children live.
+        assert (await other.run("echo responsive", timeout=30)).stdout == "responsive\n"
+
+
+async def test_cpu_quota_throttles(workspace: Path) -> None:
+    policy = Policy.from_dict({"limits": {"cpu_quota": 0.2}})
+    spin = (
+        "import time, os\n"
+        "w0, c0 = time.monotonic(), time.process_time()\n"
+        "while time.monotonic() - w0 < 1.0: pass\n"
+        "print((time.process_time() - c0) / (time.monotonic() - w0))"
+    )
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run(["python3", "-c", spin], timeout=30)
+    share = float(r.stdout)
+    assert share < 0.6, f"a 0.2-core quota let the spinner use {share:.2f} of a core"
+
+
+async def test_rlimits_apply_to_commands(workspace: Path) -> None:
+    policy = Policy.from_dict({"limits": {"rlimits": {"nofile": 64, "fsize": 1024}}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run("ulimit -n; head -c 4096 /dev/zero > big; echo $?")
+        lines = r.stdout.split()
+        assert lines[0] == "64"
+        assert lines[1] != "0"
+        r = await sb.run("ulimit -n", rlimits={"nofile": 32})
+        assert r.stdout.strip() == "32"

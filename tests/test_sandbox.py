@@ -1,0 +1,167 @@
+"""Commands in a real box: results, streams, stdin, cwd/env, timeouts, processes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from corral import CommandFailed, Policy, ProcessNotFound, Sandbox, SpawnFailed, SyncSandbox
+from corral.errors import ErrorCode, SandboxError
+
+pytestmark = pytest.mark.needs_bwrap
+
+
+async def test_exit_code_and_both_streams(sandbox: Sandbox) -> None:
+    r = await sandbox.run("echo out; echo err >&2; exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, "out\n", "err\n")
+    assert not r.timed_out and not r.truncated and not r.ok
+
+
+async def test_argv_is_not_interpreted_by_a_shell(sandbox: Sandbox) -> None:
+    r = await sandbox.run(["echo", "$HOME", "a;b"])
+    assert r.stdout == "$HOME a;b\n"
+
+
+async def test_stdin_is_delivered_and_closed(sandbox: Sandbox) -> None:
+    r = await sandbox.run(["tr", "a-z", "A-Z"], stdin="hello\n")
+    assert r.stdout == "HELLO\n"
+    r = await sandbox.run(["cat"])  # no stdin: closed, so cat ends at once
+    assert r.exit_code == 0 and r.stdout == ""
+
+
+async def test_cwd_and_env(sandbox: Sandbox) -> None:
+    await sandbox.files.mkdir("sub/dir")
+    r = await sandbox.run("pwd; echo $FOO", cwd="sub/dir", env={"FOO": "bar"})
+    assert r.stdout == "/workspace/sub/dir\nbar\n"
+
+
+async def test_host_environment_does_not_leak(
+    monkeypatch: pytest.MonkeyPatch, workspace: Path
+) -> None:
+    monkeypatch.setenv("CORRAL_TEST_SECRET", "hunter2")
+    async with Sandbox(Policy.from_dict({"env": {"ALLOWED": "yes"}}), workspace=workspace) as sb:
+        r = await sb.run("env")
+    assert "hunter2" not in r.stdout
+    assert "ALLOWED=yes" in r.stdout
+    assert "HOME=/home/user" in r.stdout
+
+
+async def test_timeout_kills_the_group_and_keeps_partial_output(sandbox: Sandbox) -> None:
+    # A background grandchild in the same group must die with the command.
+    r = await sandbox.run(
+        "echo started; (sleep 30; touch survived) & echo $! > /workspace/child; sleep 30",
+        timeout=0.5,
+    )
+    assert r.timed_out and r.exit_code == -9
+    assert r.stdout == "started\n"
+    child = (await sandbox.files.read_text("child")).strip()
+    gone = await sandbox.run(
+        ["sh", "-c", f"kill -0 {child} 2>/dev/null && echo alive || echo gone"]
+    )
+    assert gone.stdout == "gone\n"
+
+
+async def test_check_raises_with_the_result(sandbox: Sandbox) -> None:
+    with pytest.raises(CommandFailed) as info:
+        await sandbox.run("exit 2", check=True)
+    assert info.value.code == ErrorCode.COMMAND_FAILED
+    assert info.value.result.exit_code == 2  # type: ignore[attr-defined]
+
+
+async def test_missing_program_is_a_structured_spawn_error(sandbox: Sandbox) -> None:
+    with pytest.raises(SpawnFailed, match="no-such-program"):
+        await sandbox.run(["no-such-program"])
+    with pytest.raises(SpawnFailed, match="working directory"):
+        await sandbox.run(["true"], cwd="does/not/exist")
+
+
+async def test_empty_command_is_invalid_input(sandbox: Sandbox) -> None:
+    with pytest.raises(SandboxError) as info:
+        await sandbox.run([])
+    assert info.value.code == ErrorCode.INVALID_INPUT
+
+
+async def test_background_process_wait_output_and_signal(sandbox: Sandbox) -> None:
+    p = await sandbox.spawn("echo first; echo err >&2; exec sleep 30")
+    assert p.status == "running"
+    q = p.subscribe()
+    async with asyncio.timeout(10):
+        while "first" not in p.output("stdout") or "err" not in p.output("stderr"):
+            await q.get()
+    p.unsubscribe(q)
+    assert p.output("stdout") == "first\n"
+    assert p.output("stderr") == "err\n"
+    waited = await p.wait(timeout=0.05)
+    assert waited.status == "timeout"
+    assert waited.message == "process still running after 50ms"
+    stats = await p.stats()
+    assert stats.status in {"sleeping", "running"} and stats.rss_bytes > 0
+    assert await p.signal("SIGTERM")
+    done = await p.wait(timeout=10)
+    assert (done.status, done.exit_code) == ("exited", -15)
+    assert "exited with status -15" in repr(p)
+
+
+async def test_processes_are_tracked_and_looked_up(sandbox: Sandbox) -> None:
+    r = await sandbox.run("true")
+    infos = {i.pid: i for i in sandbox.processes()}
+    assert infos[r.pid].status == "exited" and infos[r.pid].exit_code == 0
+    assert sandbox.process(r.pid).pid == r.pid
+    with pytest.raises(ProcessNotFound):
+        sandbox.process(99999)
+
+
+async def test_finished_processes_beyond_max_tracked_are_forgotten(workspace: Path) -> None:
+    policy = Policy.from_dict({"process_tracking": {"max_tracked": 2}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        pids = [(await sb.run("true")).pid for _ in range(4)]
+        assert [i.pid for i in sb.processes()] == pids[-2:]
+
+
+async def test_pipe_stdin_writer(sandbox: Sandbox) -> None:
+    p = await sandbox.spawn(["cat"], stdin="pipe")
+    await p.write("line one\n")
+    await p.write(b"line two\n", eof=True)
+    assert (await p.wait(timeout=10)).exit_code == 0
+    assert p.output() == "line one\nline two\n"
+
+
+async def test_output_is_capped_keeping_head_and_tail(workspace: Path) -> None:
+    policy = Policy.from_dict({"limits": {"output_bytes": "64K"}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run("echo HEAD; head -c 5000000 /dev/zero | tr '\\0' x; echo; echo TAIL")
+    assert r.truncated
+    assert r.stdout.startswith("HEAD\n") and r.stdout.endswith("TAIL\n")
+    assert "bytes truncated" in r.stdout
+    assert len(r.stdout) < 70_000
+
+
+async def test_info_reports_the_box(sandbox: Sandbox) -> None:
+    info = await sandbox.info()
+    assert info["hostname"] == "corral"
+    assert info["kernel"].startswith("Linux")
+    assert info["cpus"] >= 1 and info["memory_bytes"] > 0
+    assert info["backend"] == "bwrap"
+    assert info["memory_limit_bytes"] == 1 << 30
+
+
+async def test_operations_after_close_are_refused(workspace: Path) -> None:
+    sb = Sandbox(workspace=workspace)
+    await sb.start()
+    await sb.aclose()
+    await sb.aclose()  # idempotent
+    with pytest.raises(SandboxError) as info:
+        await sb.run("true")
+    assert info.value.code == ErrorCode.SANDBOX_CLOSED
+
+
+def test_sync_facade_runs_commands(workspace: Path) -> None:
+    with SyncSandbox(workspace=workspace) as sb:
+        assert sb.run("echo hi").stdout == "hi\n"
+        p = sb.spawn(["sh", "-c", "exit 7"])
+        assert p.wait(timeout=10).exit_code == 7
+        sb.files.write("f.txt", "data")
+        assert sb.files.read_text("f.txt") == "data"
+    assert (workspace / "f.txt").read_text() == "data"
