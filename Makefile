@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := /usr/bin/python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-APT_PACKAGES := bubblewrap python3-venv iproute2 tmux
+APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint bench clean
