@@ -55,9 +55,8 @@ async def main() -> None:
             print(f"poll after 0.5 s: {polled.status} ({polled.message})")
             print("partial output:", p.output().splitlines())
             done = await p.wait(timeout=30)
-            print(
-                f"finished: {done.status}, exit {done.exit_code}, last line {p.output().splitlines()[-1]!r}"
-            )
+            last = p.output().splitlines()[-1]
+            print(f"finished: {done.status}, exit {done.exit_code}, last line {last!r}")
 
             step("3. the box holds")
             r = await sb.run("echo pwned > /etc/corral-demo")
