@@ -132,7 +132,8 @@ class Sandbox:
                 await self._channel.wait_ready(READY_TIMEOUT)
             except errors.BackendError as exc:
                 detail = await self._box.diagnose()
-                raise errors.BackendError(f"{exc.message}: {detail}" if detail else exc.message)
+                message = f"{exc.message}: {detail}" if detail else exc.message
+                raise errors.BackendError(message) from None
         except BaseException:
             await self.aclose()
             raise
