@@ -174,3 +174,17 @@ async def test_file_ops_respect_read_only_mounts(workspace: Path, tmp_path: Path
         with pytest.raises(FilePermissionDenied):
             await sb.files.write("/data/f", "rw")
     assert (data / "f").read_text() == "ro"
+
+
+async def test_minimal_root_runs_sh_python_and_node_but_hides_the_host(workspace: Path) -> None:
+    policy = Policy.from_dict({"filesystem": {"inherit_readable": False}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        assert (await sb.run("echo sh-ok")).stdout == "sh-ok\n"
+        assert (await sb.run(["python3", "-c", "print('py-ok')"])).stdout == "py-ok\n"
+        node = await sb.run(["node", "-e", "console.log('node-ok')"])
+        assert node.stdout == "node-ok\n", node.stderr
+        r = await sb.run("ls /; test -e /etc/hostname || echo no-hostname; whoami")
+        top = set(r.stdout.split())
+        assert {"usr", "etc", "workspace", "tmp"} <= top
+        assert "opt" not in top and "srv" not in top and "var" not in top
+        assert "no-hostname" in top and "user" in top

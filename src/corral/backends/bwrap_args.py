@@ -95,7 +95,8 @@ def _root_args(policy: Policy, inp: BwrapInputs, host: HostView) -> list[str]:
             else:
                 args += ["--ro-bind", path, path]
         return args
-    args = []
+    # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
+    args = ["--perms", "0755", "--dir", "/etc"]
     for link in MERGED_USR_LINKS:
         if host.islink(link):
             args += ["--symlink", host.readlink(link), link]
