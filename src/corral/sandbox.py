@@ -16,6 +16,7 @@ import contextlib
 import os
 import posixpath
 import secrets
+import shlex
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ from corral.files import Files
 from corral.models import CommandResult, ProcessInfo
 from corral.policy import Policy, RlimitName
 from corral.processes import Process, ProcessRegistry
+from corral.pty import PtySession, SessionRegistry
+from corral.streaming import ExecStream
 
 Command = str | Sequence[str]
 StdinArg = bytes | str | Literal["pipe"] | None
@@ -81,6 +84,7 @@ class Sandbox:
         self.sandbox_id = "cb-" + secrets.token_hex(6)
         tracking = self.policy.process_tracking
         self._registry = ProcessRegistry(tracking.max_tracked if tracking.enabled else 0)
+        self._sessions = SessionRegistry()
         self.files = Files(self.policy, self._request)
         self._closed = False
         self._broken: str | None = None
@@ -153,6 +157,7 @@ class Sandbox:
             await self._box.close()
         for proc in self._registry.running():
             proc._lost()
+        await self._sessions.aclose()  # after the processes: their shells are gone by now
         if self._owned_workspace is not None:
             shutil.rmtree(self._owned_workspace, ignore_errors=True)
 
@@ -295,6 +300,46 @@ class Sandbox:
     @property
     def registry(self) -> ProcessRegistry:
         return self._registry
+
+    # ---- interactive sessions and streaming (corral.pty, corral.streaming) ---------------
+    async def shell(
+        self,
+        shell: str = "/bin/sh",
+        *,
+        env: dict[str, str] | None = None,
+        cols: int = 80,
+        rows: int = 24,
+        strip_ansi: bool = False,
+        cwd: str | None = None,
+    ) -> PtySession:
+        """Open an interactive shell on a terminal; it lives until closed or the sandbox is."""
+        proc = await self.spawn(
+            shlex.split(shell), cwd=cwd, env=env, pty=True, cols=cols, rows=rows
+        )
+        return await self._sessions.open(
+            proc, shell, self._request, cols=cols, rows=rows, strip_ansi=strip_ansi
+        )
+
+    def session(self, session_id: str) -> PtySession:
+        """An open session by id (SessionNotFound if unknown or closed)."""
+        return self._sessions.get(session_id)
+
+    def sessions(self) -> list[PtySession]:
+        return self._sessions.list()
+
+    async def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        stdin: Literal["pipe"] | None = None,
+        tty: bool = False,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> ExecStream:
+        """Start a command and stream its output events (Stdout, Stderr, Exited)."""
+        proc = await self.spawn(cmd, cwd=cwd, env=env, stdin=stdin, pty=tty)
+        return ExecStream(proc, stdin=stdin == "pipe", tty=tty, timeout=timeout)
 
     # ---- information ---------------------------------------------------------------------
     async def info(self) -> dict[str, Any]:

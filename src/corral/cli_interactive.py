@@ -1,0 +1,140 @@
+"""``corral shell``, ``corral attach`` and ``corral sessions`` (registered by corral.cli).
+
+``corral shell`` opens a shell in a fresh sandbox and attaches this terminal to it at once.
+Detaching (Ctrl-] by default) does not end it: this process prints the session id and keeps
+the sandbox alive, serving the session for ``corral attach``, until the shell exits or you
+press Ctrl-C here (which closes the sandbox). The exit status is the shell's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from corral import attach
+from corral.terminal import DEFAULT_DETACH_KEYS, AttachOutcome, attach_terminal, parse_detach_keys
+
+__all__ = ["register"]
+
+if TYPE_CHECKING:
+    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+def register(sub: SubParsers) -> None:
+    from corral.cli import add_sandbox_options
+
+    shell = sub.add_parser("shell", help="an interactive shell in a fresh sandbox")
+    add_sandbox_options(shell)
+    shell.add_argument("--shell", default="/bin/sh", help="shell in the box (default: /bin/sh)")
+    _detach_option(shell)
+    shell.set_defaults(func=cmd_shell)
+
+    att = sub.add_parser("attach", help="attach this terminal to a running session")
+    att.add_argument("session_id", metavar="SESSION_ID", help="id (or unique prefix)")
+    _detach_option(att)
+    att.set_defaults(func=cmd_attach)
+
+    ls = sub.add_parser("sessions", help="list sessions that can be attached")
+    ls.add_argument("--json", action="store_true", help="print a JSON list")
+    ls.set_defaults(func=cmd_sessions)
+
+
+def _detach_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--detach-keys",
+        default=DEFAULT_DETACH_KEYS,
+        metavar="KEYS",
+        help="key sequence that detaches, e.g. ctrl-q or ctrl-p,ctrl-q (default: ctrl-])",
+    )
+
+
+def _status(code: int | None) -> int:
+    if code is None:
+        return 1
+    return code if code >= 0 else 128 - code
+
+
+def _say(message: str) -> None:
+    # \r first: the terminal may have just left raw mode mid-line.
+    print(f"\r\ncorral: {message}", file=sys.stderr, flush=True)
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    keys = parse_detach_keys(args.detach_keys)
+    path, info = attach.locate(args.session_id)
+    session_id = str(info["session_id"])
+    outcome = asyncio.run(attach_terminal(path, session_id, detach_keys=keys))
+    return _report(outcome, session_id)
+
+
+def _report(outcome: AttachOutcome, session_id: str) -> int:
+    if outcome.reason == "detached":
+        _say(f"detached from session {session_id}; `corral attach {session_id}` to return")
+        return 0
+    if outcome.reason == "lost":
+        _say(f"the process owning session {session_id} went away")
+        return 1
+    return _status(outcome.exit_code)
+
+
+def cmd_shell(args: argparse.Namespace) -> int:
+    from corral.cli import build_policy
+    from corral.sandbox import Sandbox
+
+    keys = parse_detach_keys(args.detach_keys)
+    policy = build_policy(args)
+
+    async def go() -> int:
+        async with Sandbox(policy, workspace=args.workspace) as sb:
+            for warning in sb.warnings:
+                print(f"corral: warning: {warning}", file=sys.stderr)
+            session = await sb.shell(args.shell)
+            sid = session.session_id
+            outcome = await attach_terminal(attach.local_server(), sid, detach_keys=keys)
+            if outcome.reason != "detached":
+                return _status(await session.wait_closed())
+            _say(
+                f"detached; session {sid} keeps running.\n"
+                f"  reattach:  corral attach {sid}\n"
+                "  this process serves it until the shell exits; Ctrl-C here ends it"
+            )
+            return _status(await session.wait_closed())
+
+    return asyncio.run(go())
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    found = [info for _, info in attach.list_sessions()]
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    if not found:
+        print("no attachable sessions")
+        return 0
+    rows = [("SESSION", "SHELL", "OWNER PID", "CREATED", "ATTACHED")]
+    rows += [_row(info) for info in found]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _row(info: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    created = info.get("created_at")
+    when = (
+        datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+        if isinstance(created, int | float)
+        else "?"
+    )
+    attached = info.get("attached")
+    return (
+        str(info.get("session_id")),
+        str(info.get("shell")),
+        str(info.get("owner_pid")),
+        when,
+        f"yes ({attached})" if isinstance(attached, int) and attached else "no",
+    )

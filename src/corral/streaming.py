@@ -1,0 +1,172 @@
+"""Streaming exec: output events of a long-running command as they happen.
+
+::
+
+    async with await sb.exec_stream(["tail", "-f", "app.log"]) as stream:
+        async for event in stream:
+            match event:
+                case Stdout(data): ...
+                case Stderr(data): ...
+                case Exited(code): ...
+
+With ``stdin="pipe"`` the stream is also a writer (``write``, ``close_stdin``); with
+``tty=True`` the command runs on a terminal and everything it prints arrives as ``Stdout``.
+Events are queued as they arrive, so a consumer that is slow never loses output, and the
+host-side store of the process (capped, head and tail) still has it afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+
+from corral import errors
+from corral.processes import Process
+
+__all__ = ["ExecEvent", "ExecStream", "Exited", "Stderr", "Stdout"]
+
+KILL_GRACE = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Stdout:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Stderr:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    code: int
+    """Exit status; ``-N`` when killed by signal N."""
+
+
+ExecEvent = Stdout | Stderr | Exited
+
+
+class ExecStream:
+    """Events of one command. Made by ``Sandbox.exec_stream``; no public constructor."""
+
+    def __init__(self, process: Process, *, stdin: bool, tty: bool, timeout: float | None) -> None:
+        self.process = process
+        self.tty = tty
+        self.timed_out = False
+        self._stdin_open = stdin or tty
+        self._queue = process.subscribe()
+        self._early: list[ExecEvent] = []
+        # Output that arrived before we subscribed sits only in the process's store: replay
+        # it first (taken in the same step as subscribe(), so nothing is lost or doubled).
+        for stream, event in (("stdout", Stdout), ("stderr", Stderr)):
+            data = process.output_bytes(stream)  # type: ignore[arg-type]
+            if data:
+                self._early.append(event(data))
+        self._finished = False
+        self._deadline: asyncio.TimerHandle | None = None
+        if timeout is not None:
+            self._deadline = asyncio.get_running_loop().call_later(timeout, self._on_timeout)
+
+    def __repr__(self) -> str:
+        return f"<ExecStream pid={self.pid} {self.process.command!r} tty={self.tty}>"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.exit_code
+
+    @property
+    def stdin(self) -> ExecStream | None:
+        """The writer (this stream) when started with ``stdin="pipe"`` or ``tty=True``."""
+        return self if self._stdin_open else None
+
+    def _on_timeout(self) -> None:
+        if self.process.exit_code is None:
+            self.timed_out = True
+            task = asyncio.get_running_loop().create_task(self._kill())
+            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    async def _kill(self) -> None:
+        with contextlib.suppress(errors.SandboxError):
+            await self.process.kill()
+
+    # ---- events --------------------------------------------------------------------------
+    def __aiter__(self) -> AsyncIterator[ExecEvent]:
+        return self
+
+    async def __anext__(self) -> ExecEvent:
+        if self._early:
+            return self._early.pop(0)
+        if self._finished:
+            raise StopAsyncIteration
+        kind, data = await self._queue.get()
+        if kind == "exit":
+            assert isinstance(data, int)
+            self._finish()
+            return Exited(data)
+        assert isinstance(data, bytes)
+        return Stderr(data) if kind == "stderr" else Stdout(data)
+
+    def _finish(self) -> None:
+        self._finished = True
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self.process.unsubscribe(self._queue)
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Wait for exit (events not consumed are dropped from this stream); the status."""
+        result = await self.process.wait(timeout)
+        if result.status == "timeout":
+            raise errors.Timeout(f"{self.process.command!r} still running after {timeout:g} s")
+        self._early.clear()
+        self._finish()
+        assert self.process.exit_code is not None
+        return self.process.exit_code
+
+    # ---- input ---------------------------------------------------------------------------
+    async def write(self, data: bytes | str) -> None:
+        if not self._stdin_open:
+            raise errors.SandboxError(
+                "this stream has no stdin; start it with stdin='pipe' or tty=True",
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
+        await self.process.write(data)
+
+    async def close_stdin(self) -> None:
+        """Send end of input (on a terminal: Ctrl-D at the start of a line)."""
+        if not self._stdin_open:
+            return
+        if self.tty:
+            await self.process.write(b"\x04")
+        else:
+            self._stdin_open = False
+            await self.process.close_stdin()
+
+    async def signal(self, sig: str | int = "SIGTERM") -> bool:
+        return await self.process.signal(sig)
+
+    async def kill(self) -> bool:
+        return await self.process.kill()
+
+    # ---- context manager: never leave the command running behind ------------------------
+    async def __aenter__(self) -> ExecStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.process.exit_code is None:
+            with contextlib.suppress(errors.SandboxError):
+                await self.process.kill()
+            await self.process.wait(KILL_GRACE)
+        self._finish()

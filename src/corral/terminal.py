@@ -1,0 +1,224 @@
+"""The human's end of an attach: bridge this process's terminal to a session server.
+
+The terminal goes to raw mode so every key (Ctrl-C included) reaches the shell in the box;
+the only keys kept back are the detach sequence (``ctrl-]`` by default, docker-style
+``--detach-keys`` such as ``ctrl-q`` or ``ctrl-p,ctrl-q``). The window size is sent on
+attach and on every SIGWINCH. The terminal is restored however the bridge ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import termios
+import tty
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from corral import errors
+from corral.agent import protocol
+
+__all__ = ["AttachOutcome", "DetachDetector", "attach_terminal", "parse_detach_keys"]
+
+DEFAULT_DETACH_KEYS = "ctrl-]"
+_CTRL_SYMBOLS = "@[\\]^_"
+
+
+def parse_detach_keys(spec: str) -> bytes:
+    """``"ctrl-]"`` -> ``b"\\x1d"``, ``"ctrl-p,ctrl-q"`` -> ``b"\\x10\\x11"``, ``"x"`` -> ``b"x"``.
+
+    The docker syntax: comma-separated keys, each ``ctrl-<letter or @[\\]^_>`` or one character.
+    """
+    keys = bytearray()
+    for raw in spec.split(","):
+        key = raw.strip()
+        lowered = key.lower()
+        if lowered.startswith("ctrl-") and len(key) == 6:
+            char = key[5].upper()
+            if not ("A" <= char <= "Z" or char in _CTRL_SYMBOLS):
+                raise _bad_keys(spec)
+            keys.append(ord(char) & 0x1F)
+        elif len(key) == 1 and key.isprintable():
+            keys.append(ord(key))
+        else:
+            raise _bad_keys(spec)
+    return bytes(keys)
+
+
+def _bad_keys(spec: str) -> errors.SandboxError:
+    return errors.SandboxError(
+        f"invalid detach keys {spec!r}: use ctrl-<letter or one of @[\\]^_> or a single "
+        "character, comma-separated, e.g. ctrl-] or ctrl-p,ctrl-q",
+        code=errors.ErrorCode.INVALID_INPUT,
+    )
+
+
+class DetachDetector:
+    """Sans-IO: split typed bytes into what to forward and whether detach was typed.
+
+    A partial detach sequence is held back until the next key decides; if that key does not
+    continue the sequence, the held keys are forwarded after all (as docker does).
+    """
+
+    __slots__ = ("_keys", "_matched")
+
+    def __init__(self, keys: bytes) -> None:
+        if not keys:
+            raise _bad_keys("")
+        self._keys = keys
+        self._matched = 0
+
+    def feed(self, data: bytes) -> tuple[bytes, bool]:
+        forward = bytearray()
+        for byte in data:
+            if byte == self._keys[self._matched]:
+                self._matched += 1
+                if self._matched == len(self._keys):
+                    self._matched = 0
+                    return bytes(forward), True
+                continue
+            if self._matched:
+                forward += self._keys[: self._matched]
+                self._matched = 1 if byte == self._keys[0] else 0
+                if self._matched:
+                    continue
+            forward.append(byte)
+        return bytes(forward), False
+
+
+@dataclass(frozen=True, slots=True)
+class AttachOutcome:
+    """How an attach ended: the human detached, the shell exited, or the owner went away."""
+
+    reason: Literal["detached", "exited", "lost"]
+    exit_code: int | None = None
+
+
+def _window_size(fd: int) -> tuple[int, int]:
+    try:
+        size = os.get_terminal_size(fd)
+    except OSError:
+        return 80, 24
+    return size.columns or 80, size.lines or 24
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            continue  # a non-blocking terminal that is momentarily full
+
+
+class _Bridge:
+    """One attach: forwards keys to the server and output frames to the terminal."""
+
+    def __init__(self, writer: asyncio.StreamWriter, keys: bytes, in_fd: int, out_fd: int) -> None:
+        self.writer = writer
+        self.detector = DetachDetector(keys)
+        self.in_fd, self.out_fd = in_fd, out_fd
+        self.done: asyncio.Future[AttachOutcome] = asyncio.get_running_loop().create_future()
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        if not self.writer.is_closing():
+            self.writer.write(protocol.encode(header, payload))
+
+    def finish(self, outcome: AttachOutcome) -> None:
+        if not self.done.done():
+            self.done.set_result(outcome)
+
+    def on_key(self) -> None:
+        try:
+            data = os.read(self.in_fd, 4096)
+        except BlockingIOError:
+            return
+        forward, detach = self.detector.feed(data)
+        if forward:
+            self.send({"op": "input"}, forward)
+        if detach or not data:  # end of our input detaches too: the session lives on
+            self.send({"op": "detach"})
+            self.finish(AttachOutcome("detached"))
+
+    def on_winch(self) -> None:
+        cols, rows = _window_size(self.out_fd)
+        self.send({"op": "resize", "cols": cols, "rows": rows})
+
+    def on_frame(self, message: dict[str, Any], payload: bytes) -> None:
+        if message.get("ev") == "out":
+            _write_all(self.out_fd, payload)
+        elif message.get("ev") == "exit":
+            code = message.get("exit_code")
+            self.finish(AttachOutcome("exited", code if isinstance(code, int) else None))
+
+    async def pump(self, reader: asyncio.StreamReader, decoder: protocol.FrameDecoder) -> None:
+        while chunk := await reader.read(65536):
+            for frame in decoder.feed(chunk):
+                self.on_frame(*frame)
+        self.finish(AttachOutcome("lost"))
+
+
+async def _handshake(
+    reader: asyncio.StreamReader, decoder: protocol.FrameDecoder, session_id: str
+) -> tuple[bytes, list[tuple[dict[str, Any], bytes]]]:
+    """The server's answer to attach: the replay, plus any frames that came with it."""
+    frames: list[tuple[dict[str, Any], bytes]] = []
+    while not frames:
+        chunk = await reader.read(65536)
+        if not chunk:
+            raise errors.SessionNotFound(f"the owner of session {session_id} hung up")
+        frames = decoder.feed(chunk)
+    header, replay = frames.pop(0)
+    if "error" in header:
+        error = header["error"]
+        message = error.get("message") if isinstance(error, dict) else None
+        raise errors.SessionNotFound(str(message or "attach refused"))
+    return replay, frames
+
+
+async def attach_terminal(
+    server: Path,
+    session_id: str,
+    *,
+    detach_keys: bytes = b"\x1d",
+    in_fd: int = 0,
+    out_fd: int = 1,
+) -> AttachOutcome:
+    """Bridge the terminal on ``in_fd``/``out_fd`` to a session until detach or exit."""
+    reader, writer = await asyncio.open_unix_connection(str(server))
+    loop = asyncio.get_running_loop()
+    bridge = _Bridge(writer, detach_keys, in_fd, out_fd)
+    saved: list[Any] | None = None
+    try:
+        cols, rows = _window_size(out_fd)
+        bridge.send({"op": "attach", "session_id": session_id, "cols": cols, "rows": rows})
+        decoder = protocol.FrameDecoder()
+        replay, early = await _handshake(reader, decoder, session_id)
+        if os.isatty(in_fd):
+            saved = termios.tcgetattr(in_fd)
+            tty.setraw(in_fd, termios.TCSANOW)  # keep keys typed ahead: they are for the shell
+        _write_all(out_fd, replay)
+        for frame in early:
+            bridge.on_frame(*frame)
+        loop.add_reader(in_fd, bridge.on_key)
+        loop.add_signal_handler(signal.SIGWINCH, bridge.on_winch)
+        pumping = asyncio.create_task(bridge.pump(reader, decoder))
+        try:
+            return await bridge.done
+        finally:
+            loop.remove_reader(in_fd)
+            loop.remove_signal_handler(signal.SIGWINCH)
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            pumping.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await pumping
+    finally:
+        if saved is not None:
+            termios.tcsetattr(in_fd, termios.TCSADRAIN, saved)
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()

@@ -1,0 +1,87 @@
+"""Streaming exec in real sandboxes: events as they happen, stdin pipe, tty, timeouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from corral import Sandbox
+from corral.errors import ErrorCode, SandboxError
+from corral.streaming import ExecEvent, ExecStream, Exited, Stderr, Stdout
+
+pytestmark = pytest.mark.needs_bwrap
+
+
+async def collect(stream: ExecStream) -> list[ExecEvent]:
+    return [event async for event in stream]
+
+
+def joined(events: list[ExecEvent], kind: type[Stdout] | type[Stderr]) -> bytes:
+    return b"".join(e.data for e in events if isinstance(e, kind))
+
+
+async def test_events_are_stdout_stderr_then_exit(sandbox: Sandbox) -> None:
+    events = await collect(await sandbox.exec_stream("echo out; echo err >&2; exit 3"))
+    assert joined(events, Stdout) == b"out\n" and joined(events, Stderr) == b"err\n"
+    assert events[-1] == Exited(3)
+    assert sum(isinstance(e, Exited) for e in events) == 1
+
+
+async def test_output_arrives_while_the_command_runs(sandbox: Sandbox) -> None:
+    stream = await sandbox.exec_stream(
+        ["sh", "-c", "echo first; read x; echo second $x"], stdin="pipe"
+    )
+    async with stream:
+        first = await anext(stream)
+        assert first == Stdout(b"first\n")  # before the command could finish
+        await stream.write(b"go\n")
+        rest = await collect(stream)
+    assert joined(rest, Stdout) == b"second go\n" and rest[-1] == Exited(0)
+
+
+async def test_stdin_pipe_writer_and_close(sandbox: Sandbox) -> None:
+    stream = await sandbox.exec_stream(["tr", "a-z", "A-Z"], stdin="pipe")
+    assert stream.stdin is stream
+    await stream.write("hello ")
+    await stream.write(b"world\n")
+    await stream.close_stdin()
+    events = await collect(stream)
+    assert joined(events, Stdout) == b"HELLO WORLD\n" and events[-1] == Exited(0)
+
+
+async def test_tty_output_comes_as_stdout_and_stdin_works(sandbox: Sandbox) -> None:
+    stream = await sandbox.exec_stream(
+        ["sh", "-c", "[ -t 1 ] && echo on-a-tty; read x; echo got-$x"], tty=True
+    )
+    await stream.write(b"hi\n")
+    events = await collect(stream)
+    out = joined(events, Stdout)
+    assert b"on-a-tty" in out and b"got-hi" in out
+    assert not any(isinstance(e, Stderr) for e in events) and events[-1] == Exited(0)
+
+
+async def test_timeout_kills_the_command(sandbox: Sandbox) -> None:
+    stream = await sandbox.exec_stream("sleep 60", timeout=0.3)
+    events = await collect(stream)
+    assert stream.timed_out and events == [Exited(-9)]
+
+
+async def test_wait_returns_the_status_and_large_output_is_complete(sandbox: Sandbox) -> None:
+    stream = await sandbox.exec_stream("seq 1 20000")
+    events = await collect(stream)
+    assert joined(events, Stdout) == b"".join(b"%d\n" % i for i in range(1, 20001))
+    assert await stream.wait() == 0
+
+
+async def test_leaving_the_context_kills_a_running_command(sandbox: Sandbox) -> None:
+    async with await sandbox.exec_stream("sleep 60") as stream:
+        pass
+    assert stream.exit_code == -9
+
+
+async def test_writing_without_stdin_is_refused(sandbox: Sandbox) -> None:
+    stream = await sandbox.exec_stream("true")
+    assert stream.stdin is None
+    with pytest.raises(SandboxError) as info:
+        await stream.write(b"x")
+    assert info.value.code == ErrorCode.INVALID_INPUT
+    assert await stream.wait(10) == 0
