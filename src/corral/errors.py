@@ -58,6 +58,14 @@ class ErrorCode(enum.StrEnum):
     PERMISSION_DENIED = "permission_denied"
     FILE_ERROR = "file_error"
     TIMEOUT = "timeout"
+    # Agent-tool layer (corral.tools): results handed to a model, never raised to it.
+    ACCESS_DENIED = "access_denied"
+    APPROVAL_REQUIRED = "approval_required"
+    APPROVAL_DENIED = "approval_denied"
+    UNKNOWN_TOOL = "unknown_tool"
+    RUNTIME_NOT_FOUND = "runtime_not_found"
+    INTERNAL_ERROR = "internal_error"
+    NO_SESSION = "no_session"
 
 
 class SandboxError(Exception):

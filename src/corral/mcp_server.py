@@ -1,0 +1,416 @@
+"""``corral mcp``: the agent tools over MCP (official ``mcp`` SDK), on stdio or streamable HTTP.
+
+Each MCP session gets its own sandbox, started on its first tool call (listing tools costs
+nothing) and closed when the session ends: on stdio when the client hangs up, on HTTP when
+the client deletes the session or leaves it idle. A call the approval rules mark ``ask`` is
+put to the human through MCP elicitation when the client supports it (a server request on
+2025 sessions, an ``InputRequiredResult`` round on 2026-07-28 ones); otherwise the model
+gets a structured ``approval_required`` result to relay.
+
+Tool failures are results with ``isError`` (the model reads them and corrects itself);
+only an unknown tool name is a protocol error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mcp_types as types
+import uvicorn
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from corral import errors
+from corral.policy import Policy
+from corral.sandbox import Sandbox
+from corral.tools.approvals import MODES, PermissionMode, Rule
+from corral.tools.presets import PRESETS
+from corral.tools.secrets import SecretStore
+from corral.tools.toolbox import Toolbox, allowed_tools, tool_schemas
+
+logger = logging.getLogger("corral.mcp")
+
+STDIO_SESSION = "stdio"
+IDLE_TIMEOUT = 30 * 60.0
+APPROVAL_KEY = "corral_approval"
+APPROVAL_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"approve": {"type": "boolean", "title": "Approve this action?"}},
+    "required": ["approve"],
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What every session's sandbox and toolbox are made from."""
+
+    policy: Policy = field(default_factory=Policy)
+    workspace: Path | None = None
+    """Shared by all sessions when set; else each session gets a fresh temporary one."""
+    capabilities: frozenset[str] | None = None
+    permission_mode: PermissionMode = "default"
+    rules: tuple[Rule, ...] | None = None
+    secrets: SecretStore = field(default_factory=SecretStore.from_env)
+    idle_timeout: float = IDLE_TIMEOUT
+
+
+@dataclass
+class _Session:
+    toolbox: Toolbox
+    last_used: float
+
+
+class Sessions:
+    """Sandboxes by MCP session key, made on first use and closed at session end."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._open: dict[str, _Session] = {}
+        self._starting: dict[str, asyncio.Lock] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    async def toolbox(self, key: str) -> Toolbox:
+        await self.reap_idle(exclude=key)
+        lock = self._starting.setdefault(key, asyncio.Lock())
+        async with lock:  # two first calls racing must not start two sandboxes
+            entry = self._open.get(key)
+            if entry is None:
+                sandbox = Sandbox(self.config.policy, workspace=self.config.workspace)
+                await sandbox.start()
+                toolbox = Toolbox(
+                    sandbox,
+                    capabilities=self.config.capabilities,
+                    permission_mode=self.config.permission_mode,
+                    rules=self.config.rules,
+                    secrets=self.config.secrets,
+                )
+                entry = self._open[key] = _Session(toolbox, time.monotonic())
+                logger.info("session %s: started sandbox %s", key, sandbox.sandbox_id)
+        entry.last_used = time.monotonic()
+        return entry.toolbox
+
+    async def close(self, key: str) -> None:
+        entry = self._open.pop(key, None)
+        self._starting.pop(key, None)
+        if entry is not None:
+            logger.info("session %s: closing sandbox %s", key, entry.toolbox.sandbox.sandbox_id)
+            await entry.toolbox.sandbox.aclose()
+
+    async def reap_idle(self, exclude: str | None = None) -> None:
+        deadline = time.monotonic() - self.config.idle_timeout
+        for key in [k for k, e in self._open.items() if e.last_used < deadline and k != exclude]:
+            await self.close(key)
+
+    async def aclose(self) -> None:
+        for key in list(self._open):
+            await self.close(key)
+
+
+def session_key(ctx: ServerRequestContext[Any, Any]) -> str | None:
+    """stdio is one session; on HTTP the transport's session id names it."""
+    request = ctx.request
+    if request is None:
+        return STDIO_SESSION
+    headers = getattr(request, "headers", None)
+    value = headers.get("mcp-session-id") if headers is not None else None
+    return value if isinstance(value, str) and value else None
+
+
+def _wants_elicitation(ctx: ServerRequestContext[Any, Any]) -> bool:
+    caps = ctx.session.client_capabilities
+    return caps is not None and caps.elicitation is not None
+
+
+def _to_result(result: dict[str, Any]) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[types.TextContent(text=json.dumps(result, ensure_ascii=False))],
+        structured_content=result,
+        is_error="error" in result,
+    )
+
+
+def _approval_prompt(result: dict[str, Any]) -> str:
+    approval = result.get("approval") or {}
+    what = approval.get("command") or approval.get("tool") or "this call"
+    reason = approval.get("reason")
+    return f"The agent wants to run: {what}" + (f" ({reason})" if reason else "")
+
+
+async def _ask_human(
+    ctx: ServerRequestContext[Any, Any],
+    params: types.CallToolRequestParams,
+    pending: dict[str, Any],
+) -> bool | types.InputRequiredResult:
+    """True/False from the human, or the InputRequiredResult that asks them (2026 era)."""
+    message = _approval_prompt(pending)
+    if ctx.session.can_send_request:
+        answer = await ctx.session.elicit_form(message, APPROVAL_SCHEMA, ctx.request_id)
+    else:
+        responses = params.input_responses or {}
+        reply = responses.get(APPROVAL_KEY)
+        if not isinstance(reply, types.ElicitResult):
+            request = types.ElicitRequest(
+                params=types.ElicitRequestFormParams(
+                    message=message, requested_schema=APPROVAL_SCHEMA
+                )
+            )
+            return types.InputRequiredResult(input_requests={APPROVAL_KEY: request})
+        answer = reply
+    return answer.action == "accept" and bool((answer.content or {}).get("approve"))
+
+
+def build_server(
+    config: ServerConfig, *, http: bool = False, sessions: Sessions | None = None
+) -> Server[Sessions]:
+    """The MCP server: ``tools/list`` and ``tools/call`` over per-session toolboxes."""
+    specs = allowed_tools(config.capabilities, config.permission_mode)
+    listed = [types.Tool.model_validate(t) for t in tool_schemas(specs, "mcp")]
+    names = {t.name for t in specs}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Server[Sessions]) -> AsyncIterator[Sessions]:
+        state = sessions if sessions is not None else Sessions(config)
+        try:
+            yield state
+        finally:
+            await state.aclose()
+
+    async def list_tools(
+        ctx: ServerRequestContext[Sessions, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=listed)
+
+    async def call_tool(
+        ctx: ServerRequestContext[Sessions, Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult | types.InputRequiredResult:
+        if params.name not in names:
+            raise MCPError(
+                code=types.INVALID_PARAMS,
+                message=f"unknown tool {params.name!r}; tools/list shows the tools",
+            )
+        key = session_key(ctx)
+        if key is None:
+            return _to_result(
+                {
+                    "error": {
+                        "code": "no_session",
+                        "message": "this server keeps a sandbox per MCP session; connect "
+                        "with a session (the 2025-11-25 protocol) to use its tools",
+                    }
+                }
+            )
+        toolbox = await ctx.lifespan_context.toolbox(key)
+        arguments = params.arguments or {}
+        result = await toolbox.call(params.name, arguments)
+        code = result.get("error", {}).get("code")
+        if code == "approval_required" and _wants_elicitation(ctx):
+            answer = await _ask_human(ctx, params, result)
+            if isinstance(answer, types.InputRequiredResult):
+                return answer
+            if answer:
+                result = await toolbox.call(params.name, arguments, approved=True)
+            else:
+                message = f"the user declined: {_approval_prompt(result)}"
+                result = {"error": {"code": "approval_denied", "message": message}}
+        return _to_result(result)
+
+    server: Server[Sessions] = Server(
+        "corral",
+        version="0.1.0",
+        instructions="Sandboxed command execution. Each session has its own Linux sandbox.",
+        lifespan=lifespan,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+    if http:
+        # The 2026-07-28 HTTP era has no sessions, and a sandbox must outlive one request:
+        # refusing discovery makes clients fall back to the session-based handshake.
+        async def no_discover(
+            ctx: ServerRequestContext[Sessions, Any], params: types.RequestParams | None
+        ) -> types.DiscoverResult:
+            raise MCPError(code=types.METHOD_NOT_FOUND, message="use the initialize handshake")
+
+        server.add_request_handler("server/discover", types.RequestParams, no_discover)
+    return server
+
+
+async def serve_stdio(config: ServerConfig) -> None:
+    server = build_server(config)
+    async with stdio_server() as (read_stream, write_stream):
+        await server.run(read_stream, write_stream, server.create_initialization_options())
+
+
+def parse_capabilities(values: Iterable[str] | None) -> frozenset[str] | None:
+    if not values:
+        return None
+    return frozenset(c.strip() for v in values for c in v.split(",") if c.strip())
+
+
+# ---- streamable HTTP -------------------------------------------------------------------------
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+class HttpApp:
+    """In front of the SDK's app: the bearer token, and sandbox teardown on session DELETE."""
+
+    def __init__(self, app: ASGIApp, sessions: Sessions, token: str | None) -> None:
+        self.app = app
+        self.sessions = sessions
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"")
+        if self.expected is not None and not hmac.compare_digest(given, self.expected):
+            await _unauthorized(send)
+            return
+        session_id = headers.get(b"mcp-session-id")
+        if scope.get("method") != "DELETE" or not session_id:
+            await self.app(scope, receive, send)
+            return
+        key = session_id.decode("latin-1")
+        status = 0
+
+        async def send_after_close(message: Message) -> None:
+            # Hold the end of the response until the sandbox is gone, so a client that
+            # has seen its DELETE answered knows nothing of its session is left running.
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif not message.get("more_body") and status < 400:
+                await self.sessions.close(key)
+            await send(message)
+
+        await self.app(scope, receive, send_after_close)
+
+
+async def _unauthorized(send: Send) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+        }
+    )
+    await send({"type": "http.response.body", "body": b'{"error": "bearer token required"}'})
+
+
+def build_http_app(
+    config: ServerConfig, *, host: str = "127.0.0.1", token: str | None = None
+) -> HttpApp:
+    """The streamable HTTP app (path ``/mcp``). A token is required off loopback.
+
+    Raises:
+        PolicyError: ``host`` is not a loopback address and no ``token`` was given.
+    """
+    if host not in LOOPBACK and not token:
+        raise errors.PolicyError(
+            f"serving MCP on {host} (not loopback) needs a bearer token: set CORRAL_MCP_TOKEN"
+        )
+    sessions = Sessions(config)
+    server = build_server(config, http=True, sessions=sessions)
+    app = server.streamable_http_app(host=host, session_idle_timeout=config.idle_timeout)
+    return HttpApp(app, sessions, token)
+
+
+async def serve_http(
+    config: ServerConfig,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    *,
+    token: str | None = None,
+    sock: socket.socket | None = None,
+) -> None:
+    """Serve until cancelled. Pass a bound, listening ``sock`` to pick the port yourself."""
+    app = build_http_app(config, host=host, token=token)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    await server.serve(sockets=[sock] if sock is not None else None)
+
+
+# ---- the command -----------------------------------------------------------------------------
+def add_mcp_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``corral mcp`` (called by :mod:`corral.cli`)."""
+    p = subparsers.add_parser("mcp", help="serve the agent tools over MCP (stdio or HTTP)")
+    p.add_argument("--policy", metavar="FILE", help="TOML policy file")
+    p.add_argument("--workspace", metavar="DIR", help="host dir shared read-write (default: temp)")
+    p.add_argument(
+        "--capabilities",
+        action="append",
+        metavar="LIST",
+        help="tools the agent may use, comma-separated (run_command, sandbox.exec, ...)",
+    )
+    p.add_argument("--permission-mode", choices=MODES, default="default")
+    p.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[])
+    p.add_argument("--secrets", metavar="FILE", help="NAME=value lines (plus CORRAL_SECRET_*)")
+    p.add_argument("--http", metavar="HOST:PORT", help="streamable HTTP instead of stdio")
+    p.set_defaults(func=cmd_mcp)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    policy = Policy.load(args.policy) if args.policy else Policy()
+    for name in args.preset:
+        policy = PRESETS[name](policy)
+    secrets = SecretStore.from_env()
+    if args.secrets:
+        secrets = secrets.merged(SecretStore.from_file(args.secrets))
+    return ServerConfig(
+        policy=policy,
+        workspace=Path(args.workspace).resolve() if args.workspace else None,
+        capabilities=parse_capabilities(args.capabilities),
+        permission_mode=args.permission_mode,
+        secrets=secrets,
+    )
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    # stdout is the protocol channel on stdio: logs go to stderr only.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if not args.http:
+        asyncio.run(serve_stdio(config))
+        return 0
+    host, _, port = args.http.rpartition(":")
+    if not host or not port.isdigit():
+        raise errors.SandboxError(
+            f"--http wants HOST:PORT, got {args.http!r}", code=errors.ErrorCode.INVALID_INPUT
+        )
+    token = os.environ.get("CORRAL_MCP_TOKEN") or None
+    asyncio.run(serve_http(config, host.strip("[]"), int(port), token=token))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m corral.mcp_server [options]``: the same as ``corral mcp``."""
+    parser = argparse.ArgumentParser(prog="corral-mcp")
+    add_mcp_command(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["mcp", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args))
+    except errors.SandboxError as exc:
+        print(f"corral mcp: [{exc.code}] {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

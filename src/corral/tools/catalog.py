@@ -1,0 +1,211 @@
+"""The tool catalogue: each tool's name, input model, description for a model, and hints.
+
+The descriptions carry the spec's "when to use each mode" advice, because the model reads
+nothing else before choosing a tool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from corral.tools.schemas import (
+    KillProcessArgs,
+    ListProcessesArgs,
+    OpenShellArgs,
+    ProcessStatsArgs,
+    ReadProcessOutputArgs,
+    RunCommandArgs,
+    SandboxExecArgs,
+    SandboxInfoArgs,
+    ShellBatchArgs,
+    ShellExpectArgs,
+    ShellExpectCasesArgs,
+    ShellReadArgs,
+    ShellSignalArgs,
+    ShellWriteArgs,
+    ToolArgs,
+    VfsListArgs,
+    VfsReadArgs,
+    VfsWriteArgs,
+    WaitForProcessArgs,
+)
+
+_WHEN = (
+    " When to use what: compile/lint/format -> run_command(wait=true); test suite or long "
+    "build -> run_command(wait=false) then wait_for_process / read_process_output; a CLI that "
+    "prompts -> open_shell + shell_expect; several possible outcomes -> shell_expect_cases; a "
+    "scripted send/expect flow -> shell_batch; reading or writing files -> vfs_* tools."
+)
+
+
+class ToolSpec(BaseModel):
+    """One tool: its name, input model, description and behaviour hints."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    args: type[ToolArgs]
+    description: str
+    read_only: bool
+    destructive: bool = False
+
+
+TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec(
+        name="run_command",
+        args=RunCommandArgs,
+        read_only=False,
+        destructive=True,
+        description="Run a command in the sandbox. wait=true (default) blocks until it exits "
+        "and returns pid, exit_code, timed_out, stdout, stderr: one call, one answer. wait=false "
+        "returns {pid, status: 'running'} at once for long jobs." + _WHEN,
+    ),
+    ToolSpec(
+        name="wait_for_process",
+        args=WaitForProcessArgs,
+        read_only=True,
+        description="Block until a background process exits or timeout_ms passes. Returns "
+        "status 'exited' with exit_code, or status 'timeout' (it keeps running).",
+    ),
+    ToolSpec(
+        name="read_process_output",
+        args=ReadProcessOutputArgs,
+        read_only=True,
+        description="Read the captured stdout or stderr of a process, also while it is still "
+        "running (partial output shows progress). Long output keeps its head and tail.",
+    ),
+    ToolSpec(
+        name="list_processes",
+        args=ListProcessesArgs,
+        read_only=True,
+        description="List running and recently finished processes (yours and your "
+        "sub-agents'), with pid, command, status and exit_code.",
+    ),
+    ToolSpec(
+        name="kill_process",
+        args=KillProcessArgs,
+        read_only=False,
+        destructive=True,
+        description="Send a signal (default SIGKILL) to one of your own processes and its "
+        "process group.",
+    ),
+    ToolSpec(
+        name="process_stats",
+        args=ProcessStatsArgs,
+        read_only=True,
+        description="CPU seconds, memory (rss_bytes) and status of a process.",
+    ),
+    ToolSpec(
+        name="open_shell",
+        args=OpenShellArgs,
+        read_only=False,
+        description="Start an interactive shell on a terminal (PTY). Use it for programs that "
+        "prompt (confirmations, passwords, REPLs). Returns a session_id.",
+    ),
+    ToolSpec(
+        name="shell_write",
+        args=ShellWriteArgs,
+        read_only=False,
+        destructive=True,
+        description="Send keystrokes to a shell session; end commands with \\n. Use shell_read "
+        "or shell_expect to see the result.",
+    ),
+    ToolSpec(
+        name="shell_read",
+        args=ShellReadArgs,
+        read_only=True,
+        description="Return what the shell printed since the last read or match, without "
+        "waiting. Prefer shell_expect when you know what to wait for.",
+    ),
+    ToolSpec(
+        name="shell_expect",
+        args=ShellExpectArgs,
+        read_only=True,
+        description="Wait until a regex appears in the shell's output (no polling loop needed) "
+        "and return the output up to it with capture groups. If it is a confirmation or "
+        "password prompt, hand the terminal to the user instead of answering it yourself.",
+    ),
+    ToolSpec(
+        name="shell_expect_cases",
+        args=ShellExpectCasesArgs,
+        read_only=True,
+        description="Wait for the first of several regex cases (switch/case). Returns the "
+        "matched case index, its tag and label; a case's respond text is sent automatically.",
+    ),
+    ToolSpec(
+        name="shell_batch",
+        args=ShellBatchArgs,
+        read_only=False,
+        destructive=True,
+        description="Run a sequence of send / expect / expect_cases steps in one call. Stops "
+        "at the first failed step and returns the partial results.",
+    ),
+    ToolSpec(
+        name="shell_signal",
+        args=ShellSignalArgs,
+        read_only=False,
+        destructive=True,
+        description="Send a signal to the shell's foreground program: SIGINT is Ctrl-C.",
+    ),
+    ToolSpec(
+        name="vfs_list",
+        args=VfsListArgs,
+        read_only=True,
+        description="List a directory in the sandbox workspace (name, type, size).",
+    ),
+    ToolSpec(
+        name="vfs_read",
+        args=VfsReadArgs,
+        read_only=True,
+        description="Read a text file from the sandbox workspace.",
+    ),
+    ToolSpec(
+        name="vfs_write",
+        args=VfsWriteArgs,
+        read_only=False,
+        destructive=True,
+        description="Write (or append to) a file in the sandbox workspace, creating parents.",
+    ),
+    ToolSpec(
+        name="sandbox.exec",
+        args=SandboxExecArgs,
+        read_only=False,
+        description="Run a snippet of sh, python3 or node code in the sandbox (no network) and "
+        "return stdout, stderr, exit_code. A non-zero exit_code is a result: read stderr.",
+    ),
+    ToolSpec(
+        name="sandbox_info",
+        args=SandboxInfoArgs,
+        read_only=True,
+        description="Describe the sandbox: kernel, cpus, memory, limits, workspace.",
+    ),
+)
+
+TOOLS_BY_NAME: dict[str, ToolSpec] = {t.name: t for t in TOOLS}
+
+
+def function_name(name: str) -> str:
+    """OpenAI and Anthropic allow only [a-zA-Z0-9_-] in names: 'sandbox.exec' -> 'sandbox_exec'."""
+    return name.replace(".", "_")
+
+
+def input_schema(args: type[ToolArgs]) -> dict[str, Any]:
+    """A self-contained JSON Schema (no $ref) for a tool's input."""
+    schema = args.model_json_schema()
+    defs = schema.pop("$defs", {})
+    cleaned: dict[str, Any] = _clean(schema, defs)
+    return cleaned
+
+
+def _clean(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _clean(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        # Refs are inlined, so the discriminator's ref mapping would dangle; oneOf + const
+        # say the same thing to every validator.
+        return {k: _clean(v, defs) for k, v in node.items() if k not in ("title", "discriminator")}
+    if isinstance(node, list):
+        return [_clean(v, defs) for v in node]
+    return node

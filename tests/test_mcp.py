@@ -1,0 +1,273 @@
+"""The MCP server through the official SDK client: stdio (a real subprocess) and HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import mcp_types as types
+import pytest
+import uvicorn
+from mcp import Client, StdioServerParameters
+from mcp.client.context import ClientRequestContext
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+from corral.mcp_server import HttpApp, ServerConfig, build_http_app
+from corral.tools import SecretStore
+
+pytestmark = pytest.mark.needs_bwrap
+
+CARGO_HOME = Path.home() / ".cargo"
+CRATE_MAIN = (
+    'fn answer() -> String {\n    42u32\n}\n\nfn main() {\n    println!("{}", answer());\n}\n'
+)
+PROMPT_SCRIPT = (
+    "printf 'Do you want to perform these actions?\\n  Enter a value: '\n"
+    'read a\necho "Apply complete! ($a)"\n'
+)
+
+
+def stdio_params(*extra: str, env: dict[str, str] | None = None) -> StdioServerParameters:
+    return StdioServerParameters(
+        command=sys.executable, args=["-m", "corral.mcp_server", *extra], env=env
+    )
+
+
+async def call(client: Client, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    result = await client.call_tool(tool, arguments)
+    assert result.structured_content is not None
+    assert json.loads(result.content[0].text) == result.structured_content  # type: ignore[union-attr]
+    data: dict[str, Any] = result.structured_content
+    assert result.is_error == ("error" in data)
+    return data
+
+
+@pytest.fixture
+def crate(tmp_path: Path) -> Path:
+    ws = tmp_path / "crate"
+    (ws / "src").mkdir(parents=True)
+    (ws / "Cargo.toml").write_text(
+        '[package]\nname = "myproject"\nversion = "0.1.0"\nedition = "2021"\n', encoding="utf-8"
+    )
+    (ws / "src" / "main.rs").write_text(CRATE_MAIN, encoding="utf-8")
+    return ws
+
+
+async def test_stdio_replays_the_five_scenarios(crate: Path) -> None:
+    if not (CARGO_HOME / "bin" / "cargo").exists():
+        pytest.skip("cargo is not installed under ~/.cargo")
+    async with (
+        asyncio.timeout(120),
+        Client(stdio_params("--preset", "rust", "--workspace", str(crate))) as client,
+    ):
+        listed = {t.name: t for t in (await client.list_tools()).tools}
+        assert (
+            listed["vfs_read"].annotations is not None
+            and listed["vfs_read"].annotations.read_only_hint
+        )
+        assert (
+            listed["run_command"].annotations is not None
+            and listed["run_command"].annotations.destructive_hint
+        )
+
+        # 1: oneshot compile with diagnostics as JSON
+        checked = await call(
+            client,
+            "run_command",
+            {
+                "command": "cargo",
+                "args": ["check", "--message-format=json"],
+                "wait": True,
+                "timeout_secs": 60,
+            },
+        )
+        assert checked["exit_code"] == 101 and checked["timed_out"] is False
+        messages = [json.loads(line) for line in checked["stdout"].splitlines()]
+        rendered = [
+            m["message"]["rendered"] for m in messages if m.get("reason") == "compiler-message"
+        ]
+        assert any(
+            "error[E0308]: mismatched types" in r and "src/main.rs:2:5" in r for r in rendered
+        )
+        assert "could not compile `myproject`" in checked["stderr"]
+
+        # 2: background job polled
+        script = "echo building >&2; while [ ! -s go ]; do sleep 0.01; done; echo finished >&2"
+        job = await call(client, "run_command", {"command": script, "wait": False})
+        assert job["status"] == "running"
+        waited = await call(client, "wait_for_process", {"pid": job["pid"], "timeout_ms": 20})
+        assert waited["status"] == "timeout"
+        partial = await call(client, "read_process_output", {"pid": job["pid"], "stream": "stderr"})
+        assert partial["status"] == "running"
+        await call(client, "vfs_write", {"path": "go", "content": "now"})
+        done = await call(client, "wait_for_process", {"pid": job["pid"], "timeout_ms": 5000})
+        assert done == {"pid": job["pid"], "status": "exited", "exit_code": 0}
+        final = await call(client, "read_process_output", {"pid": job["pid"], "stream": "stderr"})
+        assert final["output"] == "building\nfinished\n"
+
+        # 3: a confirmation prompt found with shell_expect
+        await call(client, "vfs_write", {"path": "apply.sh", "content": PROMPT_SCRIPT})
+        sid = (await call(client, "open_shell", {"shell": "/bin/sh"}))["session_id"]
+        await call(client, "shell_write", {"session_id": sid, "input": "sh apply.sh\n"})
+        prompt = await call(
+            client,
+            "shell_expect",
+            {"session_id": sid, "pattern": "Enter a value:", "timeout_secs": 10},
+        )
+        assert prompt["matched"] and "perform these actions" in prompt["output"]
+        await call(client, "shell_write", {"session_id": sid, "input": "yes\n"})
+        assert (
+            await call(
+                client,
+                "shell_expect",
+                {"session_id": sid, "pattern": r"Apply complete! \(yes\)", "timeout_secs": 10},
+            )
+        )["matched"]
+
+        # 4: switch/case with respond and captures
+        await call(
+            client,
+            "shell_write",
+            {"session_id": sid, "input": "echo tool version 2.7; read v; echo answer=$v\n"},
+        )
+        cases = [
+            {"pattern": "password:", "tag": "needs_user", "label": "Password prompt"},
+            {
+                "pattern": r"version (\d+\.\d+)",
+                "tag": "ok",
+                "label": "Version detected",
+                "respond": "Detected version $1\n",
+            },
+        ]
+        case = await call(
+            client, "shell_expect_cases", {"session_id": sid, "cases": cases, "timeout_secs": 10}
+        )
+        assert (case["matched_case"], case["tag"], case["captures"]) == (
+            1,
+            "ok",
+            ["version 2.7", "2.7"],
+        )
+        assert (
+            await call(
+                client,
+                "shell_expect",
+                {"session_id": sid, "pattern": "answer=Detected version 2.7", "timeout_secs": 10},
+            )
+        )["matched"]
+
+        # 5: a scripted flow in one call
+        steps = [
+            {"type": "send", "input": "ls src\n"},
+            {"type": "expect", "pattern": r"main\.rs", "timeout_secs": 10},
+            {"type": "send", "input": "echo status=$?\n"},
+            {"type": "expect", "pattern": r"status=0"},
+        ]
+        batch = await call(
+            client, "shell_batch", {"session_id": sid, "steps": steps, "timeout_secs": 10}
+        )
+        assert (batch["completed"], batch["total"]) == (4, 4)
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])  # 2026 InputRequired round / 2025 request
+async def test_stdio_asks_the_human_through_elicitation(mode: Any) -> None:
+    asked: list[str] = []
+
+    async def elicit(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult:
+        asked.append(params.message)
+        return types.ElicitResult(
+            action="accept", content={"approve": "git push" in params.message}
+        )
+
+    async with (
+        asyncio.timeout(30),
+        Client(stdio_params(), elicitation_callback=elicit, mode=mode) as client,
+    ):
+        approved = await call(client, "run_command", {"command": "echo git push"})
+        assert approved["stdout"] == "git push\n"
+        declined = await call(client, "run_command", {"command": "rm -rf /tmp/nothing"})
+        assert declined["error"]["code"] == "approval_denied"
+    assert len(asked) == 2
+
+
+async def test_stdio_without_elicitation_returns_approval_required() -> None:
+    async with asyncio.timeout(30), Client(stdio_params("--capabilities", "run_command")) as client:
+        assert [t.name for t in (await client.list_tools()).tools] == ["run_command"]
+        result = await call(client, "run_command", {"command": "git push origin main"})
+        assert result["error"]["code"] == "approval_required"
+        assert result["approval"]["command"] == "git push origin main"
+
+
+def _listening_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)  # connections queue here until uvicorn accepts: no readiness race
+    return sock
+
+
+@pytest.fixture
+async def http_server() -> AsyncIterator[tuple[str, HttpApp]]:
+    config = ServerConfig(secrets=SecretStore({"db-password": "pa55w0rd-xyz"}))
+    app = build_http_app(config, token="t0ken")
+    sock = _listening_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/mcp", app
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
+        sock.close()
+
+
+async def test_http_session_gets_a_sandbox_closed_at_session_end(
+    http_server: tuple[str, HttpApp],
+) -> None:
+    url, app = http_server
+    headers = {"Authorization": "Bearer t0ken"}
+    async with asyncio.timeout(30), create_mcp_http_client(headers=headers) as http:
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            assert len(app.sessions) == 0  # lazily: listing tools starts nothing
+            assert len((await client.list_tools()).tools) == 18
+            ran = await call(
+                client,
+                "sandbox.exec",
+                {
+                    "runtime": "python3",
+                    "code": "import os; print(os.environ['P'])",
+                    "secrets": {"P": "{{secret:db-password}}"},
+                },
+            )
+            assert ran["stdout"] == "[REDACTED:db-password]\n"
+            job = await call(client, "run_command", {"command": "echo bg", "wait": False})
+            assert (
+                await call(client, "wait_for_process", {"pid": job["pid"], "timeout_ms": 5000})
+            )["exit_code"] == 0
+            assert len(app.sessions) == 1
+        assert len(app.sessions) == 0
+
+
+async def test_http_refuses_requests_without_the_bearer_token(
+    http_server: tuple[str, HttpApp],
+) -> None:
+    url, _ = http_server
+    async with httpx2.AsyncClient() as http:
+        response = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "ping"})
+    assert response.status_code == 401
+
+
+def test_http_off_loopback_requires_a_token() -> None:
+    from corral.errors import PolicyError
+
+    with pytest.raises(PolicyError):
+        build_http_app(ServerConfig(secrets=SecretStore()), host="0.0.0.0")

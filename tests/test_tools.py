@@ -1,0 +1,319 @@
+"""The agent tools through Toolbox.call, on real sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral import Policy, Sandbox
+from corral.tools import Rule, SecretStore, Toolbox, tool_schemas
+from corral.tools.approvals import ApprovalRequest
+from corral.tools.catalog import TOOLS
+
+pytestmark = pytest.mark.needs_bwrap
+
+TF_SCRIPT = """\
+echo 'Plan: 1 to add, 0 to change, 0 to destroy.'
+printf '  Enter a value: '
+read answer
+[ "$answer" = yes ] && echo 'Apply complete! Resources: 1 added.'
+"""
+
+
+def box(sandbox: Sandbox, **kwargs: Any) -> Toolbox:
+    kwargs.setdefault("secrets", SecretStore({"my-api-key": "sk-live-abcdef123456"}))
+    return Toolbox(sandbox, **kwargs)
+
+
+async def test_run_command_oneshot_returns_the_spec_shape(sandbox: Sandbox) -> None:
+    result = await box(sandbox).call(
+        "run_command", {"command": "sh", "args": ["-c", "echo out; echo err >&2; exit 3"]}
+    )
+    assert set(result) == {"pid", "exit_code", "timed_out", "stdout", "stderr"}
+    assert (result["exit_code"], result["stdout"], result["stderr"]) == (3, "out\n", "err\n")
+
+
+async def test_run_command_timeout_kills_and_reports_timed_out(sandbox: Sandbox) -> None:
+    result = await box(sandbox).call(
+        "run_command", {"command": "echo started; sleep 30", "timeout_secs": 0.3}
+    )
+    assert result["timed_out"] is True
+    assert result["stdout"] == "started\n"
+
+
+async def test_background_job_is_polled_with_wait_and_read(sandbox: Sandbox) -> None:
+    tools = box(sandbox)
+    await tools.call("vfs_write", {"path": "go", "content": ""})
+    started = await tools.call(
+        "run_command",
+        {
+            "command": "echo step1 >&2; while [ ! -s go ]; do sleep 0.01; done; echo done >&2",
+            "wait": False,
+        },
+    )
+    assert started["status"] == "running" and "wait_for_process" in started["hint"]
+    pid = started["pid"]
+    waited = await tools.call("wait_for_process", {"pid": pid, "timeout_ms": 50})
+    assert waited == {
+        "pid": pid,
+        "status": "timeout",
+        "message": "process still running after 50ms",
+    }
+    proc = sandbox.process(pid)
+    stream = proc.subscribe()  # waits for the first output (which may already be here)
+    async with asyncio.timeout(5):
+        if not proc.output("stderr"):
+            assert await stream.get() == ("stderr", b"step1\n")
+    partial = await tools.call("read_process_output", {"pid": pid, "stream": "stderr"})
+    assert (partial["status"], partial["output"]) == ("running", "step1\n")
+    await tools.call("vfs_write", {"path": "go", "content": "x"})
+    assert await tools.call("wait_for_process", {"pid": pid, "timeout_ms": 5000}) == {
+        "pid": pid,
+        "status": "exited",
+        "exit_code": 0,
+    }
+    final = await tools.call("read_process_output", {"pid": pid, "stream": "stderr"})
+    assert final["output"] == "step1\ndone\n"
+    listed = await tools.call("list_processes", {})
+    assert any(p["pid"] == pid and p["status"] == "exited" for p in listed["processes"])
+
+
+@pytest.mark.parametrize(
+    ("runtime", "code"),
+    [
+        ("sh", 'read x; echo "$x" | tr a-z A-Z'),
+        ("python3", "import sys\nprint(sys.stdin.read().upper())"),
+        (
+            "node",
+            "let d='';process.stdin.on('data',c=>d+=c).on('end',()=>console.log(d.toUpperCase()))",
+        ),
+    ],
+)
+async def test_sandbox_exec_runs_each_runtime_with_stdin(
+    sandbox: Sandbox, runtime: str, code: str
+) -> None:
+    result = await box(sandbox).call(
+        "sandbox.exec", {"runtime": runtime, "code": code, "stdin": "hello world"}
+    )
+    assert result["exit_code"] == 0, result
+    assert result["stdout"].strip() == "HELLO WORLD"
+
+
+async def test_sandbox_exec_timeout_is_worded_as_the_spec(sandbox: Sandbox) -> None:
+    result = await box(sandbox).call(
+        "sandbox.exec", {"runtime": "sh", "code": "sleep 30", "timeout_ms": 100}
+    )
+    assert result["error"] == {"code": "timeout", "message": "timeout"}
+
+
+async def test_sandbox_exec_secret_reaches_process_but_is_redacted(sandbox: Sandbox) -> None:
+    tools = box(sandbox)
+    result = await tools.call(
+        "sandbox.exec",
+        {
+            "runtime": "sh",
+            "code": "echo key=$API_KEY; echo $API_KEY > leaked",
+            "secrets": {"API_KEY": "{{secret:my-api-key}}"},
+        },
+    )
+    assert result["stdout"] == "key=[REDACTED:my-api-key]\n"
+    assert (await tools.call("vfs_read", {"path": "leaked"}))[
+        "content"
+    ] == "[REDACTED:my-api-key]\n"
+    assert await sandbox.files.read_text("leaked") == "sk-live-abcdef123456\n"
+
+
+async def test_unknown_secret_and_raw_values_are_refused(sandbox: Sandbox) -> None:
+    tools = box(sandbox)
+    unknown = await tools.call(
+        "sandbox.exec", {"runtime": "sh", "code": "true", "secrets": {"K": "{{secret:nope}}"}}
+    )
+    assert unknown["error"]["code"] == "invalid_input" and "nope" in unknown["error"]["message"]
+    raw = await tools.call(
+        "sandbox.exec", {"runtime": "sh", "code": "true", "secrets": {"K": "plain"}}
+    )
+    assert raw["error"]["code"] == "invalid_input"
+
+
+async def test_runtime_not_found_is_worded_as_the_spec(workspace: Path) -> None:
+    async with Sandbox(Policy(env={"PATH": "/nonexistent"}), workspace=workspace) as sb:
+        result = await box(sb).call("sandbox.exec", {"runtime": "python3", "code": "print(1)"})
+    assert result["error"] == {"code": "runtime_not_found", "message": "runtime not found: python3"}
+
+
+async def test_capability_denial_says_access_denied(sandbox: Sandbox) -> None:
+    tools = box(sandbox, capabilities={"tool.invoke:run_command"})
+    assert await tools.call("sandbox.exec", {"runtime": "sh", "code": "id"}) == {
+        "error": {"code": "access_denied", "message": "access denied: sandbox.exec"}
+    }
+    assert (await tools.call("run_command", {"command": "true"}))["exit_code"] == 0
+    assert [t["name"] for t in tools.schemas("anthropic")] == ["run_command"]
+
+
+async def test_ask_rule_without_approver_returns_approval_required(sandbox: Sandbox) -> None:
+    result = await box(sandbox).call("run_command", {"command": "echo", "args": ["git", "push"]})
+    assert result["error"]["code"] == "approval_required"
+    assert result["approval"] == {
+        "tool": "run_command",
+        "command": "echo git push",
+        "reason": "publishes commits",
+    }
+
+
+async def test_approver_decides_ask_rules(sandbox: Sandbox) -> None:
+    asked: list[ApprovalRequest] = []
+
+    async def approver(request: ApprovalRequest) -> bool:
+        asked.append(request)
+        return "yes" in (request.command_line or "")
+
+    rules = [Rule(command=r"^echo", outcome="ask")]
+    tools = box(sandbox, approver=approver, rules=rules)
+    assert (await tools.call("run_command", {"command": "echo yes"}))["stdout"] == "yes\n"
+    assert (await tools.call("run_command", {"command": "echo no"}))["error"][
+        "code"
+    ] == "approval_denied"
+    assert [r.command_line for r in asked] == ["echo yes", "echo no"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "tool", "arguments", "allowed"),
+    [
+        ("read-only", "vfs_list", {}, True),
+        ("read-only", "run_command", {"command": "true"}, False),
+        ("read-only", "vfs_write", {"path": "x", "content": ""}, False),
+        ("deny", "vfs_list", {}, False),
+        ("auto", "run_command", {"command": "echo git push"}, True),
+        ("auto", "run_command", {"command": "echo forbidden"}, False),
+    ],
+)
+async def test_permission_modes(
+    sandbox: Sandbox, mode: Any, tool: str, arguments: dict[str, Any], allowed: bool
+) -> None:
+    rules = [Rule(command="forbidden", outcome="deny"), Rule(command=r"git\s+push", outcome="ask")]
+    result = await box(sandbox, permission_mode=mode, rules=rules).call(tool, arguments)
+    assert ("error" not in result) is allowed, result
+
+
+async def test_scopes_parent_reads_child_but_kills_only_own(
+    workspace: Path, tmp_path: Path
+) -> None:
+    child_ws = tmp_path / "child"
+    child_ws.mkdir()
+    async with Sandbox(workspace=workspace) as parent_sb, Sandbox(workspace=child_ws) as child_sb:
+        parent, child = box(parent_sb), box(child_sb)
+        parent.add_child_registry("research-agent", child_sb.registry)
+        own = await parent.call("run_command", {"command": "echo parent"})
+        sleeper = await child.call("run_command", {"command": "sleep 30", "wait": False})
+        echo = await child.call("run_command", {"command": "echo child-output"})
+        rows = (await parent.call("list_processes", {}))["processes"]
+        owners = {(p["owner"], p["pid"]) for p in rows}
+        assert owners == {
+            ("self", own["pid"]),
+            ("research-agent", sleeper["pid"]),
+            ("research-agent", echo["pid"]),
+        }
+        child_rows = (await child.call("list_processes", {}))["processes"]
+        assert {p["owner"] for p in child_rows} == {"self"}
+        read = await parent.call(
+            "read_process_output", {"pid": echo["pid"], "owner": "research-agent"}
+        )
+        assert read["output"] == "child-output\n"
+        assert echo["pid"] != own["pid"]
+        denied = await parent.call("kill_process", {"pid": echo["pid"]})
+        assert denied["error"]["code"] == "process_not_found"
+        assert "sub-agent" in denied["error"]["message"]
+        assert (await child.call("kill_process", {"pid": sleeper["pid"]}))["delivered"] is True
+        blind = await child.call("read_process_output", {"pid": 10_000})
+        assert blind["error"]["code"] == "process_not_found"
+
+
+async def test_shell_expect_finds_a_confirmation_prompt(sandbox: Sandbox) -> None:
+    tools = box(sandbox)
+    await tools.call("vfs_write", {"path": "tf.sh", "content": TF_SCRIPT})
+    sid = (await tools.call("open_shell", {"shell": "/bin/sh"}))["session_id"]
+    await tools.call("shell_write", {"session_id": sid, "input": "sh tf.sh\n"})
+    prompt = await tools.call(
+        "shell_expect", {"session_id": sid, "pattern": "Enter a value:", "timeout_secs": 5}
+    )
+    assert prompt["matched"] is True and "Plan: 1 to add" in prompt["output"]
+    await tools.call("shell_write", {"session_id": sid, "input": "yes\n"})  # the human's answer
+    done = await tools.call(
+        "shell_expect", {"session_id": sid, "pattern": "Apply complete!", "timeout_secs": 5}
+    )
+    assert done["matched"] is True
+
+
+async def test_shell_expect_cases_responds_with_captures(sandbox: Sandbox) -> None:
+    tools = box(sandbox)
+    sid = (await tools.call("open_shell", {}))["session_id"]
+    await tools.call(
+        "shell_write", {"session_id": sid, "input": "echo version 1.42; read v; echo got=$v\n"}
+    )
+    cases = [
+        {"pattern": "password:", "tag": "needs_user", "label": "Password prompt"},
+        {
+            "pattern": r"version (\d+\.\d+)",
+            "tag": "ok",
+            "label": "Version detected",
+            "respond": "Detected version $1\n",
+        },
+    ]
+    result = await tools.call(
+        "shell_expect_cases", {"session_id": sid, "cases": cases, "timeout_secs": 5}
+    )
+    assert (result["matched"], result["matched_case"], result["tag"], result["label"]) == (
+        True,
+        1,
+        "ok",
+        "Version detected",
+    )
+    assert result["captures"] == ["version 1.42", "1.42"]
+    echoed = await tools.call(
+        "shell_expect",
+        {"session_id": sid, "pattern": "got=Detected version 1.42", "timeout_secs": 5},
+    )
+    assert echoed["matched"] is True
+
+
+async def test_shell_batch_runs_send_expect_steps(sandbox: Sandbox) -> None:
+    tools = box(sandbox)
+    sid = (await tools.call("open_shell", {}))["session_id"]
+    steps = [
+        {"type": "send", "input": "echo one\n"},
+        {"type": "expect", "pattern": "^one", "timeout_secs": 5},
+        {"type": "send", "input": "echo two\n"},
+        {
+            "type": "expect_cases",
+            "cases": [{"pattern": "^two", "tag": "ok"}, {"pattern": "ERR", "tag": "fail"}],
+        },
+    ]
+    result = await tools.call("shell_batch", {"session_id": sid, "steps": steps, "timeout_secs": 5})
+    assert (result["completed"], result["total"]) == (4, 4)
+    assert [s["success"] for s in result["steps"]] == [True] * 4
+    signalled = await tools.call("shell_signal", {"session_id": sid, "signal": "SIGINT"})
+    assert signalled["delivered"] is True
+
+
+async def test_long_output_is_capped_keeping_head_and_tail(sandbox: Sandbox) -> None:
+    tools = box(sandbox, output_chars=1000)
+    result = await tools.call("run_command", {"command": "echo HEAD; seq 1 20000; echo TAIL"})
+    assert result["truncated"] is True
+    assert result["stdout"].startswith("HEAD") and result["stdout"].endswith("TAIL\n")
+    assert "chars truncated" in result["stdout"] and len(result["stdout"]) < 1100
+
+
+def test_schemas_are_generated_for_every_format() -> None:
+    openai = tool_schemas(TOOLS, "openai")
+    assert {f["function"]["name"] for f in openai} >= {"run_command", "sandbox_exec", "shell_batch"}
+    anthropic = {t["name"]: t for t in tool_schemas(TOOLS, "anthropic")}
+    exec_schema = anthropic["sandbox_exec"]["input_schema"]
+    assert exec_schema["required"] == ["runtime", "code"]
+    assert exec_schema["properties"]["runtime"]["enum"] == ["sh", "python3", "node"]
+    mcp = {t["name"]: t for t in tool_schemas(TOOLS, "mcp")}
+    assert mcp["vfs_read"]["annotations"]["readOnlyHint"] is True
+    assert mcp["kill_process"]["annotations"]["destructiveHint"] is True
+    assert "$ref" not in str(mcp["shell_batch"]["inputSchema"])
