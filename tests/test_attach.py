@@ -208,9 +208,7 @@ async def test_sessions_are_served_on_a_private_socket(
 
 
 @pytest.mark.needs_bwrap
-async def test_other_users_are_refused(
-    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+async def test_other_users_are_refused(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
     # Somewhere another uid can reach (pytest's tmp dirs are 0700 all the way up).
     public = Path(tempfile.mkdtemp(prefix="corral-test-"))
     monkeypatch.setenv("CORRAL_SESSIONS_DIR", str(public / "sessions"))

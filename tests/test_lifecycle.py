@@ -121,3 +121,13 @@ async def test_a_killed_agent_breaks_the_sandbox_cleanly(sandbox: Sandbox) -> No
     assert result.status == "exited" and result.exit_code == -9
     with pytest.raises(SandboxBroken):
         await sandbox.run("true")
+
+
+def test_sweep_leaves_cgroups_that_are_not_boxes_alone() -> None:
+    # Another process's group under corral/ (a test, another tool) must survive our sweep.
+    group = cgroups.Cgroup.create("not-a-box-sweep-test", cgroups.CgroupLimits(max_pids=8))
+    try:
+        sweep_orphans()
+        assert group.path.exists()
+    finally:
+        group.remove()

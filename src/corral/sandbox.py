@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from corral import errors
 from corral.agent import protocol
-from corral.backends.base import Backend, Box, BoxSpec, BoxStats
+from corral.backends.base import BOX_PREFIX, Backend, Box, BoxSpec, BoxStats
 from corral.backends.bwrap_args import box_env
 from corral.channel import Channel
 from corral.files import Files
@@ -81,7 +81,7 @@ class Sandbox:
         self._channel: Channel | None = None
         self._owned_workspace: Path | None = None
         self.workspace: Path | None = self._workspace_arg
-        self.sandbox_id = "cb-" + secrets.token_hex(6)
+        self.sandbox_id = BOX_PREFIX + secrets.token_hex(6)
         tracking = self.policy.process_tracking
         self._registry = ProcessRegistry(tracking.max_tracked if tracking.enabled else 0)
         self._sessions = SessionRegistry()

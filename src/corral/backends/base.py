@@ -18,6 +18,9 @@ from corral.policy import Policy
 AGENT_DIR = Path(__file__).resolve().parent.parent / "agent"
 """Host directory holding the guest agent (stdlib-only Python files)."""
 
+BOX_PREFIX = "cb-"
+"""Every box id starts with this; orphan sweeps touch nothing else."""
+
 BOX_UID = 1000
 """uid (and gid) that commands run as inside every box; the agent is uid 0 of the box."""
 

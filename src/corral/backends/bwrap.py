@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.backends import bwrap_args, cgroups, seccomp
-from corral.backends.base import AGENT_DIR, BOX_UID, BoxSpec, BoxStats
+from corral.backends.base import AGENT_DIR, BOX_PREFIX, BOX_UID, BoxSpec, BoxStats
 from corral.errors import BackendError, BackendUnavailable
 
 HOST_UID_BASE = 2_000_000
@@ -110,9 +110,12 @@ def sweep_orphans() -> list[str]:
                 os.kill(bwrap_pid, signal.SIGKILL)
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry.name)
-    # A cgroup whose box has no state directory any more belongs to nobody.
+    # A box's cgroup whose state directory is gone belongs to nobody. Only box names are
+    # considered: other users of the corral/ parent (tests, other tools) are not ours.
     with contextlib.suppress(BackendError):
-        cgroups.sweep_orphans(lambda name: (boxes / name).exists())
+        cgroups.sweep_orphans(
+            lambda name: not name.startswith(BOX_PREFIX) or (boxes / name).exists()
+        )
     return removed
 
 
