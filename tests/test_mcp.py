@@ -271,3 +271,21 @@ def test_http_off_loopback_requires_a_token() -> None:
 
     with pytest.raises(PolicyError):
         build_http_app(ServerConfig(secrets=SecretStore()), host="0.0.0.0")
+
+
+def test_secrets_file_named_in_the_policy_feeds_the_store(tmp_path: Path) -> None:
+    import argparse
+
+    from corral.mcp_server import config_from_args
+
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text("API_KEY=from-policy-file\n")
+    policy = tmp_path / "corral.toml"
+    policy.write_text(f'secrets_file = "{secrets}"\n')
+    parser = argparse.ArgumentParser()
+    from corral.mcp_server import add_mcp_command
+
+    add_mcp_command(parser.add_subparsers())
+    args = parser.parse_args(["mcp", "--policy", str(policy)])
+    config = config_from_args(args)
+    assert config.secrets.resolve_value("{{secret:API_KEY}}") == "from-policy-file"

@@ -372,6 +372,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     for name in args.preset:
         policy = PRESETS[name](policy)
     secrets = SecretStore.from_env()
+    if policy.secrets_file is not None:
+        secrets = secrets.merged(SecretStore.from_file(policy.secrets_file))
     if args.secrets:
         secrets = secrets.merged(SecretStore.from_file(args.secrets))
     return ServerConfig(

@@ -144,6 +144,10 @@ class Policy(_Model):
     """Extra environment of every command (on top of PATH, HOME, LANG, TERM)."""
     workdir: str = "/workspace"
     """Where the workspace appears inside the box, and the default cwd."""
+    secrets_file: Path | None = None
+    """``NAME=value`` lines on the host, for ``{{secret:NAME}}`` handles of the agent tools
+    (with ``CORRAL_SECRET_<NAME>`` variables). Values never enter the box's environment
+    unless a tool call names their handle."""
 
     @model_validator(mode="after")
     def _restricted_is_read_only(self) -> Policy:
