@@ -253,8 +253,15 @@ async def test_attach_detach_and_reattach(sh: PtySession, terminals: list[Termin
     term.set_size(120, 40)
     assert term.proc is not None
     term.proc.send_signal(signal.SIGWINCH)  # what the kernel does for a resized terminal
-    term.type(b"stty size\r")
-    await term.expect("40 120")
+    # The client handles SIGWINCH and our typing in one loop, in either order: ask again
+    # (each answer is awaited as an event) until the new size has reached the shell.
+    sizes = []
+    for _ in range(20):
+        term.type(b"stty size\r")
+        sizes.append((await term.expect(r"\n(\d+ \d+)\r?\n")).captures[1])
+        if sizes[-1] == "40 120":
+            break
+    assert sizes[-1] == "40 120", sizes
     term.type(b"\x1d")  # Ctrl-]
     await term.expect("detached from session")
     assert await term.exit_status() == 0
