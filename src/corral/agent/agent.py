@@ -46,6 +46,7 @@ class Child:
         self.stdin_close_after = False
         self.status: int | None = None
         self.started = time.monotonic()
+        self.popen: Any = None  # the Popen, so reaping can set its returncode
 
 
 class Agent:
@@ -160,25 +161,22 @@ class Agent:
         # The child changes directory before it drops to the command user, and the agent
         # has no DAC override: take the user's effective ids for the fork so the cwd is
         # checked as the command sees it (setreuid then drops the saved root id too).
-        os.setegid(self.gid)
-        os.seteuid(self.uid)
         try:
-            proc = subprocess.Popen(
-                argv,
-                cwd=cwd,
-                env=env,
-                user=self.uid,
-                group=self.gid,
-                start_new_session=not use_pty,
-                preexec_fn=preexec,
-                close_fds=True,
-                **stdio,
-            )
+            with files.as_user(self.uid, self.gid):
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=cwd,
+                    env=env,
+                    user=self.uid,
+                    group=self.gid,
+                    start_new_session=not use_pty,
+                    preexec_fn=preexec,
+                    close_fds=True,
+                    **stdio,
+                )
         except OSError as exc:
             raise AgentError("spawn_failed", spawn_error(exc, argv[0], cwd)) from None
         finally:
-            os.seteuid(0)
-            os.setegid(0)
             if use_pty:
                 os.close(slave)
         if use_pty:
@@ -190,7 +188,7 @@ class Agent:
             stdin_fd = proc.stdin.fileno() if proc.stdin is not None else None
             # Keep the file objects alive via the Popen; we use raw fds from here on.
         child = Child(proc.pid, argv, fds, stdin_fd)
-        child.popen = proc  # type: ignore[attr-defined]
+        child.popen = proc
         for fd in fds:
             os.set_blocking(fd, False)
             self.fd_owner[fd] = child
@@ -257,23 +255,19 @@ class Agent:
         sig = int(h["signal"])
         target = child.pid
         # Signals are sent as the command user (the agent holds no CAP_KILL).
-        os.setegid(self.gid)
-        os.seteuid(self.uid)
-        try:
-            if h.get("group", True):
-                if "pty" in child.fds.values():
-                    # The foreground job of a terminal, like Ctrl-C typed at it.
-                    target = os.tcgetpgrp(next(iter(child.fds)))
-                os.killpg(target, sig)
-            else:
-                os.kill(target, sig)
-        except ProcessLookupError:
-            return {"delivered": False}
-        except OSError:
-            os.kill(child.pid, sig)
-        finally:
-            os.seteuid(0)
-            os.setegid(0)
+        with files.as_user(self.uid, self.gid):
+            try:
+                if h.get("group", True):
+                    if "pty" in child.fds.values():
+                        # The foreground job of a terminal, like Ctrl-C typed at it.
+                        target = os.tcgetpgrp(next(iter(child.fds)))
+                    os.killpg(target, sig)
+                else:
+                    os.kill(target, sig)
+            except ProcessLookupError:
+                return {"delivered": False}
+            except OSError:
+                os.kill(child.pid, sig)
         return {"delivered": True}
 
     def op_resize(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
@@ -341,9 +335,8 @@ class Agent:
             if child is None:
                 continue  # an orphan we adopted: reaped, nothing to report
             child.status = status
-            popen = getattr(child, "popen", None)
-            if popen is not None:
-                popen.returncode = os.waitstatus_to_exitcode(status)
+            if child.popen is not None:
+                child.popen.returncode = os.waitstatus_to_exitcode(status)
             # What the process wrote before exiting is already in the pipe: deliver it, then
             # stop listening, so a daemonised grandchild holding the pipe cannot stall the exit.
             for fd in list(child.fds):
@@ -394,14 +387,11 @@ class Agent:
         return self.files.remove(h)
 
     def op_shutdown(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
-        os.setegid(self.gid)
-        os.seteuid(self.uid)
-        try:
-            os.kill(-1, signal.SIGKILL)  # every process of the command user in the box
-        except OSError:
-            pass
-        os.seteuid(0)
-        os.setegid(0)
+        with files.as_user(self.uid, self.gid):
+            try:
+                os.kill(-1, signal.SIGKILL)  # every process of the command user in the box
+            except OSError:
+                pass
         self.running = False
         return {"ok": True}
 

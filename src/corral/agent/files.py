@@ -25,6 +25,23 @@ MAX_READ = 15 << 20
 MAX_ENTRIES = 10000
 
 
+@contextlib.contextmanager
+def as_user(uid: int, gid: int) -> Iterator[None]:
+    """Take the command user's effective ids for a moment, then the agent's back.
+
+    The agent holds no DAC override and no CAP_KILL: files, working directories and signals
+    are checked by the kernel as the command user would see them. The saved uid stays 0,
+    so the agent can return.
+    """
+    os.setegid(gid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
 class FileOpFailed(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -119,19 +136,16 @@ class FileOps:
         rel = os.path.relpath(path, root)
         if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
             raise FileOpFailed("path_outside_sandbox", f"path is outside {root}: {path}")
-        os.setegid(self.gid)
-        os.seteuid(self.uid)
-        root_fd = -1
-        try:
-            root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            yield root_fd, rel, path
-        except OSError as exc:
-            raise _fail(exc, path) from None
-        finally:
-            if root_fd >= 0:
-                os.close(root_fd)
-            os.seteuid(0)
-            os.setegid(0)
+        with as_user(self.uid, self.gid):
+            root_fd = -1
+            try:
+                root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                yield root_fd, rel, path
+            except OSError as exc:
+                raise _fail(exc, path) from None
+            finally:
+                if root_fd >= 0:
+                    os.close(root_fd)
 
     def _open(self, root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
         assert self._openat2 is not None
