@@ -165,3 +165,13 @@ def test_sync_facade_runs_commands(workspace: Path) -> None:
         sb.files.write("f.txt", "data")
         assert sb.files.read_text("f.txt") == "data"
     assert (workspace / "f.txt").read_text() == "data"
+
+
+async def test_a_box_that_cannot_start_says_why(workspace: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir"
+    policy = Policy.from_dict({"filesystem": {"mounts": [{"host": str(missing), "guest": "/m"}]}})
+    with pytest.raises(SandboxError) as info:
+        async with Sandbox(policy, workspace=workspace):
+            pass
+    assert info.value.code == ErrorCode.BACKEND_FAILED
+    assert str(missing) in info.value.message  # bwrap's own words name the failing mount

@@ -93,7 +93,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_orphans() -> list[str]:
+def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
     """Remove what boxes of dead owners left behind (after a SIGKILL of the host process)."""
     boxes = state_root() / "boxes"
     removed: list[str] = []
@@ -114,7 +114,7 @@ def sweep_orphans() -> list[str]:
     # considered: other users of the corral/ parent (tests, other tools) are not ours.
     with contextlib.suppress(BackendError):
         cgroups.sweep_orphans(
-            lambda name: not name.startswith(BOX_PREFIX) or (boxes / name).exists()
+            lambda name: not name.startswith(BOX_PREFIX) or (boxes / name).exists(), support
         )
     return removed
 
@@ -124,6 +124,16 @@ def _is_bwrap(pid: int) -> bool:
         return Path(f"/proc/{pid}/comm").read_text().strip() == "bwrap"
     except OSError:
         return False
+
+
+async def _bwrap_stderr(proc: asyncio.subprocess.Process) -> str:
+    """What bwrap printed before it died (its errors name the failing mount or option)."""
+    if proc.stderr is None:
+        return ""
+    with contextlib.suppress(TimeoutError, OSError):
+        async with asyncio.timeout(2):
+            return (await proc.stderr.read(8192)).decode(errors="replace").strip()
+    return ""
 
 
 async def _read_info(fd: int, proc: asyncio.subprocess.Process) -> dict[str, Any]:
@@ -144,14 +154,7 @@ async def _read_info(fd: int, proc: asyncio.subprocess.Process) -> dict[str, Any
     finally:
         transport.close()
     if b"}" not in data:
-        stderr = b""
-        if proc.stderr is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2):
-                    stderr = await proc.stderr.read()
-        raise BackendError(
-            f"bwrap failed to start the box: {stderr.decode(errors='replace').strip()}"
-        )
+        raise BackendError(f"bwrap failed to start the box: {await _bwrap_stderr(proc)}")
     return dict(json.loads(data[: data.index(b"}") + 1]))
 
 
@@ -218,12 +221,7 @@ class BwrapBox:
 
     async def diagnose(self) -> str:
         """What bwrap said, when the box died before its agent was ready."""
-        if self._proc.stderr is None:
-            return ""
-        with contextlib.suppress(TimeoutError, OSError):
-            async with asyncio.timeout(2):
-                return (await self._proc.stderr.read(8192)).decode(errors="replace").strip()
-        return ""
+        return await _bwrap_stderr(self._proc)
 
     async def close(self) -> None:
         if self._closed:
@@ -261,9 +259,10 @@ class BwrapBackend:
                 "the bwrap backend needs root on the host to map the box's users and cgroups; "
                 "run corral as root (or use a rootless backend when available)"
             )
-        sweep_orphans()  # cheap (a few directory listings), and catches any crash since
-        self.python = find_python()
         self.cgroup_support = cgroups.detect()
+        # Cheap (a few directory listings), and catches any owner that crashed since.
+        sweep_orphans(self.cgroup_support)
+        self.python = find_python()
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
         policy = spec.policy
