@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
 
 from corral import errors
 from corral.models import FileInfo
 from corral.policy import Policy
+from corral.processes import Request
 
-Request = Callable[..., Awaitable[tuple[dict[str, Any], bytes]]]
 CHUNK = 8 << 20
 DEFAULT_MAX_READ = 64 << 20
 
@@ -184,6 +182,3 @@ class Files:
                 f"refusing to remove the root {r.root} itself", code=errors.ErrorCode.INVALID_INPUT
             )
         await self._request("file_remove", path=r.path, root=r.root, recursive=recursive)
-
-
-FileKind = Literal["file", "dir", "symlink", "other"]

@@ -22,6 +22,7 @@ from corral.output import HeadTailBuffer
 
 Stream = Literal["stdout", "stderr", "pty"]
 Request = Callable[..., Awaitable[tuple[dict[str, Any], bytes]]]
+"""A request to the guest agent: (op, payload, **fields) -> (reply header, reply payload)."""
 
 
 def parse_signal(sig: str | int) -> int:

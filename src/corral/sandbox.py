@@ -270,7 +270,6 @@ class Sandbox:
             with contextlib.suppress(errors.SandboxError):
                 await proc.kill()
             await proc.wait(KILL_GRACE)
-        assert proc.duration is not None or proc.exit_code is None
         result = CommandResult(
             exit_code=proc.exit_code if proc.exit_code is not None else -9,
             stdout=proc.output("stdout"),
