@@ -168,6 +168,24 @@ NETLINK_ROUTE: Final = 0
 # /usr/include/asm-generic/unistd.h (aarch64 uses the generic table). Only the syscalls the
 # policy mentions are listed.
 
+# Since Linux 5.1 (number 424 on), new syscalls get the same number on every architecture.
+_UNIFIED: Final[Mapping[str, int]] = {
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "clone3": 435,
+    "pidfd_getfd": 438,
+    "process_madvise": 440,
+    "mount_setattr": 442,
+    "quotactl_fd": 443,
+}
+
 _X86_64: Final[Mapping[str, int]] = {
     "ioctl": 16,
     "socket": 41,
@@ -221,20 +239,7 @@ _X86_64: Final[Mapping[str, int]] = {
     "kexec_file_load": 320,
     "bpf": 321,
     "userfaultfd": 323,
-    "io_uring_setup": 425,
-    "io_uring_enter": 426,
-    "io_uring_register": 427,
-    "open_tree": 428,
-    "move_mount": 429,
-    "fsopen": 430,
-    "fsconfig": 431,
-    "fsmount": 432,
-    "fspick": 433,
-    "clone3": 435,
-    "pidfd_getfd": 438,
-    "process_madvise": 440,
-    "mount_setattr": 442,
-    "quotactl_fd": 443,
+    **_UNIFIED,
 }
 
 _AARCH64: Final[Mapping[str, int]] = {
@@ -283,20 +288,7 @@ _AARCH64: Final[Mapping[str, int]] = {
     "userfaultfd": 282,
     "bpf": 280,
     "kexec_file_load": 294,
-    "io_uring_setup": 425,
-    "io_uring_enter": 426,
-    "io_uring_register": 427,
-    "open_tree": 428,
-    "move_mount": 429,
-    "fsopen": 430,
-    "fsconfig": 431,
-    "fsmount": 432,
-    "fspick": 433,
-    "clone3": 435,
-    "pidfd_getfd": 438,
-    "process_madvise": 440,
-    "mount_setattr": 442,
-    "quotactl_fd": 443,
+    **_UNIFIED,
 }
 
 
