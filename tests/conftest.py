@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from corral import Policy, Sandbox
+from corral.pty import PtySession
+
+PROMPT = r"\$ $"
+"""The prompt of /bin/sh (dash) in a box's PTY session."""
 
 
 def _bwrap_unusable() -> str | None:
@@ -42,3 +46,20 @@ async def sandbox(workspace: Path) -> AsyncIterator[Sandbox]:
         pytest.skip(BWRAP_SKIP)
     async with Sandbox(Policy(), workspace=workspace) as sb:
         yield sb
+
+
+@pytest.fixture
+def sessions_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private directory for the attach server's socket (used by the PTY tests)."""
+    path = tmp_path / "sessions"
+    monkeypatch.setenv("CORRAL_SESSIONS_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+async def sh(sandbox: Sandbox) -> AsyncIterator[PtySession]:
+    """A shell session in the test's box, at its first prompt."""
+    session = await sandbox.shell()
+    assert (await session.expect(PROMPT, 10)).matched
+    yield session
+    await session.close()

@@ -33,7 +33,8 @@ from corral.expect import Case, ExpectBuffer, Expecter, Match
 from corral.pty import PtySession
 from corral.terminal import DetachDetector, parse_detach_keys
 
-PROMPT = r"\$ $"
+pytestmark = pytest.mark.usefixtures("sessions_dir")
+
 PLAN_SCRIPT = """\
 echo "Plan: 1 to add, 0 to change, 0 to destroy."
 printf "  Enter a value: "
@@ -151,27 +152,12 @@ class Terminal:
             os.close(self.slave)
 
 
-@pytest.fixture(autouse=True)
-def sessions_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "sessions"
-    monkeypatch.setenv("CORRAL_SESSIONS_DIR", str(path))
-    return path
-
-
 @pytest.fixture
 async def terminals() -> AsyncIterator[list[Terminal]]:
     made: list[Terminal] = []
     yield made
     for term in made:
         await term.close()
-
-
-@pytest.fixture
-async def sh(sandbox: Sandbox) -> AsyncIterator[PtySession]:
-    session = await sandbox.shell()
-    assert (await session.expect(PROMPT, 10)).matched
-    yield session
-    await session.close()
 
 
 async def attach_cli(

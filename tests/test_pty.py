@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from conftest import PROMPT
 from corral import Policy, Sandbox
 from corral.batch import ExpectStep, SendStep
 from corral.errors import ErrorCode, SandboxError, SessionBusy, SessionNotFound
 from corral.pty import PtySession
 
-pytestmark = pytest.mark.needs_bwrap
+pytestmark = [pytest.mark.needs_bwrap, pytest.mark.usefixtures("sessions_dir")]
 
-PROMPT = r"\$ $"
 # A terraform-like program: prints a plan, asks, and reports. The prompt text never appears
 # in the command line we type, so the terminal's echo cannot satisfy an expect by accident.
 PLAN_SCRIPT = """\
@@ -28,21 +27,6 @@ read answer
 if [ "$answer" = yes ]; then echo "Apply complete! Resources: 1 added."
 else echo "Apply cancelled."; fi
 """
-
-
-@pytest.fixture(autouse=True)
-def sessions_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "sessions"
-    monkeypatch.setenv("CORRAL_SESSIONS_DIR", str(path))
-    return path
-
-
-@pytest.fixture
-async def sh(sandbox: Sandbox) -> AsyncIterator[PtySession]:
-    session = await sandbox.shell()
-    assert (await session.expect(PROMPT, 10)).matched
-    yield session
-    await session.close()
 
 
 async def test_prompting_program_is_detected_answered_and_completes(
