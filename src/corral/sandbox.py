@@ -286,7 +286,7 @@ class Sandbox:
         return result
 
     def _oom_kills(self) -> int:
-        return self._box.stats().oom_kills if self._box is not None else 0
+        return self._box.oom_kills() if self._box is not None else 0
 
     def process(self, pid: int) -> Process:
         """The handle of a tracked process (ProcessNotFound if unknown)."""

@@ -60,6 +60,10 @@ class Box(Protocol):
 
     def stats(self) -> BoxStats: ...
 
+    def oom_kills(self) -> int:
+        """``stats().oom_kills`` alone, cheaply: read before and after every command."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """Backend-specific facts for ``info()`` (backend name, isolation, limits)."""
         ...

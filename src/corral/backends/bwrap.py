@@ -194,6 +194,9 @@ class BwrapBox:
     def warnings(self) -> tuple[str, ...]:
         return self._warnings
 
+    def oom_kills(self) -> int:
+        return self._cgroup.oom_kills() if self._cgroup is not None else 0
+
     def stats(self) -> BoxStats:
         if self._cgroup is None:
             return BoxStats()

@@ -620,6 +620,13 @@ class Cgroup:
 
     # ---- accounting
 
+    def oom_kills(self) -> int:
+        """How many processes the memory limit killed: one file read (``run`` reads it twice)."""
+        if self.version == "v2":
+            return _read_key(self._dirs[""] / "memory.events", "oom_kill") or 0
+        mem = self._dirs.get("memory")
+        return (_read_key(mem / "memory.oom_control", "oom_kill") or 0) if mem else 0
+
     def stats(self) -> CgroupStats:
         if self.version == "v2":
             d = self._dirs[""]
@@ -627,7 +634,7 @@ class Cgroup:
             return CgroupStats(
                 memory_current=_read_int(d / "memory.current"),
                 memory_peak=_read_int(d / "memory.peak"),
-                oom_kills=_read_key(d / "memory.events", "oom_kill") or 0,
+                oom_kills=self.oom_kills(),
                 pids_current=_read_int(d / "pids.current"),
                 pids_limit_hits=_read_key(d / "pids.events", "max") or 0,
                 cpu_usage_ns=None if usage_us is None else usage_us * 1000,
@@ -638,7 +645,7 @@ class Cgroup:
         return CgroupStats(
             memory_current=_read_int(mem / "memory.usage_in_bytes") if mem else None,
             memory_peak=_read_int(mem / "memory.max_usage_in_bytes") if mem else None,
-            oom_kills=(_read_key(mem / "memory.oom_control", "oom_kill") or 0) if mem else 0,
+            oom_kills=self.oom_kills(),
             pids_current=_read_int(pids / "pids.current") if pids else None,
             pids_limit_hits=(_read_key(pids / "pids.events", "max") or 0) if pids else 0,
             cpu_usage_ns=_read_int(acct / "cpuacct.usage") if acct else None,
