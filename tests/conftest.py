@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from corral import Policy, Sandbox
+from corral.backends import unavailable_reason
 from corral.pty import PtySession
 
 PROMPT = r"\$ $"
@@ -26,6 +29,38 @@ def _bwrap_unusable() -> str | None:
 
 BWRAP_SKIP = _bwrap_unusable()
 
+# The backend contract: every test that takes the ``sandbox`` (or ``box_policy``) fixture runs
+# on each of these. ``CORRAL_TEST_BACKENDS=bwrap,oci-runc`` narrows the set. The microVM
+# backend has its own, smaller module (its boxes boot in seconds under TCG).
+BACKENDS: dict[str, dict[str, Any]] = {
+    "bwrap": {},
+    "oci-runc": {"backend": "oci", "runtime": "runc"},
+    "oci-crun": {"backend": "oci", "runtime": "crun"},
+    "microvm": {"backend": "microvm"},
+}
+CONTRACT_BACKENDS = [
+    name
+    for name in os.environ.get("CORRAL_TEST_BACKENDS", "bwrap,oci-runc,oci-crun").split(",")
+    if name in BACKENDS
+]
+
+
+@functools.cache
+def backend_skip(name: str) -> str | None:
+    """Why the named backend cannot run here (a skip reason), or None."""
+    if name == "bwrap" or BWRAP_SKIP:
+        return BWRAP_SKIP
+    reason = unavailable_reason(Policy(**BACKENDS[name]))
+    return f"{name}: {reason}" if reason else None
+
+
+def backend_policy(name: str, **update: Any) -> Policy:
+    """A policy for the named backend (skipping the test when it can't run here)."""
+    reason = backend_skip(name)
+    if reason:
+        pytest.skip(reason)
+    return Policy(**{**BACKENDS[name], **update})
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
@@ -40,11 +75,21 @@ def workspace(tmp_path: Path) -> Path:
     return ws
 
 
+@pytest.fixture(params=CONTRACT_BACKENDS)
+def backend_name(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
 @pytest.fixture
-async def sandbox(workspace: Path) -> AsyncIterator[Sandbox]:
-    if BWRAP_SKIP:
-        pytest.skip(BWRAP_SKIP)
-    async with Sandbox(Policy(), workspace=workspace) as sb:
+def box_policy(backend_name: str) -> Policy:
+    """The default policy on the backend under test (build variants with model_copy)."""
+    return backend_policy(backend_name)
+
+
+@pytest.fixture
+async def sandbox(box_policy: Policy, workspace: Path) -> AsyncIterator[Sandbox]:
+    async with Sandbox(box_policy, workspace=workspace) as sb:
         yield sb
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from corral import Sandbox, SandboxBroken
 from corral.backends import cgroups
-from corral.backends.bwrap import state_root, sweep_orphans
+from corral.backends.base import state_root
+from corral.backends.bwrap import sweep_orphans
 
 pytestmark = pytest.mark.needs_bwrap
 

@@ -94,3 +94,31 @@ def test_missing_policy_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_relative_mount_guest_path_is_refused() -> None:
     with pytest.raises(PolicyError, match="absolute"):
         Policy.from_dict({"filesystem": {"mounts": [{"host": "/usr", "guest": "usr"}]}})
+
+
+def test_network_and_backend_fields_parse() -> None:
+    p = Policy.from_dict(
+        {
+            "backend": "oci",
+            "runtime": "runc",
+            "network": {"mode": "allowlist", "allow_hosts": ["*.example.com", "pypi.org:443"]},
+            "vm": {"cpus": 2, "memory_mb": 256},
+        }
+    )
+    assert p.network.allow_hosts == ("*.example.com", "pypi.org:443")
+    assert (p.runtime, p.vm.cpus, p.vm.memory_mb) == ("runc", 2, 256)
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"runtime": "runc"}, "needs backend 'oci'"),
+        ({"security": {"preset": "restricted"}, "network": {"mode": "full"}}, "no network"),
+        ({"network": {"mode": "open"}}, "network.mode"),
+        ({"network": {"ports": [70000]}}, "network.ports"),
+        ({"backend": "docker"}, "backend"),
+    ],
+)
+def test_bad_backend_and_network_fields_are_named(data: dict[str, object], needle: str) -> None:
+    with pytest.raises(PolicyError, match=needle):
+        Policy.from_dict(data)

@@ -100,9 +100,31 @@ class FilesystemPolicy(_Model):
     """Size cap of the private ``/tmp`` (a tmpfs)."""
 
 
+NetworkMode = Literal["none", "allowlist", "ports", "full"]
+
+
 class NetworkPolicy(_Model):
-    mode: Literal["none"] = "none"
-    """``none``: loopback only. More modes (allowlist, ports, full) are planned."""
+    mode: NetworkMode = "none"
+    """``none``: loopback only. ``allowlist``: egress only through corral's proxy to
+    ``allow_hosts``. ``ports``: only the host loopback ``ports`` are reachable inside.
+    ``full``: user-mode NAT, with the host's loopback and private ranges blocked."""
+    allow_hosts: tuple[str, ...] = ()
+    """``host`` or ``host:port`` entries; ``*.example.com`` matches every subdomain."""
+    ports: tuple[Annotated[int, Field(gt=0, lt=65536)], ...] = ()
+    """Host loopback TCP ports exposed inside the box at the same number."""
+    allow_private: tuple[str, ...] = ()
+    """Addresses or CIDRs reachable although private, loopback or link-local."""
+
+
+class VmPolicy(_Model):
+    """Settings of the microVM backend (ignored by the others)."""
+
+    cpus: int = Field(default=1, gt=0, le=64)
+    memory_mb: int = Field(default=512, ge=64)
+    accel: Literal["auto", "kvm", "tcg"] = "auto"
+    """``auto`` tries KVM and falls back to software emulation (TCG)."""
+    kernel: Path | None = None
+    """A kernel image; default: the newest /boot/vmlinuz-* with 9p support."""
 
 
 class Limits(_Model):
@@ -134,7 +156,11 @@ class ProcessTracking(_Model):
 class Policy(_Model):
     """Everything a sandbox may do. Immutable; build variants with ``model_copy(update=...)``."""
 
-    backend: Literal["bwrap"] = "bwrap"
+    backend: Literal["bwrap", "oci", "microvm"] = "bwrap"
+    """``bwrap`` (default), ``oci`` (runc, crun or runsc) or ``microvm`` (qemu)."""
+    runtime: Literal["runc", "crun", "runsc"] | None = None
+    """The OCI runtime of ``backend = "oci"``; default: the first that works here."""
+    vm: VmPolicy = VmPolicy()
     filesystem: FilesystemPolicy = FilesystemPolicy()
     network: NetworkPolicy = NetworkPolicy()
     limits: Limits = Limits()
@@ -144,6 +170,9 @@ class Policy(_Model):
     """Extra environment of every command (on top of PATH, HOME, LANG, TERM)."""
     workdir: str = "/workspace"
     """Where the workspace appears inside the box, and the default cwd."""
+    audit_log: Path | None = None
+    """A JSONL file on the host receiving every command, tool call, approval decision,
+    denied operation, network decision and detected violation."""
     secrets_file: Path | None = None
     """``NAME=value`` lines on the host, for ``{{secret:NAME}}`` handles of the agent tools
     (with ``CORRAL_SECRET_<NAME>`` variables). Values never enter the box's environment
@@ -156,6 +185,10 @@ class Policy(_Model):
                 raise ValueError("security.preset 'restricted' allows no filesystem.allow_write")
             if any(m.mode == "rw" for m in self.filesystem.mounts):
                 raise ValueError("security.preset 'restricted' allows no rw mounts")
+            if self.network.mode != "none":
+                raise ValueError("security.preset 'restricted' allows no network")
+        if self.runtime is not None and self.backend != "oci":
+            raise ValueError(f"runtime {self.runtime!r} needs backend 'oci'")
         if not self.workdir.startswith("/"):
             raise ValueError(f"workdir must be an absolute path inside the box: {self.workdir!r}")
         return self

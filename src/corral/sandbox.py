@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from corral import errors
 from corral.agent import protocol
-from corral.backends.base import BOX_PREFIX, Backend, Box, BoxSpec, BoxStats
+from corral.backends import backend_for
+from corral.backends.base import BOX_PREFIX, Backend, Box, BoxSpec, BoxStats, state_root
 from corral.backends.bwrap_args import box_env
 from corral.channel import Channel
 from corral.files import Files
@@ -56,12 +57,6 @@ def to_argv(cmd: Command) -> list[str]:
 
 def _invalid(message: str) -> errors.SandboxError:
     return errors.SandboxError(message, code=errors.ErrorCode.INVALID_INPUT)
-
-
-def _default_backend(policy: Policy) -> Backend:
-    from corral.backends.bwrap import BwrapBackend
-
-    return BwrapBackend()
 
 
 class Sandbox:
@@ -109,8 +104,6 @@ class Sandbox:
     async def start(self) -> None:
         if self._box is not None or self._closed:
             raise errors.SandboxClosed("a Sandbox can be started once; create a new one")
-        from corral.backends.bwrap import state_root
-
         if self._workspace_arg is None:
             self._owned_workspace = Path(tempfile.mkdtemp(prefix="corral-ws-"))
             self.workspace = self._owned_workspace
@@ -120,7 +113,7 @@ class Sandbox:
                 code=errors.ErrorCode.INVALID_INPUT,
             )
         assert self.workspace is not None
-        backend = self._backend or _default_backend(self.policy)
+        backend = self._backend or backend_for(self.policy)
         spec = BoxSpec(
             policy=self.policy,
             workspace=self.workspace,

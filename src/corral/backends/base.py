@@ -8,6 +8,7 @@ known fd (or a virtio-serial port bridged to a socket).
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,11 @@ BOX_PREFIX = "cb-"
 
 BOX_UID = 1000
 """uid (and gid) that commands run as inside every box; the agent is uid 0 of the box."""
+
+
+def state_root() -> Path:
+    """Where every backend keeps per-box state (``boxes/<id>``) for the orphan sweep."""
+    return Path(os.environ.get("CORRAL_STATE_DIR", "/run/corral"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +85,11 @@ class Box(Protocol):
 
 class Backend(Protocol):
     name: str
+
+    @classmethod
+    def for_policy(cls, policy: Policy) -> Backend:
+        """A backend configured for ``policy`` (BackendUnavailable when it cannot run here)."""
+        ...
 
     async def start(self, spec: BoxSpec) -> Box:
         """Start a box whose guest agent is connected to ``Box.channel``."""

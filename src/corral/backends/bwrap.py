@@ -30,17 +30,21 @@ from pathlib import Path
 from typing import Any
 
 from corral.backends import bwrap_args, cgroups, seccomp
-from corral.backends.base import AGENT_DIR, BOX_PREFIX, BOX_UID, BoxSpec, BoxStats
+from corral.backends.base import (
+    AGENT_DIR,
+    BOX_PREFIX,
+    BOX_UID,
+    BoxSpec,
+    BoxStats,
+    state_root,
+)
 from corral.errors import BackendError, BackendUnavailable
+from corral.policy import Policy
 
 HOST_UID_BASE = 2_000_000
 """Box uid 0 maps to this unprivileged host uid (far above any /etc/subuid range)."""
 ID_RANGE = 65536
 START_TIMEOUT = 10.0
-
-
-def state_root() -> Path:
-    return Path(os.environ.get("CORRAL_STATE_DIR", "/run/corral"))
 
 
 def find_python() -> str:
@@ -101,7 +105,11 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
         try:
             owner = json.loads((entry / "owner.json").read_text())
         except (OSError, ValueError):
+            if _recent(entry):
+                continue  # a box another process is starting right now
             owner = {}
+        if owner.get("backend", "bwrap") != "bwrap":
+            continue  # another backend's box: its own sweep knows how to delete it
         if _pid_alive(int(owner.get("host_pid", 0) or 0)):
             continue
         bwrap_pid = int(owner.get("bwrap_pid", 0) or 0)
@@ -117,6 +125,13 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
             lambda name: not name.startswith(BOX_PREFIX) or (boxes / name).exists(), support
         )
     return removed
+
+
+def _recent(path: Path, seconds: float = 60.0) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime < seconds
+    except OSError:
+        return False
 
 
 def _is_bwrap(pid: int) -> bool:
@@ -163,7 +178,12 @@ def _setup_box_ids(spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int
 
     A handful of small writes to procfs and the state dir: cheaper than a thread hop.
     """
-    owner = {"host_pid": os.getpid(), "bwrap_pid": bwrap_pid, "created": time.time()}
+    owner = {
+        "backend": "bwrap",
+        "host_pid": os.getpid(),
+        "bwrap_pid": bwrap_pid,
+        "created": time.time(),
+    }
     (spec.state_dir / "owner.json").write_text(json.dumps(owner))
     Path(f"/proc/{child}/uid_map").write_text(id_map(uid))
     Path(f"/proc/{child}/setgroups").write_text("deny")
@@ -249,6 +269,10 @@ class BwrapBox:
 
 class BwrapBackend:
     name = "bwrap"
+
+    @classmethod
+    def for_policy(cls, policy: Policy) -> BwrapBackend:
+        return cls()
 
     def __init__(self) -> None:
         self.bwrap = shutil.which("bwrap")
