@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from corral import errors
 from corral.agent import protocol
+from corral.audit import AuditLog
 from corral.backends import backend_for
 from corral.backends.base import BOX_PREFIX, Backend, Box, BoxSpec, BoxStats, state_root
 from corral.backends.bwrap_args import box_env
@@ -83,6 +84,8 @@ class Sandbox:
         self.files = Files(self.policy, self._request)
         self._closed = False
         self._broken: str | None = None
+        self.audit = AuditLog.for_policy(self.policy, self.sandbox_id)
+        """The sandbox's audit log (records nothing unless ``policy.audit_log`` is set)."""
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._box else "not started")

@@ -1,0 +1,79 @@
+"""The audit log: one JSON object per line for everything a sandbox did or was refused.
+
+Each record has ``ts`` (Unix time), ``sandbox`` (the box id), ``kind`` and kind-specific
+fields. Kinds: ``sandbox`` (start/close), ``command``, ``tool``, ``approval``, ``file_denied``,
+``network``, ``violation`` (seccomp kill, OOM, pids limit). The file is opened in append
+mode and every record is written with a single ``write``, so concurrent sandboxes sharing one
+log never interleave their lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from corral.policy import Policy
+
+AuditKind = str
+
+
+class AuditLog:
+    """Appends records for one sandbox; a log with no path records nothing (cheaply)."""
+
+    def __init__(self, path: Path | None, sandbox_id: str) -> None:
+        self.path = path
+        self.sandbox_id = sandbox_id
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_policy(cls, policy: Policy, sandbox_id: str) -> AuditLog:
+        return cls(policy.audit_log, sandbox_id)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    def record(self, kind: AuditKind, **fields: Any) -> None:
+        """Append one record. Never raises: auditing must not break the sandbox."""
+        if self.path is None:
+            return
+        entry = {"ts": round(time.time(), 6), "sandbox": self.sandbox_id, "kind": kind, **fields}
+        line = (json.dumps(entry, default=str, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            try:
+                if self._fd is None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._fd = os.open(
+                        self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
+                    )
+                os.write(self._fd, line)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every well-formed record of a log (malformed lines are skipped)."""
+    records: list[dict[str, Any]] = []
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return records
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+    return records
