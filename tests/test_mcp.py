@@ -283,7 +283,7 @@ def test_secrets_file_named_in_the_policy_feeds_the_store(tmp_path: Path) -> Non
     policy = tmp_path / "corral.toml"
     policy.write_text(f'secrets_file = "{secrets}"\n')
     parser = argparse.ArgumentParser()
-    from corral.mcp_server import add_mcp_command
+    from corral.cli_mcp import add_mcp_command
 
     add_mcp_command(parser.add_subparsers())
     args = parser.parse_args(["mcp", "--policy", str(policy)])

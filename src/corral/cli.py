@@ -141,7 +141,7 @@ def _extra_commands() -> list[
     found = []
     for module, name in (
         ("corral.cli_interactive", "register"),
-        ("corral.mcp_server", "add_mcp_command"),
+        ("corral.cli_mcp", "add_mcp_command"),
     ):
         try:
             mod = __import__(module, fromlist=[name])

@@ -37,9 +37,10 @@ from mcp.shared.exceptions import MCPError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
+from corral.cli_mcp import add_mcp_command
 from corral.policy import Policy
 from corral.sandbox import Sandbox
-from corral.tools.approvals import MODES, PermissionMode, Rule
+from corral.tools.approvals import PermissionMode, Rule
 from corral.tools.presets import PRESETS
 from corral.tools.secrets import SecretStore
 from corral.tools.toolbox import Toolbox, allowed_tools, tool_schemas
@@ -349,24 +350,6 @@ async def serve_http(
 
 
 # ---- the command -----------------------------------------------------------------------------
-def add_mcp_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``corral mcp`` (called by :mod:`corral.cli`)."""
-    p = subparsers.add_parser("mcp", help="serve the agent tools over MCP (stdio or HTTP)")
-    p.add_argument("--policy", metavar="FILE", help="TOML policy file")
-    p.add_argument("--workspace", metavar="DIR", help="host dir shared read-write (default: temp)")
-    p.add_argument(
-        "--capabilities",
-        action="append",
-        metavar="LIST",
-        help="tools the agent may use, comma-separated (run_command, sandbox.exec, ...)",
-    )
-    p.add_argument("--permission-mode", choices=MODES, default="default")
-    p.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[])
-    p.add_argument("--secrets", metavar="FILE", help="NAME=value lines (plus CORRAL_SECRET_*)")
-    p.add_argument("--http", metavar="HOST:PORT", help="streamable HTTP instead of stdio")
-    p.set_defaults(func=cmd_mcp)
-
-
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     policy = Policy.load(args.policy) if args.policy else Policy()
     for name in args.preset:

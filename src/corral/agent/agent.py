@@ -64,6 +64,9 @@ class Agent:
         self.running = True
         self.files = files.FileOps(self.uid, self.gid)
         self.info_extra = dict(config.get("info", {}))
+        # Limits every command gets anyway are set once on the agent and inherited, so the
+        # common spawn needs no Python pre-exec hook in the child (about 0.8 ms a command).
+        self.inherited_rlimits = set_inherited_rlimits({"core": 0})
         rd, wr = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wake_r = rd
         signal.set_wakeup_fd(wr)
@@ -157,7 +160,8 @@ class Agent:
                 "stdout": subprocess.PIPE,
                 "stderr": subprocess.PIPE,
             }
-        preexec = make_preexec(rlimits, use_pty)
+        wanted = {k: v for k, v in rlimits.items() if self.inherited_rlimits.get(k) != v}
+        preexec = make_preexec(wanted, use_pty)
         # The child changes directory before it drops to the command user, and the agent
         # has no DAC override: take the user's effective ids for the fork so the cwd is
         # checked as the command sees it (setreuid then drops the saved root id too).
@@ -462,6 +466,20 @@ RLIMIT_NAMES = {
     "data": "RLIMIT_DATA",
     "memlock": "RLIMIT_MEMLOCK",
 }
+
+
+def set_inherited_rlimits(limits: dict[str, int]) -> dict[str, int]:
+    """Set soft and hard limits on the agent itself, for its children to inherit."""
+    import resource
+
+    applied = {}
+    for name, value in limits.items():
+        try:
+            resource.setrlimit(getattr(resource, RLIMIT_NAMES[name]), (value, value))
+        except (OSError, ValueError):
+            continue
+        applied[name] = value
+    return applied
 
 
 def make_preexec(rlimits: dict[str, int], use_pty: bool) -> Any:
