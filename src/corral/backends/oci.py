@@ -1,0 +1,496 @@
+"""The OCI backend: the same box as bwrap's, built by an OCI runtime (runc, crun, runsc).
+
+Start-up sequence::
+
+    1. state dir boxes/<id>: owner.json first (so a crash from here on is swept), then the
+       bundle: config.json from :func:`oci_config.oci_bundle` and an empty root directory
+       holding only mount points and the host root's symlinks
+    2. ``<runtime> --root <state>/oci/<runtime> run --detach --bundle ... <id>`` with the
+       guest end of the channel socketpair as the runtime's stdin: a detached runtime hands
+       its stdio to the container process, so the agent finds the channel on fd 0
+       (no ``--preserve-fds`` fd shuffling, no pre-exec hook in the runtime's child)
+    3. the runtime creates the cgroup ``corral/<id>`` from ``linux.resources``, the
+       namespaces and mounts, applies seccomp and the capabilities, and execs the agent
+
+Network modes ``allowlist`` and ``ports`` use the same backend-neutral pieces as bwrap
+(:mod:`corral.net`): binds of its network directory and forwarders in the agent's config.
+``full`` is refused for now (see :meth:`OciBackend.for_policy`).
+
+The agent is PID 1 of the box: when it exits (its channel closed because the host process
+died), the kernel kills the rest of the box. ``close()`` and the orphan sweep use the
+runtime's ``delete --force``, which also removes the cgroups it made in every hierarchy.
+
+crun refuses a hybrid cgroup host (v1 controllers plus a cgroup2 mount that holds a
+controller), which is this machine's layout. Every crun call therefore runs in a private
+mount namespace where the cgroup2 mount is detached: crun sees a pure v1 host, and the
+host's mounts are untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corral.backends import cgroups, idmap, oci_config, staging
+from corral.backends.base import (
+    AGENT_DIR,
+    BOX_PREFIX,
+    BOX_UID,
+    BoxBase,
+    BoxSpec,
+    CgroupAccounting,
+    pid_alive,
+    state_root,
+)
+from corral.backends.bwrap import find_python, shared_files
+from corral.backends.bwrap_args import SYSTEM_PATH, Bind, unplaceable_mount
+from corral.errors import BackendError, BackendUnavailable, PolicyError
+from corral.net import sweep as sweep_network
+from corral.policy import Policy
+
+RUNTIMES = ("crun", "runc", "runsc")
+"""Tried in this order when the policy names none: crun starts fastest."""
+RUNTIME_TIMEOUT = 15.0
+_PACKAGES = {"runc": "runc", "crun": "crun", "runsc": "runsc (gVisor, from gvisor.dev)"}
+_CLONE_NEWNS = 0x00020000
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
+_MNT_DETACH = 2
+
+
+def hybrid_cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The cgroup2 mount point of a hybrid (v1 + v2) host, or None on a pure v1/v2 host."""
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return None
+    v1 = v2 = None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fstype = right.split(" ", 1)[0]
+        if fstype == "cgroup":
+            v1 = left.split()[4]
+        elif fstype == "cgroup2":
+            v2 = left.split()[4]
+    return v2 if v1 and v2 else None
+
+
+def _hide_mount(path: str) -> Callable[[], None]:
+    """A pre-exec hook: a private mount namespace without ``path`` (for crun on hybrid)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    target = path.encode()
+
+    def hook() -> None:
+        if libc.unshare(_CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+        if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+            raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+        if libc.umount2(target, _MNT_DETACH) != 0:
+            raise OSError(ctypes.get_errno(), f"umount {path}")
+
+    return hook
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """One OCI runtime binary and how corral calls it."""
+
+    name: str
+    path: str
+    root: Path
+    """The runtime's state directory (``--root``): corral's containers only."""
+    hidden_mount: str | None = None
+    """A mount to hide from the runtime (crun on a hybrid cgroup host)."""
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.path, "--root", str(self.root), *args]
+
+    def preexec(self) -> Callable[[], None] | None:
+        return _hide_mount(self.hidden_mount) if self.hidden_mount else None
+
+    def run_sync(
+        self, *args: str, timeout: float = RUNTIME_TIMEOUT
+    ) -> subprocess.CompletedProcess[str]:
+        """A blocking call (orphan sweep, doctor): never from a running event loop's hot path."""
+        return subprocess.run(
+            self.argv(*args),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            preexec_fn=self.preexec(),
+            env={"PATH": SYSTEM_PATH},
+        )
+
+    async def call(self, *args: str, **kwargs: Any) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            *self.argv(*args),
+            preexec_fn=self.preexec(),
+            env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+            start_new_session=True,
+            **kwargs,
+        )
+
+
+def find_runtime(name: str) -> Runtime:
+    """The runtime ``name`` if it can run boxes here (BackendUnavailable naming the fix)."""
+    if name not in RUNTIMES:
+        raise BackendUnavailable(f"unknown OCI runtime {name!r}; use one of {', '.join(RUNTIMES)}")
+    path = shutil.which(name)
+    if path is None:
+        raise BackendUnavailable(
+            f"the OCI runtime {name!r} is not installed; install {_PACKAGES[name]} "
+            f"or pick another with `--runtime` (see `corral doctor`)"
+        )
+    if os.geteuid() != 0:
+        raise BackendUnavailable(
+            "the oci backend needs root on the host to map the box's users and create its "
+            "cgroup; run corral as root, or use another backend"
+        )
+    hidden = hybrid_cgroup2_mount() if name == "crun" else None
+    return Runtime(name, path, state_root() / "oci" / name, hidden)
+
+
+def _owner_of(entry: Path) -> dict[str, Any] | None:
+    try:
+        owner = json.loads((entry / "owner.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _remove_cgroup_dirs(box_id: str) -> None:
+    """rmdir ``corral/<id>`` in every hierarchy (the runtime makes it in all of them)."""
+    base = Path("/sys/fs/cgroup")
+    candidates = [base / "corral" / box_id]
+    with contextlib.suppress(OSError):
+        candidates += [d / "corral" / box_id for d in base.iterdir()]
+    for d in candidates:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _delete_container(runtime: Runtime, box_id: str) -> None:
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        runtime.run_sync("delete", "--force", box_id)
+
+
+def sweep_orphans(runtimes: list[Runtime]) -> list[str]:
+    """Delete containers (and their cgroups and state dirs) whose owner process is dead."""
+    boxes = state_root() / "boxes"
+    by_name = {r.name: r for r in runtimes}
+    removed: list[str] = []
+    for entry in boxes.iterdir() if boxes.is_dir() else ():
+        owner = _owner_of(entry)
+        if owner is None or owner.get("backend") != "oci":
+            continue
+        if pid_alive(int(owner.get("host_pid", 0) or 0)):
+            continue
+        runtime = by_name.get(str(owner.get("runtime")))
+        if runtime is not None:
+            _delete_container(runtime, entry.name)
+        _kill_cgroup(entry.name)
+        _remove_cgroup_dirs(entry.name)
+        sweep_network(entry / "net")  # pasta of a full-mode box, if any
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    # A container whose state dir is gone (removed by hand, or a crash between the two
+    # removals of close()) belongs to nobody either.
+    for runtime in runtimes:
+        names = os.listdir(runtime.root) if runtime.root.is_dir() else []
+        for name in names:
+            if name.startswith(BOX_PREFIX) and not (boxes / name).exists():
+                _delete_container(runtime, name)
+                _remove_cgroup_dirs(name)
+                removed.append(name)
+    staging.sweep_staging()  # idmapped workspaces of dead owners, once their boxes are gone
+    return removed
+
+
+def _kill_cgroup(box_id: str) -> None:
+    group = _open_cgroup(box_id, cgroups.detect())
+    if group is not None:
+        with contextlib.suppress(BackendError):
+            group.kill_all()
+
+
+def _open_cgroup(box_id: str, support: cgroups.CgroupSupport) -> cgroups.Cgroup | None:
+    """corral's view of the group the runtime made (for stats, OOM counts, kill_all)."""
+    if support.version == "v2":
+        dirs = {"": Path(support.root, cgroups.PARENT, box_id)}
+    elif support.version == "v1":
+        dirs = {c: Path(m, cgroups.PARENT, box_id) for c, m in support.mounts.items()}
+    else:
+        return None
+    dirs = {c: d for c, d in dirs.items() if d.is_dir()}
+    if not dirs:
+        return None
+    return cgroups.Cgroup(box_id, support.version, dirs, cgroups.CgroupLimits(), support)
+
+
+def _host_mounts() -> tuple[str, ...]:
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return ()
+    return tuple(line.split()[4] for line in text.splitlines() if len(line.split()) > 4)
+
+
+def _write_bundle(bundle: Path, result: oci_config.OciBundle) -> None:
+    rootfs = bundle / "rootfs"
+    rootfs.mkdir(mode=0o755)
+    for d, mode in result.dirs:
+        path = rootfs / d.lstrip("/")
+        path.mkdir(exist_ok=True)
+        path.chmod(mode)
+    for f in result.files:
+        (rootfs / f.lstrip("/")).touch(mode=0o644)
+    for link in result.symlinks:
+        os.symlink(link.target, rootfs / link.dest.lstrip("/"))
+    (bundle / "config.json").write_text(json.dumps(result.config, separators=(",", ":")))
+
+
+class OciBox(BoxBase, CgroupAccounting):
+    def __init__(
+        self,
+        spec: BoxSpec,
+        runtime: Runtime,
+        channel: socket.socket,
+        cgroup: cgroups.Cgroup | None,
+        warnings: tuple[str, ...],
+        shared: idmap.SharedPaths | None = None,
+    ) -> None:
+        super().__init__(spec, channel, warnings)
+        self._runtime = runtime
+        self._cgroup = cgroup
+        self._shared = shared
+
+    @property
+    def init_pid(self) -> int | None:
+        """Host pid of the box's PID 1 (the agent), or None once it is gone."""
+        try:
+            return _read_pid(self._spec.state_dir / "init.pid")
+        except BackendError:
+            return None
+
+    def describe(self) -> dict[str, Any]:
+        limits = self._spec.policy.limits
+        return {
+            "backend": "oci",
+            "runtime": self._runtime.name,
+            "runtime_path": self._runtime.path,
+            "sandbox_id": self._spec.sandbox_id,
+            "memory_limit_bytes": limits.memory_bytes,
+            "cpu_quota": limits.cpu_quota,
+            "max_pids": limits.max_pids,
+            "unenforced": list(self._warnings),
+        }
+
+    async def diagnose(self) -> str:
+        """What the runtime or the agent wrote to stderr before the box failed."""
+        try:
+            return (self._spec.state_dir / "stderr.log").read_text(errors="replace")[-8192:].strip()
+        except OSError:
+            return ""
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._channel.close()
+        await _delete(self._runtime, self._spec.sandbox_id)
+        if self._cgroup is not None:
+            with contextlib.suppress(Exception):
+                self._cgroup.remove()
+        if self._shared is not None:
+            self._shared.release()
+        shutil.rmtree(self._spec.state_dir, ignore_errors=True)
+
+
+async def _delete(runtime: Runtime, box_id: str) -> str:
+    """``delete --force``: kills the box, removes the runtime's state and cgroups."""
+    proc = await runtime.call(
+        "delete",
+        "--force",
+        box_id,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(RUNTIME_TIMEOUT):
+            _, err = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return f"{runtime.name} delete timed out"
+    return err.decode(errors="replace").strip() if proc.returncode else ""
+
+
+async def _runtime_step(runtime: Runtime, spec: BoxSpec, channel_fd: int, bundle: Path) -> None:
+    """``run --detach`` one box, raising the runtime's error."""
+    step = "run"
+    pid_file = str(spec.state_dir / "init.pid")
+    args = [step, "--detach", "--bundle", str(bundle), "--pid-file", pid_file]
+    # A runtime started without a terminal hands its stdio to the box's process: the
+    # channel is the agent's fd 0, and stderr.log gets the runtime's errors, then the
+    # agent's own stderr (diagnose()).
+    stderr = os.open(spec.state_dir / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        proc = await runtime.call(
+            *args,
+            spec.sandbox_id,
+            stdin=channel_fd,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    finally:
+        os.close(stderr)
+    try:
+        async with asyncio.timeout(RUNTIME_TIMEOUT):
+            code = await proc.wait()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise BackendError(
+            f"`{runtime.name} {step}` did not finish within {RUNTIME_TIMEOUT:g} s"
+        ) from None
+    if code != 0:
+        detail = (spec.state_dir / "stderr.log").read_text(errors="replace").strip()
+        raise BackendError(f"`{runtime.name} {step}` failed to start the box: {detail[-4000:]}")
+
+
+def _read_pid(path: Path) -> int:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"the OCI runtime wrote no usable pid file {path}: {exc}") from None
+
+
+class OciBackend:
+    name = "oci"
+
+    @classmethod
+    def for_policy(cls, policy: Policy) -> OciBackend:
+        if policy.network.mode == "full":
+            # pasta attaches by pid, and opens /proc/<pid>/ns/* as an unprivileged user,
+            # but the runtime's init process is not dumpable (owned by root) until it
+            # execs the agent, which is too late for the fence. Needs attach by ns path.
+            raise BackendUnavailable(
+                "network.mode 'full' is not available on the oci backend yet; use the bwrap "
+                "backend, or network.mode 'allowlist' or 'ports' (both work on oci)"
+            )
+        if policy.runtime is not None:
+            return cls(find_runtime(policy.runtime))
+        reasons = []
+        for name in RUNTIMES:
+            try:
+                return cls(find_runtime(name))
+            except BackendUnavailable as exc:
+                reasons.append(exc.message)
+        raise BackendUnavailable("no OCI runtime works here: " + "; ".join(reasons))
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.cgroup_support = cgroups.detect()
+        self.python = find_python()
+        # Cheap (a directory listing and a few small reads) unless there is something to
+        # delete, and catches every container whose owner crashed since.
+        sweep_orphans([runtime])
+
+    async def start(self, spec: BoxSpec) -> OciBox:
+        runtime = self.runtime
+        problem = unplaceable_mount(spec.policy)
+        if problem is not None:
+            raise PolicyError(problem)
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
+        owner = {
+            "backend": "oci",
+            "runtime": runtime.name,
+            "runtime_root": str(runtime.root),
+            "host_pid": os.getpid(),
+            "created": time.time(),
+        }
+        (spec.state_dir / "owner.json").write_text(json.dumps(owner))
+        host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cgroup: cgroups.Cgroup | None = None
+        shared: idmap.SharedPaths | None = None
+        try:
+            shared = idmap.share_paths(spec)
+            result = self._bundle(spec, shared)
+            bundle = spec.state_dir / "bundle"
+            bundle.mkdir()
+            _write_bundle(bundle, result)
+            runtime.root.mkdir(parents=True, exist_ok=True)
+            await _runtime_step(runtime, spec, guest_end.fileno(), bundle)
+            cgroup = _open_cgroup(spec.sandbox_id, self.cgroup_support)
+        except BaseException:
+            host_end.close()
+            await _delete(runtime, spec.sandbox_id)
+            _remove_cgroup_dirs(spec.sandbox_id)
+            if shared is not None:
+                shared.release()
+            shutil.rmtree(spec.state_dir, ignore_errors=True)
+            raise
+        finally:
+            guest_end.close()
+        host_end.setblocking(False)
+        warnings = result.unenforced + ((shared.warning,) if shared.warning else ())
+        return OciBox(spec, runtime, host_end, cgroup, warnings, shared)
+
+    def _bundle(self, spec: BoxSpec, shared: idmap.SharedPaths) -> oci_config.OciBundle:
+        masked_file, masked_dir, passwd = shared_files()
+        agent_config = {
+            "fd": 0,
+            "uid": BOX_UID,
+            "gid": BOX_UID,
+            "info": {"sandbox_id": spec.sandbox_id, "workdir": spec.policy.workdir},
+        }
+        net = spec.network
+        if net is not None:
+            agent_config["forwarders"] = net.forwarders()
+        support = self.cgroup_support
+        facts = oci_config.CgroupFacts(
+            version=support.version,
+            controllers=support.controllers,
+            swap_limit=_swap_limit_file(support),
+        )
+        inputs = oci_config.OciInputs(
+            sandbox_id=spec.sandbox_id,
+            workspace=shared.workspace,
+            owner_uid=shared.uid,
+            owner_gid=shared.gid,
+            agent_dir=AGENT_DIR,
+            python=self.python,
+            masked_file=masked_file,
+            masked_dir=masked_dir,
+            passwd_file=passwd,
+            agent_args=(json.dumps(agent_config, separators=(",", ":")),),
+            cgroups=facts,
+            extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
+            host_mounts=_host_mounts(),
+            sources=shared.sources,
+        )
+        return oci_config.oci_bundle(spec.policy, inputs)
+
+
+def _swap_limit_file(support: cgroups.CgroupSupport) -> bool:
+    """Whether the runtime can cap swap (OCI ``memory.swap``): the file must exist."""
+    if support.version == "v1":
+        mount = support.mounts.get("memory")
+        return mount is not None and Path(mount, "memory.memsw.limit_in_bytes").exists()
+    if support.version == "v2":
+        return next(Path(support.root).glob("*/memory.swap.max"), None) is not None
+    return False

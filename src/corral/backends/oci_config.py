@@ -1,0 +1,306 @@
+"""``Policy -> OCI config.json``: a pure function, so every policy field is unit-tested.
+
+The box looks exactly like a bwrap box (same layout from :mod:`bwrap_args`, same guest
+agent, same users), expressed in the OCI runtime spec so that runc, crun or runsc builds it::
+
+    root.path          an empty per-box directory, read-only; only mount points live in it
+    mounts             /proc /dev /dev/pts /dev/shm /sys (read-only), the host's top-level
+                       entries read-only (their submounts too), /tmp /run /home tmpfs,
+                       the agent, the workspace, then deny_write and deny_read covers
+    linux.namespaces   user, pid, ipc, uts, mount, cgroup, network (empty, or a path
+                       prepared by the host once network modes come to this backend)
+    uid/gidMappings    box 0..999 -> an unprivileged host range, box 1000 -> the
+                       workspace owner (so workspace files keep their owner on the host)
+    process            the agent as box root with CAP_SETUID/CAP_SETGID only and
+                       no_new_privs; it runs every command as uid 1000 with no capability
+    linux.seccomp      the same rules as the bwrap filter (:func:`seccomp.oci_seccomp`)
+    linux.resources    memory/pids/cpu limits the host's cgroups can enforce, in the
+                       group ``cgroupsPath`` = ``/corral/<box id>`` (the bwrap path too)
+
+Symlinks of the host root (``/bin -> usr/bin``) and mount points outside the host binds
+cannot be expressed as mounts: :func:`oci_bundle` lists them for the driver to create in
+the root directory before the runtime starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from corral.backends import seccomp
+from corral.backends.bwrap import id_ranges
+from corral.backends.bwrap_args import (
+    GUEST_AGENT_DIR,
+    GUEST_HOME,
+    PROC_READ_ONLY,
+    SYSTEM_PATH,
+    Bind,
+    HostView,
+    Symlink,
+    policy_binds,
+    root_entries,
+)
+from corral.backends.cgroups import CFS_PERIOD_US, PARENT
+from corral.policy import Policy
+
+OCI_VERSION = "1.0.2"
+AGENT_CAPS = ("CAP_SETUID", "CAP_SETGID")
+# Kernel interfaces a box has no use for (the list runc, crun and podman mask by default).
+MASKED_PATHS = (
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+)
+# Mounted by the runtime itself, so never bound from the host.
+_OWN_MOUNTS = ("/proc", "/dev", "/sys", "/tmp", "/run", "/home")
+
+
+@dataclass(frozen=True, slots=True)
+class CgroupFacts:
+    """What the host's cgroups can enforce (from :func:`cgroups.detect`)."""
+
+    version: Literal["v1", "v2", "none"] = "v1"
+    controllers: frozenset[str] = frozenset({"memory", "pids", "cpu"})
+    swap_limit: bool = True
+    """The swap (v1: memory.memsw) limit file exists, so swap cannot extend the cap."""
+
+
+@dataclass(frozen=True, slots=True)
+class OciInputs:
+    sandbox_id: str
+    workspace: Path
+    owner_uid: int
+    owner_gid: int
+    agent_dir: Path
+    python: str
+    masked_file: Path
+    masked_dir: Path
+    passwd_file: Path
+    agent_args: tuple[str, ...]
+    cgroups: CgroupFacts = CgroupFacts()
+    extra_binds: tuple[Bind, ...] = ()
+    """Binds a backend-neutral part asks for (the network directory of ``corral.net``)."""
+    netns_path: str | None = None
+    """An existing network namespace to join; None: a new, empty one (every mode today:
+    ``full`` mode attaches user-mode NAT to it before the agent starts)."""
+    host_mounts: tuple[str, ...] = ()
+    """Mount points of the host: those under a read-only bind are made read-only too."""
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """Idmapped mount points replacing ``allow_write`` and ``mounts`` host paths."""
+
+
+@dataclass(frozen=True, slots=True)
+class OciBundle:
+    config: dict[str, Any]
+    dirs: tuple[tuple[str, int], ...]
+    """Guest paths and modes of directories to create in the root dir (parents first).
+
+    runc gives a tmpfs the mode of the directory it covers, so /tmp's must be 1777."""
+    files: tuple[str, ...]
+    """Guest paths to create as empty files (mount points of files)."""
+    symlinks: tuple[Symlink, ...]
+    unenforced: tuple[str, ...] = field(default=())
+    """Limits of the policy the host cannot enforce (for the box's warnings)."""
+
+
+def _bind(entry: Bind, host: HostView) -> dict[str, Any]:
+    # rbind: submounts come along (and are made read-only one by one, see _submounts);
+    # nosuid/nodev: a setuid binary or a device node in a bound tree grants nothing.
+    options = ["rbind", "rw" if entry.writable else "ro", "nosuid", "nodev"]
+    return {"destination": entry.dest, "type": "bind", "source": entry.source, "options": options}
+
+
+def _tmpfs(
+    dest: str, mode: str, size: int | None = None, extra: Iterable[str] = ()
+) -> dict[str, Any]:
+    options = ["nosuid", "nodev", f"mode={mode}", *extra]
+    if size is not None:
+        options.append(f"size={size}")
+    return {"destination": dest, "type": "tmpfs", "source": "tmpfs", "options": options}
+
+
+def _submounts(binds: Iterable[Bind], host_mounts: Iterable[str]) -> list[Bind]:
+    """Host mount points below read-only binds, bound read-only over themselves.
+
+    A runtime applies ``ro`` to the top of an ``rbind`` only (recursive read-only needs
+    runc 1.2 and kernel 5.12), so a writable submount would stay writable inside.
+    """
+    roots = [b.dest for b in binds if not b.writable and b.source == b.dest]
+    return [
+        Bind(point, point)
+        for point in sorted(host_mounts, key=lambda p: (p.count("/"), p))
+        if any(point.startswith(root + "/") for root in roots)
+    ]
+
+
+def _system_mounts(policy: Policy) -> list[dict[str, Any]]:
+    tmp_size = policy.filesystem.tmp_size
+    return [
+        {
+            "destination": "/proc",
+            "type": "proc",
+            "source": "proc",
+            "options": ["nosuid", "nodev", "noexec"],
+        },
+        _tmpfs("/dev", "755", 1 << 20, ["strictatime"]),
+        {
+            "destination": "/dev/pts",
+            "type": "devpts",
+            "source": "devpts",
+            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+        },
+        _tmpfs("/dev/shm", "1777", tmp_size, ["noexec"]),
+        {
+            # The box's own sysfs (it owns its network namespace), read-only: no cgroup
+            # or other submounts of the host's /sys come along.
+            "destination": "/sys",
+            "type": "sysfs",
+            "source": "sysfs",
+            "options": ["nosuid", "nodev", "noexec", "ro"],
+        },
+        _tmpfs("/tmp", "1777", tmp_size),
+        _tmpfs("/run", "755"),
+        _tmpfs("/home", "755"),
+        _tmpfs(GUEST_HOME, "777", tmp_size),
+    ]
+
+
+def _resources(policy: Policy, facts: CgroupFacts) -> tuple[dict[str, Any], list[str]]:
+    """``linux.resources`` for the limits the host can enforce, and those it cannot."""
+    limits = policy.limits
+    res: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
+    unenforced: list[str] = []
+    if facts.version == "none":
+        wanted = [n for n in ("memory_bytes", "cpu_quota", "max_pids") if getattr(limits, n)]
+        return res, [f"{n} limit not enforced" for n in wanted]
+    if limits.memory_bytes is not None:
+        if "memory" in facts.controllers:
+            res["memory"] = {"limit": limits.memory_bytes}
+            if facts.swap_limit:
+                # OCI's swap is memory + swap: equal to the limit means no swap at all.
+                res["memory"]["swap"] = limits.memory_bytes
+        else:
+            unenforced.append("memory_bytes limit not enforced")
+    if limits.max_pids is not None:
+        if "pids" in facts.controllers:
+            res["pids"] = {"limit": limits.max_pids}
+        else:
+            unenforced.append("max_pids limit not enforced")
+    if limits.cpu_quota is not None:
+        if "cpu" in facts.controllers:
+            res["cpu"] = {"quota": int(limits.cpu_quota * CFS_PERIOD_US), "period": CFS_PERIOD_US}
+        else:
+            unenforced.append("cpu_quota limit not enforced")
+    return res, unenforced
+
+
+def _mount_points(
+    mounts: list[dict[str, Any]], host_roots: set[str], host: HostView
+) -> tuple[list[tuple[str, int]], list[str]]:
+    """Directories and files to make in the root dir for the mounts.
+
+    Every top-level mount point is made here, since the runtime, as the box's
+    unprivileged root, cannot write the root directory. Deeper ones inside the box's own
+    mounts are made by the runtime; those inside host binds exist on the host (or fail, as
+    with bwrap); any other (a shared mount at ``/data/in``) gets its parents made here.
+    """
+    dirs: dict[str, int] = {}
+    files: dict[str, None] = {}
+    for mount in mounts:
+        dest = os.path.normpath(mount["destination"])
+        parts = dest.strip("/").split("/")
+        if len(parts) > 1 and ("/" + parts[0] in host_roots or "/" + parts[0] in _OWN_MOUNTS):
+            continue
+        for i in range(1, len(parts)):
+            dirs.setdefault("/" + "/".join(parts[:i]), 0o755)
+        if mount["type"] == "bind" and not host.isdir(mount["source"]):
+            files[dest] = None
+        else:
+            modes = [o[5:] for o in mount.get("options", ()) if o.startswith("mode=")]
+            dirs[dest] = int(modes[-1], 8) if modes else 0o755
+    return list(dirs.items()), [f for f in files if f not in dirs]
+
+
+def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> OciBundle:
+    """Translate a policy into the OCI bundle (config.json and root dir) of one box."""
+    host = host or HostView()
+    roots = root_entries(policy, inp.python, inp.passwd_file, host)
+    # The runtime mounts its own /proc, /dev and /sys (bwrap binds the host's /sys).
+    root_binds = [e for e in roots if isinstance(e, Bind) and e.dest not in _OWN_MOUNTS]
+    binds = [
+        *root_binds,
+        *_submounts(root_binds, inp.host_mounts),
+        Bind(str(inp.agent_dir), GUEST_AGENT_DIR),
+        *inp.extra_binds,
+        *policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources),
+    ]
+    mounts = _system_mounts(policy) + [_bind(b, host) for b in binds]
+    host_roots = {b.dest for b in root_binds}
+    dirs, files = _mount_points(mounts, host_roots, host)
+    resources, unenforced = _resources(policy, inp.cgroups)
+    if policy.limits.memory_bytes is not None and not inp.cgroups.swap_limit:
+        unenforced.append("swap limit not enforced")
+    namespaces: list[dict[str, str]] = [
+        {"type": t} for t in ("user", "pid", "ipc", "uts", "mount", "cgroup")
+    ]
+    network = {"type": "network"}
+    if inp.netns_path is not None:
+        network["path"] = inp.netns_path
+    namespaces.append(network)
+    caps = list(AGENT_CAPS)
+    config: dict[str, Any] = {
+        "ociVersion": OCI_VERSION,
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [inp.python, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args],
+            "env": [f"PATH={SYSTEM_PATH}", "LANG=C.UTF-8"],
+            "cwd": "/",
+            "capabilities": {
+                "bounding": caps,
+                "effective": caps,
+                "permitted": caps,
+                "inheritable": [],
+                "ambient": [],
+            },
+            # Per-command rlimits are applied by the agent; the agent itself never dumps.
+            "rlimits": [{"type": "RLIMIT_CORE", "hard": 0, "soft": 0}],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": "rootfs", "readonly": True},
+        "hostname": "corral",
+        "mounts": mounts,
+        "linux": {
+            "namespaces": namespaces,
+            "uidMappings": _mappings(inp.owner_uid),
+            "gidMappings": _mappings(inp.owner_gid),
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(PROC_READ_ONLY),
+            "seccomp": seccomp.oci_seccomp(policy.security.preset),
+            "resources": resources,
+            "cgroupsPath": f"/{PARENT}/{inp.sandbox_id}",
+        },
+    }
+    return OciBundle(
+        config=config,
+        dirs=tuple(dirs),
+        files=tuple(files),
+        symlinks=tuple(e for e in roots if isinstance(e, Symlink)),
+        unenforced=tuple(unenforced),
+    )
+
+
+def _mappings(owner: int) -> list[dict[str, int]]:
+    return [
+        {"containerID": box, "hostID": host, "size": count} for box, host, count in id_ranges(owner)
+    ]

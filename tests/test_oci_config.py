@@ -1,0 +1,223 @@
+"""``Policy -> OCI config.json`` is pure: these tests run no process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from corral import Policy
+from corral.backends import seccomp
+from corral.backends.bwrap import HOST_UID_BASE
+from corral.backends.bwrap_args import HostView, Symlink
+from corral.backends.oci_config import CgroupFacts, OciBundle, OciInputs, oci_bundle
+
+HOST_TOP = [
+    "bin",
+    "etc",
+    "usr",
+    "proc",
+    "dev",
+    "tmp",
+    "run",
+    "home",
+    "root",
+    "sys",
+    "mnt",
+    "x.json",
+]
+LINKS = {"/bin": "usr/bin"}
+EXISTING = {"/root", "/root/.ssh", "/etc/shadow", "/etc/ssh", "/usr", "/ws/.git", "/x.json"}
+DIRS = {"/root", "/root/.ssh", "/etc", "/etc/ssh", "/usr", "/ws", "/ws/.git", "/mnt", "/data"}
+
+
+def fake_host() -> HostView:
+    return HostView(
+        home="/root",
+        listdir=lambda _p: list(HOST_TOP),
+        lexists=lambda p: p in EXISTING or p in LINKS,
+        isdir=lambda p: p in DIRS or p.startswith("/opt/corral"),
+        readlink=lambda p: LINKS[p],
+        islink=lambda p: p in LINKS,
+    )
+
+
+def inputs(**update: Any) -> OciInputs:
+    base: dict[str, Any] = {
+        "sandbox_id": "cb-0123456789ab",
+        "workspace": Path("/ws"),
+        "owner_uid": 1234,
+        "owner_gid": 1235,
+        "agent_dir": Path("/opt/corral/agent"),
+        "python": "/usr/bin/python3.11",
+        "masked_file": Path("/run/corral/shared/masked-file"),
+        "masked_dir": Path("/run/corral/shared/masked-dir"),
+        "passwd_file": Path("/run/corral/shared/passwd"),
+        "agent_args": ("{}",),
+        "host_mounts": ("/", "/mnt/inner", "/proc", "/sys/fs/cgroup/memory", "/tmp/x"),
+    }
+    return OciInputs(**{**base, **update})
+
+
+def bundle(policy: Policy | None = None, **update: Any) -> OciBundle:
+    return oci_bundle(policy or Policy(), inputs(**update), fake_host())
+
+
+def mounts_at(config: dict[str, Any], dest: str) -> list[dict[str, Any]]:
+    return [m for m in config["mounts"] if m["destination"] == dest]
+
+
+def binds(config: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    return [
+        (m["source"], m["destination"], "rw" in m["options"])
+        for m in config["mounts"]
+        if m["type"] == "bind"
+    ]
+
+
+def test_every_namespace_is_new_and_the_network_empty() -> None:
+    linux = bundle().config["linux"]
+    kinds = [ns["type"] for ns in linux["namespaces"]]
+    assert sorted(kinds) == sorted(["user", "pid", "ipc", "uts", "mount", "cgroup", "network"])
+    assert all("path" not in ns for ns in linux["namespaces"])
+    assert bundle().config["hostname"] == "corral"
+
+
+def test_a_prepared_network_namespace_is_joined() -> None:
+    linux = bundle(netns_path="/run/netns/box").config["linux"]
+    assert {"type": "network", "path": "/run/netns/box"} in linux["namespaces"]
+
+
+def test_box_users_map_to_unprivileged_ids_and_the_workspace_owner() -> None:
+    linux = bundle().config["linux"]
+    assert linux["uidMappings"] == [
+        {"containerID": 0, "hostID": HOST_UID_BASE, "size": 1000},
+        {"containerID": 1000, "hostID": 1234, "size": 1},
+        {"containerID": 1001, "hostID": HOST_UID_BASE + 1001, "size": 65536 - 1001},
+    ]
+    assert linux["gidMappings"][1] == {"containerID": 1000, "hostID": 1235, "size": 1}
+
+
+def test_the_agent_is_box_root_with_setuid_setgid_only_and_no_new_privs() -> None:
+    process = bundle().config["process"]
+    assert process["user"] == {"uid": 0, "gid": 0}
+    caps = process["capabilities"]
+    for kind in ("bounding", "effective", "permitted"):
+        assert sorted(caps[kind]) == ["CAP_SETGID", "CAP_SETUID"]
+    assert caps["inheritable"] == caps["ambient"] == []
+    assert process["noNewPrivileges"] is True
+    assert process["args"] == [
+        "/usr/bin/python3.11",
+        "-I",
+        "-S",
+        "/run/corral/agent/agent.py",
+        "{}",
+    ]
+    assert {"type": "RLIMIT_CORE", "hard": 0, "soft": 0} in process["rlimits"]
+    assert not any(e.startswith(("HOME=", "AWS")) for e in process["env"])
+
+
+def test_root_is_read_only_and_host_entries_are_bound_read_only() -> None:
+    b = bundle()
+    assert b.config["root"] == {"path": "rootfs", "readonly": True}
+    bound = binds(b.config)
+    assert ("/usr", "/usr", False) in bound
+    assert ("/etc", "/etc", False) in bound
+    assert Symlink("usr/bin", "/bin") in b.symlinks
+    for own in ("/proc", "/dev", "/tmp", "/run", "/home", "/sys"):
+        assert not any(dest == own for _, dest, _ in bound), own
+    for option in ("nosuid", "nodev", "rbind"):
+        assert all(option in m["options"] for m in b.config["mounts"] if m["type"] == "bind")
+
+
+def test_submounts_of_read_only_binds_are_read_only_too() -> None:
+    bound = binds(bundle().config)
+    assert ("/mnt/inner", "/mnt/inner", False) in bound
+    # /sys is the box's own read-only sysfs: no host cgroup mount comes along.
+    assert not any(dest.startswith("/sys/") for _, dest, _ in bound)
+    sysfs = mounts_at(bundle().config, "/sys")
+    assert [m["type"] for m in sysfs] == ["sysfs"] and "ro" in sysfs[0]["options"]
+
+
+def test_private_tmp_is_size_capped_and_world_writable() -> None:
+    b = bundle(Policy.from_dict({"filesystem": {"tmp_size": "32M"}}))
+    (tmp,) = mounts_at(b.config, "/tmp")
+    assert tmp["type"] == "tmpfs"
+    assert f"size={32 << 20}" in tmp["options"] and "mode=1777" in tmp["options"]
+    # runc gives a tmpfs the mode of the directory under it.
+    assert ("/tmp", 0o1777) in b.dirs
+
+
+def test_workspace_is_the_only_default_writable_bind() -> None:
+    assert [(s, d) for s, d, rw in binds(bundle().config) if rw] == [("/ws", "/workspace")]
+
+
+def test_deny_read_masks_come_after_what_they_cover() -> None:
+    bound = binds(bundle().config)
+    assert ("/run/corral/shared/masked-dir", "/root/.ssh", False) in bound
+    assert ("/run/corral/shared/masked-file", "/etc/shadow", False) in bound
+    dests = [d for _, d, _ in bound]
+    assert dests.index("/etc/shadow") > dests.index("/etc")
+    assert not any(d == "/root/.aws" for d in dests)  # not on the host: nothing to hide
+
+
+def test_proc_knobs_are_read_only_and_kernel_interfaces_masked() -> None:
+    linux = bundle().config["linux"]
+    assert {"/proc/sys", "/proc/sysrq-trigger"} <= set(linux["readonlyPaths"])
+    assert {"/proc/kcore", "/proc/keys", "/sys/firmware"} <= set(linux["maskedPaths"])
+
+
+def test_seccomp_is_corrals_filter_in_oci_form() -> None:
+    sec = bundle(Policy.from_dict({"security": {"preset": "restricted"}})).config["linux"]
+    assert sec["seccomp"] == seccomp.oci_seccomp("restricted")
+    assert sec["seccomp"]["defaultAction"] == "SCMP_ACT_ALLOW"
+
+
+def test_limits_become_resources_in_an_explicit_cgroup() -> None:
+    policy = Policy.from_dict({"limits": {"memory_bytes": "256M", "cpu_quota": 0.5}})
+    linux = bundle(policy).config["linux"]
+    assert linux["cgroupsPath"] == "/corral/cb-0123456789ab"
+    res = linux["resources"]
+    assert res["memory"] == {"limit": 256 << 20, "swap": 256 << 20}
+    assert res["pids"] == {"limit": 256}
+    assert res["cpu"] == {"quota": 50_000, "period": 100_000}
+    assert res["devices"] == [{"allow": False, "access": "rwm"}]
+
+
+def test_limits_the_host_cannot_enforce_are_reported_not_sent() -> None:
+    facts = CgroupFacts(version="v1", controllers=frozenset({"memory"}), swap_limit=False)
+    policy = Policy.from_dict({"limits": {"cpu_quota": 1.0}})
+    b = bundle(policy, cgroups=facts)
+    res = b.config["linux"]["resources"]
+    assert res["memory"] == {"limit": 1 << 30}  # no swap cap without memsw
+    assert "pids" not in res and "cpu" not in res
+    assert set(b.unenforced) == {
+        "max_pids limit not enforced",
+        "cpu_quota limit not enforced",
+        "swap limit not enforced",
+    }
+    none = bundle(cgroups=CgroupFacts(version="none", controllers=frozenset()))
+    assert "memory" not in none.config["linux"]["resources"]
+    assert "memory_bytes limit not enforced" in none.unenforced
+
+
+def test_mount_points_outside_host_binds_are_made_in_the_root_dir() -> None:
+    policy = Policy.from_dict(
+        {"filesystem": {"mounts": [{"host": "/data", "guest": "/data/in/deep"}]}}
+    )
+    b = bundle(policy)
+    dirs = dict(b.dirs)
+    assert {"/workspace", "/proc", "/etc", "/data", "/data/in", "/data/in/deep"} <= set(dirs)
+    assert "/x.json" in b.files  # a top-level host file is bound on a file
+    assert "/run/corral/agent" not in dirs  # inside the box's /run tmpfs: the runtime's job
+    assert "/etc/shadow" not in b.files  # exists on the host under the /etc bind
+
+
+@given(st.lists(st.sampled_from(["/data", "/srv/a", "/opt/x", "/mnt/y"]), unique=True, max_size=4))
+def test_every_shared_mount_appears_exactly_once(guests: list[str]) -> None:
+    mounts = [{"host": g, "guest": g, "mode": "ro"} for g in guests]
+    bound = binds(bundle(Policy.from_dict({"filesystem": {"mounts": mounts}})).config)
+    for g in guests:
+        assert bound.count((g, g, False)) == 1
