@@ -1,0 +1,178 @@
+"""One box's network: what a backend asks for, whatever the isolation technology.
+
+A backend wires a :class:`BoxNetwork` in four places and knows nothing else about it::
+
+    for host, guest in net.binds():          # read-only binds into the box
+        ...
+    agent_config["forwarders"] = net.forwarders()   # loopback listeners of the guest agent
+    if net.needs_attach:                      # full mode, before the agent is released
+        await net.attach(child_pid)
+    # ...and the sandbox calls net.ready() once the agent answered (pasta comes up then)
+    # commands get corral.net.command_env(policy.network) through box_env()
+
+The sandbox creates it (``start()`` before the backend, ``close()`` after it), so the proxy
+lives in the sandbox's event loop and writes to the sandbox's audit log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from corral.audit import AuditLog
+from corral.errors import BackendError, PolicyError
+from corral.net.env import GUEST_NET_DIR, NODE_PRELOAD, proxy_port
+from corral.net.nat import DNS_ADDRESS, Nat, kill_pasta
+from corral.net.ports import PortRelay
+from corral.net.proxy import EgressProxy
+from corral.net.resolver import Resolver, SystemResolver
+from corral.net.rules import AddressScreen, HostAllowlist
+from corral.policy import NetworkPolicy
+
+PROXY_SOCKET = "proxy.sock"
+UNIX_PATH_MAX = 107
+PASTA_RUNAS = 2_000_000
+"""Host uid pasta runs as: the owner of the box's user namespace (bwrap's HOST_UID_BASE)."""
+
+
+def port_socket(port: int) -> str:
+    return f"port-{port}.sock"
+
+
+class BoxNetwork:
+    """The host side of a box's network policy: proxy, port relays, NAT."""
+
+    def __init__(
+        self,
+        policy: NetworkPolicy,
+        host_dir: Path,
+        *,
+        audit: AuditLog | None = None,
+        resolver: Resolver | None = None,
+        nat_uid: int = PASTA_RUNAS,
+    ) -> None:
+        if policy.mode == "none":
+            raise PolicyError("BoxNetwork is for network modes other than 'none'")
+        self.policy = policy
+        self.host_dir = host_dir
+        self.audit = audit
+        self.screen = AddressScreen(policy.allow_private)
+        self.allowlist = HostAllowlist(policy.allow_hosts)
+        self.proxy: EgressProxy | None = None
+        if policy.mode == "allowlist":
+            self.proxy = EgressProxy(
+                self.allowlist, self.screen, resolver or SystemResolver(), audit
+            )
+        self.relays = [PortRelay(port, audit) for port in policy.ports]
+        self.nat = Nat(self.screen, host_dir, nat_uid) if policy.mode == "full" else None
+        self._started = False
+
+    @classmethod
+    def for_policy(
+        cls,
+        policy: NetworkPolicy,
+        host_dir: Path,
+        *,
+        audit: AuditLog | None = None,
+        resolver: Resolver | None = None,
+    ) -> BoxNetwork | None:
+        """None for ``none`` (nothing to run); PolicyError for contradictory settings."""
+        if policy.mode == "none":
+            if policy.ports or policy.allow_hosts:
+                field = "ports" if policy.ports else "allow_hosts"
+                raise PolicyError(
+                    f"network.{field} is set but network.mode is 'none', which reaches nothing; "
+                    f"set network.mode to {'ports' if policy.ports else 'allowlist'!r}"
+                )
+            return None
+        if policy.mode == "allowlist" and not policy.allow_hosts:
+            raise PolicyError(
+                "network.mode 'allowlist' with an empty network.allow_hosts reaches nothing; "
+                "add hosts (e.g. 'pypi.org', '*.github.com') or use network.mode 'none'"
+            )
+        if policy.mode == "ports" and not policy.ports:
+            raise PolicyError(
+                "network.mode 'ports' with an empty network.ports exposes nothing; "
+                "list host loopback ports (e.g. [8080]) or use network.mode 'none'"
+            )
+        return cls(policy, host_dir, audit=audit, resolver=resolver)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self.host_dir.mkdir(parents=True, exist_ok=True)
+        self.host_dir.chmod(0o755)
+        self._started = True
+        if self.proxy is not None:
+            await self.proxy.serve(self._socket_path(PROXY_SOCKET))
+            preload = self.host_dir / NODE_PRELOAD
+            shutil.copyfile(Path(__file__).with_name(NODE_PRELOAD), preload)
+            preload.chmod(0o644)
+        for relay in self.relays:
+            await relay.serve(self._socket_path(port_socket(relay.port)))
+        if self.nat is not None:
+            (self.host_dir / "resolv.conf").write_text(f"nameserver {DNS_ADDRESS}\n")
+
+    def _socket_path(self, name: str) -> Path:
+        path = self.host_dir / name
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise BackendError(
+                f"socket path {path} is longer than the {UNIX_PATH_MAX} bytes unix sockets "
+                "allow; set CORRAL_STATE_DIR to a shorter directory"
+            )
+        return path
+
+    async def close(self) -> None:
+        """Stop the proxy and relays, end pasta, remove the sockets. Idempotent."""
+        if self.nat is not None:
+            await self.nat.close()
+        if self.proxy is not None:
+            await self.proxy.close()
+        for relay in self.relays:
+            await relay.close()
+        if self._started:
+            shutil.rmtree(self.host_dir, ignore_errors=True)
+            self._started = False
+
+    # ---- what a backend asks for ---------------------------------------------------------
+    def binds(self) -> list[tuple[str, str]]:
+        """(host path, guest path) pairs to bind read-only into the box."""
+        binds = [(str(self.host_dir), GUEST_NET_DIR)]
+        if self.nat is not None:
+            binds.append((str(self.host_dir / "resolv.conf"), "/etc/resolv.conf"))
+        return binds
+
+    def forwarders(self) -> list[dict[str, Any]]:
+        """Loopback listeners the guest agent runs: ``{"port": N, "unix": guest socket}``."""
+        out: list[dict[str, Any]] = []
+        if self.proxy is not None:
+            out.append({"port": proxy_port(self.policy), "unix": f"{GUEST_NET_DIR}/{PROXY_SOCKET}"})
+        out += [
+            {"port": relay.port, "unix": f"{GUEST_NET_DIR}/{port_socket(relay.port)}"}
+            for relay in self.relays
+        ]
+        return out
+
+    @property
+    def needs_attach(self) -> bool:
+        """Whether :meth:`attach` must run before the box's agent starts (``full``)."""
+        return self.nat is not None
+
+    async def attach(self, pid: int) -> None:
+        """Fence the network namespace of ``pid`` (a process of the box) before its agent
+        runs: the nftables rules hold from the first instruction of the box."""
+        if self.nat is not None:
+            await self.nat.fence(pid)
+
+    async def ready(self) -> None:
+        """The agent is up: connect the fenced namespace to the outside (pasta)."""
+        if self.nat is not None:
+            await self.nat.connect()
+
+
+def sweep(host_dir: Path) -> None:
+    """End what a box whose owner died left running (its pasta), for the orphan sweeps."""
+    with contextlib.suppress(OSError):
+        kill_pasta(host_dir / "pasta.pid")

@@ -1,0 +1,86 @@
+"""``corral run`` network options: ``--network``, ``--allow-host``, ``--allow-port``,
+``--allow-private``, applied over the policy file's ``[network]`` table."""
+
+from __future__ import annotations
+
+import argparse
+
+from corral.errors import PolicyError
+from corral.policy import NetworkPolicy, Policy
+
+MODES = ("none", "allowlist", "ports", "full")
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r} (1-65535)")
+    return int(text)
+
+
+def add_network_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--network",
+        choices=MODES,
+        help="none (default): no network; allowlist: only --allow-host hosts, through corral's "
+        "proxy; ports: only --allow-port host ports; full: NAT, private ranges blocked",
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="allow HOST, HOST:PORT or *.DOMAIN through the proxy (repeatable; implies "
+        "--network allowlist)",
+    )
+    p.add_argument(
+        "--allow-port",
+        action="append",
+        default=[],
+        type=_port,
+        metavar="PORT",
+        help="expose the host's 127.0.0.1:PORT inside the box at the same port (repeatable; "
+        "implies --network ports when no other mode is chosen)",
+    )
+    p.add_argument(
+        "--allow-private",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="reach this private/loopback address or CIDR anyway (repeatable)",
+    )
+
+
+def apply_network_options(policy: Policy, args: argparse.Namespace) -> Policy:
+    """The policy with the command line's network options on top of its own."""
+    mode: str | None = getattr(args, "network", None)
+    hosts: list[str] = list(getattr(args, "allow_host", None) or [])
+    ports: list[int] = list(getattr(args, "allow_port", None) or [])
+    private: list[str] = list(getattr(args, "allow_private", None) or [])
+    if mode is None and not (hosts or ports or private):
+        return policy
+    current = policy.network
+    if mode == "none" and (hosts or ports):
+        raise PolicyError("--network none contradicts --allow-host/--allow-port; drop one of them")
+    if mode is None:
+        if hosts:
+            mode = "allowlist"
+        elif current.mode != "none":
+            mode = current.mode
+        elif ports:
+            mode = "ports"
+        else:
+            mode = current.mode
+    if hosts and mode != "allowlist":
+        raise PolicyError(f"--allow-host needs --network allowlist, not {mode}")
+    data = current.model_dump()
+    data.update(
+        mode=mode,
+        allow_hosts=[*current.allow_hosts, *hosts],
+        ports=sorted({*current.ports, *ports}),
+        allow_private=[*current.allow_private, *private],
+    )
+    try:
+        network = NetworkPolicy.model_validate(data)
+    except ValueError as exc:
+        raise PolicyError(f"invalid network options: {exc}") from None
+    return Policy.from_dict({**policy.model_dump(), "network": network.model_dump()})

@@ -1,0 +1,407 @@
+"""The egress proxy: HTTP (CONNECT and absolute-form) and SOCKS5 on one listener.
+
+It runs on the host, in the sandbox's event loop, listening on a unix socket that the box
+reaches through a loopback forwarder of the guest agent. The first byte of a connection
+picks the protocol: ``0x05`` is a SOCKS5 greeting, anything else an HTTP request line.
+
+Every connection goes through :meth:`EgressProxy.open_upstream`, the only place that decides:
+
+1. the requested name (and port) must match ``network.allow_hosts``;
+2. the proxy resolves the name itself and keeps only addresses that are public, or covered
+   by ``network.allow_private``;
+3. it connects to the first of those that answers.
+
+A refusal reaches the program as HTTP 403 with a text body naming the host and the policy
+field to change (SOCKS5: reply 0x02, "connection not allowed by ruleset"), and every
+decision is written to the sandbox's audit log as a ``network`` record.
+
+Plain HTTP requests are forwarded with ``Connection: close``, so a kept-alive client can
+never send a second request, for another host, down a connection opened for the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from corral.audit import AuditLog
+from corral.net.resolver import ResolveError, Resolver
+from corral.net.rules import (
+    AddressScreen,
+    HostAllowlist,
+    IPAddress,
+    normalize_host,
+    split_host_port,
+)
+
+MAX_HEAD = 64 * 1024
+"""Largest request head (request line and headers) the proxy reads."""
+RELAY_CHUNK = 256 * 1024
+HEAD_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 10.0
+HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te", b"trailer"}
+)
+
+# SOCKS5 reply codes (RFC 1928, section 6).
+SOCKS_OK = 0x00
+SOCKS_FAILURE = 0x01
+SOCKS_NOT_ALLOWED = 0x02
+SOCKS_HOST_UNREACHABLE = 0x04
+SOCKS_REFUSED = 0x05
+SOCKS_TTL_EXPIRED = 0x06
+SOCKS_BAD_COMMAND = 0x07
+SOCKS_BAD_ADDRESS = 0x08
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a connection was not made: an HTTP status, a SOCKS5 code and a message."""
+
+    status: int
+    socks: int
+    message: str
+
+
+HTTP_REASONS = {
+    400: "Bad Request",
+    403: "Forbidden",
+    431: "Request Header Fields Too Large",
+    502: "Bad Gateway",
+    504: "Gateway Timeout",
+}
+
+
+def http_response(status: int, message: str) -> bytes:
+    body = (message.rstrip("\n") + "\n").encode()
+    head = (
+        f"HTTP/1.1 {status} {HTTP_REASONS.get(status, 'Error')}\r\n"
+        "Content-Type: text/plain; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n"
+        "X-Corral-Proxy: refused\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def socks_reply(code: int) -> bytes:
+    return struct.pack("!BBBB4sH", 5, code, 0, 1, b"\0\0\0\0", 0)
+
+
+class UnixService:
+    """A host-side server on a unix socket brought into a box; ``close()`` ends every
+    connection it is relaying."""
+
+    def __init__(self) -> None:
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class EgressProxy(UnixService):
+    """One box's proxy. ``serve(path)`` starts it, ``close()`` ends every connection."""
+
+    def __init__(
+        self,
+        allowlist: HostAllowlist,
+        screen: AddressScreen,
+        resolver: Resolver,
+        audit: AuditLog | None = None,
+        *,
+        connect_timeout: float = CONNECT_TIMEOUT,
+    ) -> None:
+        self.allowlist = allowlist
+        self.screen = screen
+        self.resolver = resolver
+        self.audit = audit
+        self.connect_timeout = connect_timeout
+        super().__init__()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def serve(self, path: Path) -> None:
+        self._server = await asyncio.start_unix_server(self._handle, path=str(path), limit=MAX_HEAD)
+        # Box root and the command user both map to unprivileged host ids: let them connect.
+        os.chmod(path, 0o666)
+
+    # ---- the decision --------------------------------------------------------------------
+    def _record(self, action: str, protocol: str, host: str, port: int, **extra: object) -> None:
+        if self.audit is not None:
+            self.audit.record(
+                "network", action=action, protocol=protocol, host=host, port=port, **extra
+            )
+
+    def _deny(self, protocol: str, host: str, port: int, refusal: Refusal) -> Refusal:
+        action = "deny" if refusal.status in (400, 403) else "error"
+        self._record(action, protocol, host, port, reason=refusal.message)
+        return refusal
+
+    async def open_upstream(
+        self, host: str, port: int, protocol: str
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | Refusal:
+        """Apply the policy to ``host:port`` and connect, or say why not."""
+        try:
+            name = normalize_host(host)
+        except ValueError as exc:
+            return self._deny(protocol, host, port, Refusal(400, SOCKS_BAD_ADDRESS, str(exc)))
+        if not self.allowlist.allows(name, port):
+            return self._deny(
+                protocol,
+                name,
+                port,
+                Refusal(
+                    403,
+                    SOCKS_NOT_ALLOWED,
+                    f"corral: connection to {name}:{port} refused: the host is not in "
+                    f"network.allow_hosts. To allow it, add {name!r} (or '{name}:{port}') to "
+                    f"network.allow_hosts in the policy, or pass `--allow-host {name}` to "
+                    "`corral run`.",
+                ),
+            )
+        try:
+            addresses = await self._resolve(name, port)
+        except (ResolveError, TimeoutError) as exc:
+            message = f"corral: {exc}" if str(exc) else f"corral: resolving {name} timed out"
+            return self._deny(protocol, name, port, Refusal(502, SOCKS_HOST_UNREACHABLE, message))
+        permitted = [a for a in addresses if self.screen.refusal(a) is None]
+        if not permitted:
+            first = addresses[0]
+            return self._deny(
+                protocol,
+                name,
+                port,
+                Refusal(
+                    403,
+                    SOCKS_NOT_ALLOWED,
+                    f"corral: connection to {name}:{port} refused: {name} resolves to {first}, "
+                    f"a {self.screen.refusal(first)} address. To allow it, add '{first}' to "
+                    "network.allow_private in the policy.",
+                ),
+            )
+        return await self._connect(name, port, protocol, permitted)
+
+    async def _resolve(self, name: str, port: int) -> list[IPAddress]:
+        try:
+            return [ipaddress.ip_address(name)]
+        except ValueError:
+            pass
+        async with asyncio.timeout(self.connect_timeout):
+            return await self.resolver.resolve(name, port)
+
+    async def _connect(
+        self, name: str, port: int, protocol: str, addresses: list[IPAddress]
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | Refusal:
+        last = ""
+        timed_out = False
+        for address in addresses:
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    reader, writer = await asyncio.open_connection(
+                        str(address), port, limit=RELAY_CHUNK
+                    )
+            except TimeoutError:
+                timed_out, last = True, f"{address}: timed out"
+                continue
+            except OSError as exc:
+                last = f"{address}: {exc.strerror or exc}"
+                continue
+            self._record("allow", protocol, name, port, address=str(address))
+            return reader, writer
+        status, code = (504, SOCKS_TTL_EXPIRED) if timed_out else (502, SOCKS_REFUSED)
+        message = f"corral: cannot connect to {name}:{port} ({last})"
+        return self._deny(protocol, name, port, Refusal(status, code, message))
+
+    # ---- connections ---------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT):
+                first = await reader.readexactly(1)
+                if first == b"\x05":
+                    upstream = await self._socks5(reader, writer)
+                else:
+                    upstream = await self._http(first, reader, writer)
+            if upstream is not None:
+                await relay(reader, writer, *upstream)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+
+    async def _http(
+        self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        try:
+            head = first + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            writer.write(http_response(431, "corral: request head larger than 64 KiB"))
+            return None
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial.strip():
+                writer.write(http_response(400, "corral: incomplete HTTP request"))
+            return None
+        request = parse_request(head)
+        if isinstance(request, str):
+            writer.write(http_response(400, f"corral: {request}"))
+            return None
+        method, target, headers = request
+        if method == "CONNECT":
+            try:
+                host, port = split_host_port(target)
+            except ValueError as exc:
+                writer.write(http_response(400, f"corral: bad CONNECT target: {exc}"))
+                return None
+            result = await self.open_upstream(host, port, "connect")
+            if isinstance(result, Refusal):
+                writer.write(http_response(result.status, result.message))
+                return None
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            return result
+        forward = origin_request(method, target, headers)
+        if isinstance(forward, str):
+            writer.write(http_response(400, f"corral: {forward}"))
+            return None
+        host, port, data = forward
+        result = await self.open_upstream(host, port, "http")
+        if isinstance(result, Refusal):
+            writer.write(http_response(result.status, result.message))
+            return None
+        result[1].write(data)
+        return result
+
+    async def _socks5(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        (count,) = await reader.readexactly(1)
+        methods = await reader.readexactly(count)
+        if 0 not in methods:
+            writer.write(b"\x05\xff")  # no acceptable method: corral asks for no auth
+            return None
+        writer.write(b"\x05\x00")
+        version, command, _reserved, kind = await reader.readexactly(4)
+        if version != 5:
+            writer.write(socks_reply(SOCKS_FAILURE))
+            return None
+        if kind == 1:
+            host = str(ipaddress.IPv4Address(await reader.readexactly(4)))
+        elif kind == 4:
+            host = str(ipaddress.IPv6Address(await reader.readexactly(16)))
+        elif kind == 3:
+            (length,) = await reader.readexactly(1)
+            host = (await reader.readexactly(length)).decode("ascii", errors="replace")
+        else:
+            writer.write(socks_reply(SOCKS_BAD_ADDRESS))
+            return None
+        (port,) = struct.unpack("!H", await reader.readexactly(2))
+        if command != 1:  # only CONNECT: no BIND, no UDP ASSOCIATE
+            self._record("deny", "socks5", host, port, reason=f"unsupported command {command}")
+            writer.write(socks_reply(SOCKS_BAD_COMMAND))
+            return None
+        if port == 0:
+            writer.write(socks_reply(SOCKS_BAD_ADDRESS))
+            return None
+        result = await self.open_upstream(host, port, "socks5")
+        if isinstance(result, Refusal):
+            writer.write(socks_reply(result.socks))
+            return None
+        writer.write(socks_reply(SOCKS_OK))
+        return result
+
+
+def parse_request(head: bytes) -> tuple[str, str, list[tuple[bytes, bytes]]] | str:
+    """(method, target, headers) of a request head, or what is wrong with it."""
+    lines = head[:-4].split(b"\r\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1.") or not parts[0].isalpha():
+        shown = lines[0][:80].decode("latin-1")
+        return (
+            f"malformed request line {shown!r}: this is an HTTP proxy "
+            "(use CONNECT host:port, an absolute http:// URL, or SOCKS5)"
+        )
+    headers: list[tuple[bytes, bytes]] = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip():
+            return f"malformed header line {line[:80].decode('latin-1')!r}"
+        headers.append((name, value.strip()))
+    return parts[0].decode(), parts[1].decode("latin-1"), headers
+
+
+def origin_request(
+    method: str, target: str, headers: list[tuple[bytes, bytes]]
+) -> tuple[str, int, bytes] | str:
+    """The request to send upstream for an absolute-form ``http://`` request, or an error."""
+    try:
+        url = urlsplit(target)
+        port = url.port or 80
+    except ValueError as exc:
+        return f"bad request target {target[:200]!r}: {exc}"
+    if url.scheme == "https":
+        return "https:// URLs go through the proxy with CONNECT (set HTTPS_PROXY)"
+    if url.scheme != "http" or not url.hostname:
+        return (
+            f"request target {target[:200]!r} is not an absolute http:// URL: this is an "
+            "HTTP proxy (use CONNECT host:port, an absolute http:// URL, or SOCKS5)"
+        )
+    path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+    out = [f"{method} {path} HTTP/1.1".encode()]
+    has_host = False
+    for name, value in headers:
+        lower = name.lower()
+        if lower in HOP_BY_HOP:
+            continue
+        has_host = has_host or lower == b"host"
+        out.append(name + b": " + value)
+    if not has_host:
+        out.append(b"Host: " + (url.netloc.rpartition("@")[2]).encode())
+    out.append(b"Connection: close")
+    return url.hostname, port, b"\r\n".join(out) + b"\r\n\r\n"
+
+
+async def _pipe(
+    src: asyncio.StreamReader, dst: asyncio.StreamWriter, other: asyncio.StreamWriter
+) -> None:
+    try:
+        while data := await src.read(RELAY_CHUNK):
+            dst.write(data)
+            await dst.drain()
+        if dst.can_write_eof():
+            dst.write_eof()
+    except OSError:
+        # One side broke: end both, so the other direction does not wait forever.
+        dst.close()
+        other.close()
+
+
+async def relay(
+    client_r: asyncio.StreamReader,
+    client_w: asyncio.StreamWriter,
+    upstream_r: asyncio.StreamReader,
+    upstream_w: asyncio.StreamWriter,
+) -> None:
+    """Copy both ways until both sides are done (half-closes are passed on)."""
+    try:
+        await asyncio.gather(
+            _pipe(client_r, upstream_w, client_w), _pipe(upstream_r, client_w, upstream_w)
+        )
+    finally:
+        upstream_w.close()
+        with contextlib.suppress(OSError):
+            await upstream_w.wait_closed()
