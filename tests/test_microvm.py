@@ -1,0 +1,161 @@
+"""The microVM backend: one VM per module (a TCG boot takes seconds), a slice of the contract.
+
+Every feature reaches the VM through the same guest agent as the other backends, so this
+module checks the slice that depends on the VM itself: the channel over virtio-serial, the
+9p shares and their modes, the ephemeral root, no network, info from the guest kernel, and
+that closing (or losing) a VM leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from corral import PathOutsideSandbox, Policy, Sandbox
+from corral.backends import initramfs, unavailable_reason
+from corral.backends.base import state_root
+from corral.errors import SandboxBroken
+
+POLICY = Policy(backend="microvm", vm={"cpus": 2, "memory_mb": 384})
+SKIP = unavailable_reason(POLICY)
+PROMPT = r"\$ $"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(SKIP is not None, reason=f"microvm backend unavailable: {SKIP}"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
+
+
+@pytest.fixture(scope="module")
+def vm_workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vm-ws")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def vm(vm_workspace: Path) -> AsyncIterator[Sandbox]:
+    sb = Sandbox(POLICY, workspace=vm_workspace)
+    await sb.start()
+    yield sb
+    await sb.aclose()
+
+
+async def test_exit_code_and_both_streams(vm: Sandbox) -> None:
+    r = await vm.run("echo out; echo err >&2; exit 3", timeout=30)
+    assert (r.exit_code, r.stdout, r.stderr) == (3, "out\n", "err\n")
+
+
+async def test_commands_run_as_an_unprivileged_user(vm: Sandbox) -> None:
+    r = await vm.run(["id", "-u"], timeout=30)
+    assert r.stdout.strip() != "0"
+
+
+async def test_stdin_cwd_and_env(vm: Sandbox) -> None:
+    r = await vm.run(["tr", "a-z", "A-Z"], stdin="hello\n", timeout=30)
+    assert r.stdout == "HELLO\n"
+    await vm.files.mkdir("sub/dir")
+    r = await vm.run("pwd; echo $FOO", cwd="sub/dir", env={"FOO": "bar"}, timeout=30)
+    assert r.stdout == "/workspace/sub/dir\nbar\n"
+
+
+async def test_timeout_kills_the_group(vm: Sandbox) -> None:
+    r = await vm.run(
+        "echo started; (sleep 30; touch survived) & echo $! > /workspace/child; sleep 30",
+        timeout=1.5,
+    )
+    assert r.timed_out and r.exit_code == -9 and r.stdout == "started\n"
+    child = (await vm.files.read_text("child")).strip()
+    gone = await vm.run(["sh", "-c", f"kill -0 {child} 2>/dev/null && echo alive || echo gone"])
+    assert gone.stdout == "gone\n"
+
+
+async def test_background_process_and_wait(vm: Sandbox) -> None:
+    p = await vm.spawn("echo first; read line; echo got $line", stdin="pipe")
+    assert (await p.wait(timeout=0.05)).status == "timeout"
+    await p.write("x\n", eof=True)
+    done = await p.wait(timeout=30)
+    assert done.exit_code == 0
+    assert p.output() == "first\ngot x\n"
+
+
+async def test_pty_session_with_expect(vm: Sandbox) -> None:
+    sh = await vm.shell()
+    try:
+        assert (await sh.expect(PROMPT, 30)).matched
+        await sh.write("printf 'ans%s\\n' wer=$((6*7))\n")
+        m = await sh.expect(r"answer=(\d+)", 30)
+        assert m.matched and m.captures[1:] == ["42"]
+    finally:
+        await sh.close()
+
+
+async def test_files_round_trip_and_traversal_is_refused(vm: Sandbox, vm_workspace: Path) -> None:
+    await vm.files.write("notes/a.txt", "hello vm")
+    assert await vm.files.read_text("notes/a.txt") == "hello vm"
+    assert await vm.files.exists("notes/a.txt")
+    assert not await vm.files.exists("notes/missing")
+    assert [f.name for f in await vm.files.list("notes")] == ["a.txt"]
+    assert (vm_workspace / "notes/a.txt").read_text() == "hello vm"  # on the host, via 9p
+    (vm_workspace / "from-host.txt").write_text("host side")
+    r = await vm.run(["cat", "from-host.txt"], timeout=30)
+    assert r.stdout == "host side"
+    with pytest.raises(PathOutsideSandbox):
+        await vm.files.read("../etc/passwd")
+
+
+async def test_info_reports_the_guest(vm: Sandbox) -> None:
+    info = await vm.info()
+    assert info["backend"] == "microvm"
+    assert info["kernel"].startswith("Linux ")
+    assert info["kernel"].split()[1] == initramfs.find_kernel().version
+    assert info["cpus"] == 2
+    assert 300 << 20 < info["memory_bytes"] <= 384 << 20
+    assert info["hostname"] == vm.sandbox_id
+    assert info["accel"] in ("kvm", "tcg")
+
+
+async def test_no_network_but_loopback(vm: Sandbox) -> None:
+    r = await vm.run(["ls", "/sys/class/net"], timeout=30)
+    assert r.stdout.split() == ["lo"]
+
+
+async def test_writes_outside_the_workspace_fail_or_stay_in_the_vm(vm: Sandbox) -> None:
+    marker = f"corral-vm-{vm.sandbox_id}"
+    r = await vm.run(f"touch /etc/{marker}", timeout=30)
+    assert r.exit_code != 0
+    r = await vm.run(f"echo x > /tmp/{marker} && cat /tmp/{marker}", timeout=30)
+    assert r.stdout == "x\n"
+    assert not Path(f"/etc/{marker}").exists() and not Path(f"/tmp/{marker}").exists()
+    r = await vm.run(["cat", "/root/.bashrc"], timeout=30)  # host root's home: masked
+    assert r.exit_code != 0
+
+
+async def test_close_leaves_nothing(vm: Sandbox) -> None:
+    pid = (await vm.info())["qemu_pid"]
+    state = state_root() / "boxes" / vm.sandbox_id
+    assert state.is_dir()
+    await vm.aclose()
+    assert not state.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+async def run_until_broken(sb: Sandbox) -> None:
+    async with asyncio.timeout(30):
+        while True:  # the channel notices qemu's EOF; no request may hang
+            await sb.run(["true"], timeout=10)
+
+
+async def test_a_vm_that_dies_is_reported_and_cleaned_up(tmp_path: Path) -> None:
+    async with Sandbox(Policy(backend="microvm"), workspace=tmp_path) as sb:
+        pid = (await sb.info())["qemu_pid"]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(SandboxBroken):
+            await run_until_broken(sb)
+    assert not (state_root() / "boxes" / sb.sandbox_id).exists()
