@@ -1,0 +1,1 @@
+"""Security suite: escapes from inside the box, resource exhaustion, faults, fuzzing, audit."""
