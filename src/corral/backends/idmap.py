@@ -1,0 +1,237 @@
+"""Idmapped mounts: the workspace (and other shared host paths) as the box's user sees them.
+
+Commands run as box uid 1000, which maps to one unprivileged host uid (``COMMAND_HOST_ID``)
+for every box: outside what is shared, they are nobody in particular on the host, even when
+the workspace belongs to root. The workspace itself is mounted *idmapped* (Linux 5.12+): files
+its owner holds on disk appear inside as the box user's, and what the box user creates lands on
+disk as the owner's. So a command can edit the workspace but cannot read a root-only host file.
+
+The idmapped mounts are made by the host before the box starts, at
+``<state>/mnt/<box id>.<n>/ws`` (world-searchable, so bwrap or the OCI runtime, which run as
+unprivileged ids, can reach them), and are released like the pool's staging directories:
+unmounted, then ``rmdir`` only, never a recursive delete.
+
+Where idmapped mounts are not available (an old kernel, a filesystem without support), the
+backend falls back to mapping the box user to the workspace owner, and says so in the box's
+warnings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import os
+import struct
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from corral.backends import staging
+from corral.backends.base import BoxSpec
+from corral.backends.bwrap_args import expand
+
+COMMAND_HOST_ID = 2_001_000
+"""Host uid and gid of box uid 1000 (commands) when shared paths are idmapped."""
+
+_SYS_OPEN_TREE = 428
+_SYS_MOVE_MOUNT = 429
+_SYS_MOUNT_SETATTR = 442
+_AT_FDCWD = -100
+_AT_EMPTY_PATH = 0x1000
+_AT_RECURSIVE = 0x8000
+_OPEN_TREE_CLONE = 1
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MOUNT_ATTR_NOSUID = 0x2
+_MOUNT_ATTR_NODEV = 0x4
+_MOUNT_ATTR_IDMAP = 0x0010_0000
+
+_lock = threading.Lock()
+_userns: dict[tuple[int, int], int] = {}
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def _syscall(nr: int, *args: object) -> int:
+    result = int(_libc().syscall(nr, *args))
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return result
+
+
+def _syscall_for(path: str, nr: int, *args: object) -> int:
+    """A mount syscall whose error names the path it was about."""
+    try:
+        return _syscall(nr, *args)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, path) from None
+
+
+def _userns_fd(uid: int, gid: int) -> int:
+    """A user namespace mapping on-disk ``uid``/``gid`` to COMMAND_HOST_ID (cached: one
+    short-lived ``unshare`` process per owner for the life of this process)."""
+    with _lock:
+        fd = _userns.get((uid, gid))
+        if fd is not None:
+            return fd
+        proc = subprocess.Popen(
+            ["unshare", "--user", "--", "/bin/sh", "-c", "echo; exec cat"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            if not proc.stdout.readline():
+                raise OSError(f"unshare --user failed (exit {proc.wait()})")
+            Path(f"/proc/{proc.pid}/uid_map").write_text(f"{uid} {COMMAND_HOST_ID} 1\n")
+            Path(f"/proc/{proc.pid}/gid_map").write_text(f"{gid} {COMMAND_HOST_ID} 1\n")
+            fd = os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        _userns[(uid, gid)] = fd
+        return fd
+
+
+def mount_idmapped(source: str, target: str) -> None:
+    """Mount ``source`` (recursively, nosuid, nodev) at ``target``, its owner's files
+    appearing as COMMAND_HOST_ID's."""
+    st = os.stat(source)
+    ns_fd = _userns_fd(st.st_uid, st.st_gid)
+    tree = _syscall_for(
+        source,
+        _SYS_OPEN_TREE,
+        ctypes.c_int(_AT_FDCWD),
+        os.fsencode(source),
+        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE),
+    )
+    try:
+        attr = struct.pack(
+            "QQQQ", _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, ns_fd
+        )
+        buf = ctypes.create_string_buffer(attr, len(attr))
+        _syscall_for(
+            source,
+            _SYS_MOUNT_SETATTR,
+            ctypes.c_int(tree),
+            b"",
+            ctypes.c_uint(_AT_EMPTY_PATH | _AT_RECURSIVE),
+            buf,
+            ctypes.c_size_t(len(attr)),
+        )
+        _syscall_for(
+            target,
+            _SYS_MOVE_MOUNT,
+            ctypes.c_int(tree),
+            b"",
+            ctypes.c_int(_AT_FDCWD),
+            os.fsencode(target),
+            ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+        )
+    finally:
+        os.close(tree)
+
+
+@functools.cache
+def unsupported_reason() -> str | None:
+    """Why idmapped mounts can't be used here (probed once), or None."""
+    probe = staging.new_entry("mnt", f"probe-{os.getpid()}")
+    try:
+        source = probe / "src"
+        source.mkdir()
+        mount_idmapped(str(source), str(probe / "ws"))
+    except (OSError, AssertionError) as exc:
+        return f"idmapped mounts are not available ({exc}); commands act as the workspace owner"
+    finally:
+        with contextlib.suppress(OSError):
+            (probe / "src").rmdir()
+        staging.release_staging(probe)
+    return None
+
+
+class IdmappedBinds:
+    """The idmapped mount points of one box; ``release`` after the box is gone."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.sandbox_id = sandbox_id
+        self.entries: list[Path] = []
+
+    def add(self, source: str | os.PathLike[str]) -> Path:
+        entry = staging.new_entry("mnt", f"{self.sandbox_id}.{len(self.entries)}")
+        self.entries.append(entry)
+        mount_idmapped(os.fspath(source), str(entry / "ws"))
+        return entry / "ws"
+
+    def release(self) -> None:
+        for entry in self.entries:
+            staging.release_staging(entry)
+        self.entries.clear()
+
+
+@dataclass
+class SharedPaths:
+    """What a backend binds for the policy's shared host paths, and who commands are."""
+
+    workspace: Path
+    """Bound at the workdir: the idmapped mount point (or the workspace itself)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """``allow_write`` and ``mounts`` host paths -> their idmapped mount points."""
+    uid: int = COMMAND_HOST_ID
+    gid: int = COMMAND_HOST_ID
+    """Host ids of box uid/gid 1000."""
+    binds: IdmappedBinds | None = None
+    warning: str | None = None
+
+    def release(self) -> None:
+        if self.binds is not None:
+            self.binds.release()
+
+
+def share_paths(spec: BoxSpec, home: str | None = None) -> SharedPaths:
+    """Idmap the workspace, ``allow_write`` paths and ``mounts`` of a box about to start.
+
+    Falls back to mapping the box user to the workspace owner where idmapped mounts are not
+    available (the reason becomes a warning of the box)."""
+    reason = unsupported_reason()
+    if spec.workspace_prepared and reason is None:
+        return SharedPaths(workspace=spec.workspace)
+    if reason is not None:
+        st = spec.workspace.stat()
+        return SharedPaths(spec.workspace, uid=st.st_uid, gid=st.st_gid, warning=reason)
+    fs = spec.policy.filesystem
+    binds = IdmappedBinds(spec.sandbox_id)
+    home = home or os.path.expanduser("~")
+    try:
+        shared = SharedPaths(workspace=binds.add(spec.workspace), binds=binds)
+        for raw in fs.allow_write:
+            path = expand(raw, home)
+            if os.path.isdir(path):
+                shared.sources[path] = str(binds.add(path))
+        for mount in fs.mounts:
+            if mount.host.is_dir():
+                shared.sources[str(mount.host)] = str(binds.add(mount.host))
+    except OSError as exc:
+        # A path this filesystem can't idmap (or holding a mount that already is): the box
+        # still starts, with the box user mapped to the workspace owner, and says so.
+        binds.release()
+        st = spec.workspace.stat()
+        why = f"{exc.strerror or exc} while idmapping {exc.filename or 'a shared path'}"
+        warning = f"idmapped mounts failed ({why}); commands act as the workspace owner"
+        return SharedPaths(spec.workspace, uid=st.st_uid, gid=st.st_gid, warning=warning)
+    except BaseException:
+        binds.release()
+        raise
+    return shared

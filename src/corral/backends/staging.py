@@ -1,0 +1,76 @@
+"""Staging directories of the warm pool (:mod:`corral.pool`): where a caller's workspace is
+bound into an already running box. They hold mounts of users' workspaces in the host's mount
+namespace, so they are released with care: unmounted, then ``rmdir`` only, never a recursive
+delete. The bwrap backend's orphan sweep calls :func:`sweep_staging` too, so a pool whose
+owner was SIGKILLed leaves nothing mounted past the next start of any box."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from corral import mounts
+from corral.backends.base import pid_alive, state_root
+
+KINDS = ("pool", "mnt")
+"""``pool``: the warm pool's staging dirs; ``mnt``: idmapped mount points of boxes."""
+
+
+def pool_root() -> Path:
+    return state_root() / "pool"
+
+
+def new_entry(kind: str, name: str) -> Path:
+    """``<state>/<kind>/<name>/`` with ``owner.json`` and an empty, world-searchable ``ws``
+    (bwrap and OCI runtimes run as unprivileged ids and must reach the mount point)."""
+    root = state_root() / kind
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o755)
+    entry = root / name
+    entry.mkdir(mode=0o755)
+    entry.chmod(0o755)
+    (entry / "owner.json").write_text(json.dumps({"host_pid": os.getpid()}))
+    (entry / "ws").mkdir(mode=0o755)
+    return entry
+
+
+def sweep_staging() -> list[str]:
+    """Unmount and remove the staging directories and mount points of dead owners."""
+    removed: list[str] = []
+    entries = [
+        e
+        for kind in KINDS
+        if (state_root() / kind).is_dir()
+        for e in (state_root() / kind).iterdir()
+    ]
+    for entry in entries:
+        try:
+            owner = json.loads((entry / "owner.json").read_text())
+            pid = int(owner.get("host_pid", 0))
+        except (OSError, ValueError, AttributeError):
+            pid = 0
+        if pid and pid_alive(pid):
+            continue
+        if release_staging(entry):
+            removed.append(entry.name)
+    return removed
+
+
+def release_staging(entry: Path) -> bool:
+    """Peel the mounts off a staging directory and remove it; never deletes contents."""
+    ws = entry / "ws"
+    mounts.umount_all(str(ws))
+    if mounts.is_mountpoint(str(ws)):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        (entry / "owner.json").unlink()
+    for path in (ws, entry):
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False  # not empty: something unexpected is in there; leave it alone
+    return True

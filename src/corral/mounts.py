@@ -1,0 +1,82 @@
+"""The few mount(2) calls the warm pool needs, through libc (host side, as root)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_SHARED = 1 << 20
+MNT_DETACH = 0x2
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _check(result: int, what: str, path: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what} {path}: {os.strerror(err)}", path)
+
+
+def mount(source: str | None, target: str, flags: int) -> None:
+    src = source.encode() if source is not None else None
+    _check(_libc().mount(src, target.encode(), None, flags, None), "mount", target)
+
+
+def bind(source: str, target: str, *, recursive: bool = True) -> None:
+    mount(source, target, MS_BIND | (MS_REC if recursive else 0))
+
+
+def make_shared(target: str) -> None:
+    mount(None, target, MS_SHARED)
+
+
+def restrict(target: str) -> None:
+    """Remount a bind mount nosuid,nodev (the flags bwrap gives its own binds)."""
+    mount(None, target, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+
+
+def umount(target: str) -> None:
+    """Detach a mount; open files keep working, new lookups no longer see it."""
+    _check(_libc().umount2(target.encode(), MNT_DETACH), "umount", target)
+
+
+def is_mountpoint(path: str) -> bool:
+    """From /proc/self/mountinfo: ``os.path.ismount`` misses binds within one filesystem."""
+    target = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split(" ", 5)
+                if len(fields) > 4 and _unescape(fields[4]) == target:
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def umount_all(target: str, limit: int = 16) -> None:
+    """Peel every mount stacked on ``target`` (the sweep of a crashed owner)."""
+    for _ in range(limit):
+        if not is_mountpoint(target):
+            return
+        try:
+            umount(target)
+        except OSError:
+            return

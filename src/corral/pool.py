@@ -1,0 +1,312 @@
+"""A warm pool: boxes started ahead of time, handed out with the caller's workspace.
+
+Starting a box costs tens of milliseconds (namespaces, mounts, the guest agent's Python);
+running a command in a started box costs about two. A :class:`SandboxPool` keeps ``size``
+boxes started for one policy, and binds the caller's workspace into one when it is claimed::
+
+    async with corral.SandboxPool(policy, size=2) as pool:
+        result = await pool.run(["pytest", "-q"], workspace="/src/app")   # one-shot
+        async with await pool.sandbox(workspace="/src/app") as sb:        # a whole session
+            ...
+
+How the workspace gets into a box that is already running: each pooled box binds a host
+*staging* directory (``<state>/pool/<id>/ws``) at its workdir. The staging directory is made a
+shared mount before the box starts, so the box's copy of it is a slave of the host's; binding
+the workspace onto the staging directory at claim time propagates into the box (and never
+back out). Release kills every process of the box first, then unmounts. A staging directory
+is only ever ``rmdir``-ed, never removed recursively, so a crash can't delete a workspace.
+
+Limits: the bwrap backend only; policies with workspace-relative ``deny_read``/``deny_write``
+entries (applied when a box starts) and workspaces owned by another user than the pool's
+(box uid 1000 maps to the owner when the box starts) get a fresh box instead, transparently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from corral import errors, mounts
+from corral.backends import backend_for, idmap
+from corral.backends.base import BOX_PREFIX, Backend
+from corral.backends.bwrap_args import HostView, guest_path
+from corral.backends.staging import new_entry, release_staging, sweep_staging
+from corral.models import CommandResult
+from corral.policy import Policy
+from corral.sandbox import Command, Sandbox
+
+
+def needs_fresh_box(policy: Policy) -> str | None:
+    """Why boxes of this policy can't be pooled, or None."""
+    if policy.backend != "bwrap":
+        return f"the warm pool supports the bwrap backend, not {policy.backend!r}"
+    fs = policy.filesystem
+    for raw in (*fs.deny_read, *fs.deny_write):
+        guest = guest_path(raw, policy, HostView())
+        if guest == policy.workdir or guest.startswith(policy.workdir.rstrip("/") + "/"):
+            return f"deny entry {raw!r} lies in the workspace and is applied when a box starts"
+    return None
+
+
+def _workspace(workspace: str | os.PathLike[str] | None) -> Path | None:
+    ws = Path(workspace).resolve() if workspace is not None else None
+    if ws is not None and not ws.is_dir():
+        raise errors.SandboxError(
+            f"workspace {ws} is not a directory; create it or pick another",
+            code=errors.ErrorCode.INVALID_INPUT,
+        )
+    return ws
+
+
+def _bind_restricted(source: Path, staging: Path) -> None:
+    scratch = Path(tempfile.mkdtemp(prefix="attach-", dir=staging.parent.parent))
+    try:
+        mounts.bind(str(source), str(scratch))
+        try:
+            mounts.restrict(str(scratch))
+            mounts.bind(str(scratch), str(staging))
+        finally:
+            mounts.umount(str(scratch))
+    finally:
+        scratch.rmdir()
+
+
+class SandboxPool:
+    """Boxes of one policy, started ahead of time. Use as ``async with SandboxPool(...)``."""
+
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        *,
+        size: int = 2,
+        owner: tuple[int, int] | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        if size < 1:
+            raise errors.SandboxError(
+                f"pool size must be at least 1, got {size}", code=errors.ErrorCode.INVALID_INPUT
+            )
+        self.policy = policy or Policy()
+        self.size = size
+        self.owner = owner or (os.getuid(), os.getgid())
+        """Workspaces of this uid/gid are served warm; others get a fresh box."""
+        self._why_fresh = needs_fresh_box(self.policy)
+        self._backend = backend
+        self._ready: list[Sandbox] = []
+        self._filling: set[asyncio.Task[None]] = set()
+        self._pending = 0
+        self._teardown: set[asyncio.Task[None]] = set()
+        self._idmapped = False
+        self._fill_error: BaseException | None = None
+        self._closed = False
+        self._wake = asyncio.Event()
+
+    async def __aenter__(self) -> SandboxPool:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def ready(self) -> int:
+        """Boxes started and waiting to be claimed."""
+        return len(self._ready)
+
+    async def start(self) -> None:
+        """Fill the pool and return once every box is ready (errors of the first start raise)."""
+        await asyncio.to_thread(sweep_staging)
+        if self._why_fresh is not None:
+            return
+        self._idmapped = await asyncio.to_thread(idmap.unsupported_reason) is None
+        if self._backend is None:
+            # One backend for every box of the pool: its orphan sweep runs once, not per box.
+            self._backend = await asyncio.to_thread(backend_for, self.policy)
+        boxes = await asyncio.gather(
+            *(self._make() for _ in range(self.size)), return_exceptions=True
+        )
+        for box in boxes:
+            if isinstance(box, BaseException):
+                for other in boxes:
+                    if isinstance(other, Sandbox):
+                        await self._discard(other)
+                raise box
+            self._ready.append(box)
+
+    async def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until every box is ready again and every released one is torn down (between
+        bursts of work; benchmarks and tests use it). Raises the refill's error if any."""
+        async with asyncio.timeout(timeout):
+            while len(self._ready) < self.size and self._why_fresh is None:
+                if self._fill_error is not None:
+                    raise self._fill_error
+                self._wake.clear()
+                await self._wake.wait()
+            await asyncio.gather(*self._teardown, return_exceptions=True)
+
+    async def sandbox(self, workspace: str | os.PathLike[str] | None = None) -> Sandbox:
+        """A started sandbox with ``workspace`` at the policy's workdir (closing it is yours)."""
+        sb = await self._claim(workspace)
+        self._refill()
+        return sb
+
+    async def _claim(self, workspace: str | os.PathLike[str] | None) -> Sandbox:
+        if self._closed:
+            raise errors.SandboxClosed("the pool is closed")
+        ws = _workspace(workspace)
+        if self._why_fresh is not None or (ws is not None and self._foreign(ws)):
+            return await self._fresh(ws)
+        box = self._ready.pop() if self._ready else await self._make()
+        try:
+            await asyncio.to_thread(self._attach, box, ws)
+        except BaseException:
+            await self._discard(box)
+            raise
+        return box
+
+    async def run(
+        self,
+        cmd: Command | Sequence[str],
+        *,
+        workspace: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> CommandResult:
+        """One command in a box of the pool, which is closed afterwards (a one-shot)."""
+        sb = await self._claim(workspace)
+        try:
+            return await sb.run(cmd, **kwargs)
+        finally:
+            self._release(sb)
+            # Refilled only now: starting a box blocks the event loop for a few ms at a
+            # time (spawning bwrap, cgroup writes), which would slow the command down.
+            self._refill()
+
+    def _release(self, sb: Sandbox) -> None:
+        """Stop the box now and hand the workspace back; tear it down in the background.
+
+        After ``stop`` no process of the box runs again, so nothing touches the workspace
+        once this returns; waiting for the namespaces to die (several ms) is the slow part
+        and need not delay the caller. :meth:`aclose` waits for every teardown."""
+        stop = getattr(sb._box, "stop", None)
+        if stop is not None:
+            stop()
+            with contextlib.suppress(OSError):
+                mounts.umount(str(sb._workspace_arg))
+        task = asyncio.get_running_loop().create_task(sb.aclose())
+        self._teardown.add(task)
+        task.add_done_callback(self._teardown.discard)
+
+    async def aclose(self) -> None:
+        """Close every waiting box; claimed sandboxes stay their owners' to close."""
+        if self._closed:
+            return
+        self._closed = True
+        # Boxes being started are waited for, not cancelled (each start is bounded): asyncio
+        # can hang cancelling a subprocess mid-spawn. _fill_one closes them when it sees
+        # the pool closed.
+        await asyncio.gather(*self._filling, return_exceptions=True)
+        boxes, self._ready = self._ready, []
+        await asyncio.gather(*(self._discard(b) for b in boxes), return_exceptions=True)
+        await asyncio.gather(*self._teardown, return_exceptions=True)
+
+    # ---- internals ------------------------------------------------------------------------
+    def _foreign(self, ws: Path) -> bool:
+        if self._idmapped:
+            return False  # every owner's workspace is idmapped onto the box user
+        st = ws.stat()
+        return (st.st_uid, st.st_gid) != self.owner
+
+    async def _fresh(self, ws: Path | None) -> Sandbox:
+        sb = Sandbox(self.policy, workspace=ws, backend=self._backend)
+        await sb.start()
+        return sb
+
+    async def _make(self) -> Sandbox:
+        # Synchronous (well under a millisecond): in a thread, a cancellation would leave
+        # the staging directory made and mounted but unknown to us.
+        staging = self._new_staging()
+        sb = Sandbox(self.policy, workspace=staging / "ws", backend=self._backend)
+        sb._workspace_prepared = True
+        sb._after_close.append(lambda: release_staging(staging))
+        try:
+            await sb.start()
+        except BaseException:
+            await sb.aclose()
+            raise
+        return sb
+
+    def _new_staging(self) -> Path:
+        entry = new_entry("pool", BOX_PREFIX + secrets.token_hex(6))
+        ws = entry / "ws"
+        # Owned by whom the box user is on the host: the command ids, or (without
+        # idmapping) the owner, whose workspaces are the only ones served warm.
+        ids = (idmap.COMMAND_HOST_ID,) * 2 if self._idmapped else self.owner
+        os.chown(ws, *ids)
+        mounts.bind(str(ws), str(ws), recursive=False)
+        mounts.make_shared(str(ws))
+        return entry
+
+    def _attach(self, sb: Sandbox, ws: Path | None) -> None:
+        """Mount the workspace (idmapped, or a plain bind where that is unavailable; nosuid,
+        nodev) onto the box's staging directory."""
+        assert sb.workspace is not None
+        staging = sb.workspace
+        owned: Path | None = None
+        if ws is None:
+            owned = ws = Path(tempfile.mkdtemp(prefix="corral-ws-"))
+            os.chown(ws, *self.owner)
+        try:
+            if self._idmapped:
+                idmap.mount_idmapped(str(ws), str(staging))
+            else:
+                _bind_restricted(ws, staging)
+        except BaseException:
+            if owned is not None:
+                shutil.rmtree(owned, ignore_errors=True)
+            raise
+        sb.workspace = ws
+        sb._owned_workspace = owned
+
+    def _refill(self) -> None:
+        if self._closed or len(self._ready) + self._pending >= self.size:
+            return
+        self._pending += 1
+        task = asyncio.get_running_loop().create_task(self._fill_one())
+        self._filling.add(task)
+        task.add_done_callback(self._filling.discard)
+
+    async def _fill_one(self) -> None:
+        try:
+            box = await self._make()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fill_error = exc
+            self._wake.set()
+            return
+        finally:
+            # Counted here, not by task membership: a waiter may run before the task's
+            # done-callbacks do.
+            self._pending -= 1
+        if self._closed:
+            await self._discard(box)
+            return
+        self._fill_error = None
+        self._ready.append(box)
+        self._wake.set()
+
+    async def _discard(self, sb: Sandbox) -> None:
+        await sb.aclose()

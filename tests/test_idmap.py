@@ -1,0 +1,107 @@
+"""Idmapped workspaces: commands are one unprivileged host uid; the workspace is theirs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from corral import FilesystemPolicy, Policy, Sandbox, mounts
+from corral.backends import idmap, staging
+from corral.backends.base import state_root
+
+pytestmark = pytest.mark.needs_bwrap
+
+
+def _mnt_entries(sandbox_id: str) -> list[str]:
+    root = state_root() / "mnt"
+    names = os.listdir(root) if root.is_dir() else []
+    return [name for name in names if name.startswith(sandbox_id)]
+
+
+async def test_an_owners_workspace_is_the_box_users(box_policy: Policy, workspace: Path) -> None:
+    os.chown(workspace, 4321, 4321)
+    mine = workspace / "mine"
+    mine.write_text("owner's\n")
+    mine.chmod(0o600)
+    os.chown(mine, 4321, 4321)
+    roots = workspace / "roots"
+    roots.write_text("root's\n")
+    roots.chmod(0o600)
+    async with Sandbox(box_policy, workspace=workspace) as sb:
+        r = await sb.run("cat mine && echo more >> mine && touch new && stat -c '%u %g' mine")
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout == "owner's\n1000 1000\n"
+        denied = await sb.run("cat roots")
+        assert denied.exit_code != 0 and "Permission denied" in denied.stderr
+        assert _mnt_entries(sb.sandbox_id)
+        sandbox_id = sb.sandbox_id
+    assert (mine.read_text(), (workspace / "new").stat().st_uid) == ("owner's\nmore\n", 4321)
+    assert not _mnt_entries(sandbox_id)
+
+
+async def test_allow_write_and_rw_mounts_are_idmapped_too(workspace: Path, tmp_path: Path) -> None:
+    writable = tmp_path / "writable"
+    writable.mkdir(mode=0o755)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    fs = FilesystemPolicy(
+        allow_write=(str(writable),), mounts=({"host": shared, "guest": "/data", "mode": "rw"},)
+    )
+    async with Sandbox(Policy(filesystem=fs), workspace=workspace) as sb:
+        r = await sb.run(f"touch {writable}/a /data/b && id -u")
+        assert (r.exit_code, r.stdout) == (0, "1000\n"), r.stderr
+    assert (writable / "a").stat().st_uid == os.getuid()
+    assert (shared / "b").stat().st_uid == os.getuid()
+
+
+async def test_without_idmapped_mounts_the_box_user_is_the_owner_and_says_so(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(idmap, "unsupported_reason", lambda: "idmapped mounts are not available")
+    async with Sandbox(Policy(), workspace=workspace) as sb:
+        assert any("idmapped mounts" in w for w in sb.warnings)
+        assert (await sb.run("touch made")).exit_code == 0
+        assert not _mnt_entries(sb.sandbox_id)
+    assert (workspace / "made").stat().st_uid == workspace.stat().st_uid
+
+
+def test_a_dead_owners_idmapped_mount_is_swept_and_its_content_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp_path / "state"))
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "data").write_text("keep me")
+    entry = staging.new_entry("mnt", "cb-dead.0")
+    idmap.mount_idmapped(str(precious), str(entry / "ws"))
+    assert (entry / "ws" / "data").stat().st_uid == idmap.COMMAND_HOST_ID
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    (entry / "owner.json").write_text(json.dumps({"host_pid": pid}))
+    assert staging.sweep_staging() == ["cb-dead.0"]
+    assert not entry.exists()
+    assert (precious / "data").read_text() == "keep me"
+
+
+async def test_a_workspace_that_cannot_be_idmapped_still_starts_and_says_why(
+    workspace: Path, tmp_path: Path
+) -> None:
+    # A mount inside the workspace that is idmapped already: the recursive idmap refuses it.
+    inner = workspace / "inner"
+    inner.mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    idmap.mount_idmapped(str(other), str(inner))
+    try:
+        async with Sandbox(Policy(), workspace=workspace) as sb:
+            assert any("idmapped mounts failed" in w and str(workspace) in w for w in sb.warnings)
+            assert (await sb.run("touch made")).exit_code == 0
+            assert not _mnt_entries(sb.sandbox_id)
+        assert (workspace / "made").exists()
+    finally:
+        mounts.umount(str(inner))
