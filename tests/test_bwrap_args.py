@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,8 +17,10 @@ from corral.backends.bwrap_args import (
     BwrapFds,
     BwrapInputs,
     HostView,
+    _searchable,
     box_env,
     bwrap_argv,
+    unplaceable_mount,
 )
 
 HOST_TOP = ["bin", "etc", "usr", "lib", "proc", "dev", "tmp", "run", "home", "root", "var", "sys"]
@@ -172,3 +178,69 @@ def test_every_mount_appears_exactly_once(guests: list[str]) -> None:
     binds = triples(args, "--ro-bind")
     for g in guests:
         assert binds.count((g, g)) == 1
+
+
+def test_paths_the_box_cannot_reach_need_no_mask() -> None:
+    """A user's workspace: box uid 1000 maps to that user, who can't search /root anyway
+    (and bwrap, as the box's root, couldn't make a mount point there)."""
+    policy = Policy(filesystem={"deny_read": ("/root/.ssh", "/etc/shadow")})
+    user_ws = replace(
+        fake_host(),
+        owner=lambda p: (4321, 4321),
+        searchable=lambda p, uid, gid: not p.startswith("/root/") or uid == 0,
+    )
+    masked = bwrap_argv(policy, inputs(), user_ws)
+    assert "/etc/shadow" in masked and "/root/.ssh" not in masked
+    as_root = bwrap_argv(policy, inputs(), replace(user_ws, owner=lambda p: (0, 0)))
+    assert "/root/.ssh" in as_root
+
+
+def test_searchable_follows_the_mode_bits_of_every_ancestor() -> None:
+    base = Path(tempfile.mkdtemp(prefix="corral-search-"))  # /tmp itself is searchable
+    try:
+        base.chmod(0o755)
+        locked = base / "locked"
+        (locked / "inner").mkdir(parents=True)
+        locked.chmod(0o700)
+        target = str(locked / "inner" / "secret")
+        assert _searchable(target, 0, 0)  # a root-owned workspace: host root is mapped
+        assert not _searchable(target, 4321, 4321)
+        os.chown(locked, 4321, 0)
+        assert _searchable(target, 4321, 4321)  # the owner may search it
+        os.chown(locked, 0, 4321)
+        locked.chmod(0o710)
+        assert _searchable(target, 4321, 4321)  # so may its group
+        locked.chmod(0o701)
+        os.chown(locked, 0, 0)
+        assert _searchable(target, 4321, 4321)  # and everyone, here
+    finally:
+        shutil.rmtree(base)
+
+
+def test_a_nested_mount_gets_listable_parents_once() -> None:
+    policy = Policy(
+        filesystem={
+            "mounts": (
+                {"host": "/srv/a", "guest": "/data/deep/a"},
+                {"host": "/srv/b", "guest": "/data/deep/b"},
+            )
+        }
+    )
+    args = argv(policy)
+    made = [args[i + 3] for i, a in enumerate(args) if a == "--perms" and args[i + 2] == "--dir"]
+    assert made.count("/data") == 1 and made.count("/data/deep") == 1
+    assert args.index("/data/deep") < args.index("/data/deep/a")
+
+
+def test_a_mount_point_inside_a_read_only_host_dir_is_refused_with_the_fix() -> None:
+    host = fake_host()
+    bad = Policy(filesystem={"mounts": ({"host": "/srv", "guest": "/usr/new/x"},)})
+    problem = unplaceable_mount(bad, host) or ""
+    assert "/usr/new/x" in problem and "/usr is the host's own directory" in problem
+    assert "/data/usr/new/x" in problem
+    fine = Policy(filesystem={"mounts": ({"host": "/srv", "guest": "/data/x"},)})
+    assert unplaceable_mount(fine, host) is None
+    minimal = bad.model_copy(
+        update={"filesystem": bad.filesystem.model_copy(update={"inherit_readable": False})}
+    )
+    assert unplaceable_mount(minimal, host) is None

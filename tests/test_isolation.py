@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from corral import PathOutsideSandbox, Policy, Sandbox
+from corral import FilesystemPolicy, Mount, PathOutsideSandbox, Policy, PolicyError, Sandbox
 from corral.errors import FilePermissionDenied
 
 pytestmark = pytest.mark.needs_bwrap
@@ -79,7 +79,8 @@ async def test_host_processes_are_invisible(sandbox: Sandbox) -> None:
 
 
 async def test_commands_cannot_touch_the_agent(sandbox: Sandbox) -> None:
-    r = await sandbox.run("id -u; ls /proc/2/fd; cat /proc/2/environ; kill -9 2")
+    agent = (await sandbox.info())["agent_pid"]  # 2 under bwrap's init, 1 in an OCI box
+    r = await sandbox.run(f"id -u; ls /proc/{agent}/fd; cat /proc/{agent}/environ; kill -9 {agent}")
     assert r.stdout.splitlines()[0] == "1000"
     assert r.stderr.count("Permission denied") >= 2 or "not permitted" in r.stderr
     assert (await sandbox.run("echo alive")).stdout == "alive\n"
@@ -117,6 +118,7 @@ def host_server() -> Iterator[int]:
     t.start()
     yield srv.getsockname()[1]
     stop.set()
+    srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
     srv.close()
     t.join(timeout=5)
 
@@ -174,6 +176,29 @@ async def test_file_ops_respect_read_only_mounts(workspace: Path, tmp_path: Path
         with pytest.raises(FilePermissionDenied):
             await sb.files.write("/data/f", "rw")
     assert (data / "f").read_text() == "ro"
+
+
+async def test_a_nested_mount_is_reachable_by_commands(
+    box_policy: Policy, workspace: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "f").write_text("shared")
+    mount = Mount(host=data, guest="/data/deep/shared")
+    policy = box_policy.model_copy(update={"filesystem": FilesystemPolicy(mounts=(mount,))})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run("cat /data/deep/shared/f; stat -c %a /data /data/deep")
+        assert r.stdout == "shared755\n755\n", r.stderr
+
+
+async def test_a_mount_inside_a_read_only_host_dir_is_a_clear_policy_error(
+    box_policy: Policy, workspace: Path
+) -> None:
+    mount = Mount(host=Path("/tmp"), guest="/usr/x/y")
+    policy = box_policy.model_copy(update={"filesystem": FilesystemPolicy(mounts=(mount,))})
+    with pytest.raises(PolicyError, match="create /usr/x/y on the host"):
+        async with Sandbox(policy, workspace=workspace):
+            pass
 
 
 async def test_minimal_root_runs_sh_python_and_node_but_hides_the_host(workspace: Path) -> None:

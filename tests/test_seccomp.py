@@ -577,3 +577,55 @@ def test_git(profile: Profile) -> None:
     proc = run_sandboxed(["/bin/sh", "-c", script], profile, extra=["--tmpfs", "/tmp"])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "first"
+
+
+# ---------------------------------------------------------------------------------------------
+# The OCI export (runc, crun) states the same rules as the compiled filter.
+
+
+def run_oci(rules: dict[str, object], name: str, args: Sequence[int]) -> int:
+    """The action of an OCI ``linux.seccomp`` object, as libseccomp applies it."""
+    assert rules["defaultAction"] == "SCMP_ACT_ALLOW"
+    syscalls = rules["syscalls"]
+    assert isinstance(syscalls, list)
+    for rule in syscalls:
+        if name not in rule["names"]:
+            continue
+        conditions = rule.get("args", [])
+        assert len({c["index"] for c in conditions}) == len(conditions)  # runc ORs repeats
+        if all((args[c["index"]] & c["value"]) == c["valueTwo"] for c in conditions):
+            assert rule["action"] == "SCMP_ACT_ERRNO"
+            return 0x00050000 | int(rule["errnoRet"])
+    return ALLOW
+
+
+ARG_RULED = ("clone", "unshare", "ioctl", "personality", "socket")
+INTERESTING_ARGS = st.one_of(
+    st.integers(0, U64),
+    st.sampled_from([0, 8, 16, 1, 2, 10, U32, seccomp.TIOCSTI, 1 << 32 | seccomp.TIOCSTI]),
+    st.sampled_from([seccomp.CLONE_NEWUSER, seccomp.CLONE_NEWTIME, 0x11, 0x1200011]),
+)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers are x86_64 ones")
+@pytest.mark.parametrize("profile", PROFILES)
+@given(
+    name=st.sampled_from(ARG_RULED),
+    args=st.lists(INTERESTING_ARGS, min_size=6, max_size=6),
+)
+def test_oci_export_decides_like_the_compiled_filter(
+    profile: Profile, name: str, args: list[int]
+) -> None:
+    nr = seccomp._X86_64[name]
+    expected = run_bpf(build_filter(profile), nr, args)
+    assert run_oci(seccomp.oci_seccomp(profile), name, args) == expected
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="aarch64 lacks some of the names")
+@pytest.mark.parametrize("profile", PROFILES)
+def test_oci_export_refuses_the_same_syscalls_outright(profile: Profile) -> None:
+    rules = seccomp.oci_seccomp(profile)
+    for name in denied_syscalls(profile):
+        want = ENOSYS if name == "clone3" else EPERM
+        assert run_oci(rules, name, [0] * 6) == want, name
+    assert rules["architectures"] == ["SCMP_ARCH_X86_64"]

@@ -41,6 +41,7 @@ from corral.policy import (
     ProcessTracking,
     SecurityPolicy,
 )
+from corral.pool import SandboxPool
 from corral.processes import Process
 from corral.sandbox import Sandbox
 from corral.sync import SyncSandbox
@@ -74,6 +75,7 @@ __all__ = [
     "SandboxBroken",
     "SandboxClosed",
     "SandboxError",
+    "SandboxPool",
     "SecurityPolicy",
     "SessionBusy",
     "SessionError",

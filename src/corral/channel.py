@@ -110,6 +110,8 @@ class Channel:
         finally:
             self._pending.pop(req_id, None)
             self._hooks.pop(req_id, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # failed with the channel: retrieved, so it is not logged
         if "error" in header:
             raise error_from_reply(header["error"])
         return header, data

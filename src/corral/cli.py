@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from corral import errors
+from corral.net.cli import add_network_options, apply_network_options
 from corral.policy import Limits, Policy, parse_size
 
 EXIT_USAGE = 2
@@ -22,6 +23,7 @@ EXIT_SANDBOX = 125
 def build_policy(args: argparse.Namespace) -> Policy:
     """Policy file first, then the command-line overrides on top."""
     policy = Policy.load(args.policy) if args.policy else Policy()
+    policy = _with_backend(policy, getattr(args, "backend", None), getattr(args, "runtime", None))
     limits: dict[str, object] = {}
     if getattr(args, "memory", None):
         limits["memory_bytes"] = args.memory
@@ -36,7 +38,19 @@ def build_policy(args: argparse.Namespace) -> Policy:
         except ValueError as exc:
             raise errors.PolicyError(f"invalid limit: {exc}") from None
         policy = policy.model_copy(update={"limits": new_limits})
-    return policy
+    return apply_network_options(policy, args)
+
+
+def _with_backend(policy: Policy, backend: str | None, runtime: str | None) -> Policy:
+    """``--backend``/``--runtime`` over the policy file; ``--runtime`` alone implies oci."""
+    if backend is None and runtime is None:
+        return policy
+    if runtime is not None and backend not in (None, "oci"):
+        raise errors.PolicyError(f"--runtime {runtime} needs --backend oci, not {backend}")
+    data = policy.model_dump()
+    data["backend"] = backend or ("oci" if runtime else policy.backend)
+    data["runtime"] = runtime or (policy.runtime if data["backend"] == "oci" else None)
+    return Policy.from_dict(data)
 
 
 def _size(text: str) -> int:
@@ -50,6 +64,14 @@ def _size(text: str) -> int:
 
 def add_sandbox_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", metavar="FILE", help="TOML policy file (see README)")
+    p.add_argument(
+        "--backend", choices=["bwrap", "oci", "microvm"], help="isolation backend (default: bwrap)"
+    )
+    p.add_argument(
+        "--runtime",
+        choices=["runc", "crun", "runsc"],
+        help="OCI runtime of --backend oci (default: the first that works here)",
+    )
     p.add_argument(
         "--workspace", metavar="DIR", default=".", help="host dir mounted read-write (default: .)"
     )
@@ -120,6 +142,7 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--cpus", type=float, metavar="N", help="CPU cap in cores, e.g. 1.5")
     run.add_argument("--pids", type=int, metavar="N", help="max processes in the box")
     run.add_argument("--timeout", type=float, metavar="SECS", help="kill the command after SECS")
+    add_network_options(run)
     run.add_argument("--json", action="store_true", help="print one JSON object with the result")
     run.add_argument("--stdin", action="store_true", help="pass corral's stdin to the command")
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
@@ -142,6 +165,7 @@ def _extra_commands() -> list[
     for module, name in (
         ("corral.cli_interactive", "register"),
         ("corral.cli_mcp", "add_mcp_command"),
+        ("corral.cli_audit", "register"),
     ):
         try:
             mod = __import__(module, fromlist=[name])

@@ -130,6 +130,16 @@ def check_kvm() -> Check:
     )
 
 
+def check_microvm() -> list[Check]:
+    """qemu, a kernel with 9p, and which accelerator really boots it (KVM tried, not assumed)."""
+    from corral.backends import microvm
+
+    return [
+        Check(name, ok, detail, fix, required=False)
+        for name, ok, detail, fix in microvm.host_report()
+    ]
+
+
 def check_sandbox() -> Check:
     """Start a real box and run `true` in it: the only check that proves everything."""
     import asyncio
@@ -149,6 +159,51 @@ def check_sandbox() -> Check:
     return Check("sandbox", True, f"a real box started and ran `true` ({detail})")
 
 
+def check_oci_runtime(name: str) -> Check:
+    """Whether the OCI backend starts boxes with runtime ``name``: a real box runs `true`."""
+    import asyncio
+
+    from corral.backends import oci
+    from corral.errors import SandboxError
+    from corral.policy import Policy
+    from corral.sandbox import Sandbox
+
+    try:
+        runtime = oci.find_runtime(name)
+    except SandboxError as exc:
+        return Check(name, False, f"OCI backend: {exc.message}", required=False)
+    where = f"{runtime.path} ({_version([runtime.path, '--version'])})"
+    if runtime.hidden_mount:
+        where += (
+            f"; this host mixes cgroup v1 and v2, which crun refuses, so corral runs it in a "
+            f"private mount namespace without {runtime.hidden_mount}"
+        )
+
+    async def go() -> int:
+        async with Sandbox(Policy.from_dict({"backend": "oci", "runtime": name})) as sb:
+            return (await sb.run(["true"], timeout=10)).exit_code
+
+    try:
+        code = asyncio.run(go())
+    except SandboxError as exc:
+        return Check(
+            name,
+            False,
+            f"{where}; it cannot start a box here: {exc.message}",
+            f"run `corral run --backend oci --runtime {name} -- true` for details",
+            required=False,
+        )
+    return Check(name, code == 0, f"{where}; a real OCI box started and ran `true`", required=False)
+
+
+def check_network_modes() -> list[Check]:
+    from corral.net.support import mode_support
+
+    return [
+        Check(f"network {m.mode}", m.ok, m.detail, m.fix, required=False) for m in mode_support()
+    ]
+
+
 def run_checks() -> list[Check]:
     checks = [
         check_bwrap(),
@@ -159,12 +214,11 @@ def run_checks() -> list[Check]:
         check_landlock(),
     ]
     checks += [
-        check_tool("pasta", "network modes: user-mode networking", "passt"),
-        check_tool("slirp4netns", "network modes: user-mode networking", "slirp4netns"),
-        check_tool("runc", "OCI backend", "runc"),
-        check_tool("crun", "OCI backend", "crun"),
+        *check_network_modes(),
+        *(check_oci_runtime(name) for name in ("runc", "crun", "runsc")),
         check_tool("qemu-system-x86_64", "microVM backend", "qemu-system-x86"),
         check_kvm(),
+        *check_microvm(),
     ]
     if all(c.ok for c in checks if c.required):
         checks.append(check_sandbox())

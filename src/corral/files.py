@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from corral import errors
 from corral.models import FileInfo
@@ -89,10 +91,28 @@ class Files:
 
     def __init__(self, policy: Policy, request: Request) -> None:
         self._policy = policy
-        self._request = request
+        self._send = request
+        self.on_denied: Callable[[str, str, str], None] | None = None
+        """Called with (operation, path, reason) for every refused operation (audit log)."""
 
     def _resolve(self, path: str) -> Resolved:
-        return resolve(path, self._policy)
+        try:
+            return resolve(path, self._policy)
+        except errors.PathOutsideSandbox as exc:
+            self._denied("resolve", path, exc.message)
+            raise
+
+    async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
+        """One agent call; refusals by the kernel (symlinks out, read-only) are reported."""
+        try:
+            return await self._send(op, payload, **fields)
+        except (errors.PathOutsideSandbox, errors.FilePermissionDenied) as exc:
+            self._denied(op, str(fields.get("path", "")), exc.message)
+            raise
+
+    def _denied(self, op: str, path: str, reason: str) -> None:
+        if self.on_denied is not None:
+            self.on_denied(op, path, reason)
 
     async def read(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """Whole file contents. Larger than ``max_bytes`` (default 64 MiB) -> FileTooLarge."""

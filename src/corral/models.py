@@ -24,6 +24,8 @@ class CommandResult:
     pid: int
     oom_killed: bool = False
     """True when the box's memory limit killed a process while this command ran."""
+    pids_limited: bool = False
+    """True when the box's process limit refused a fork while this command ran."""
 
     @property
     def ok(self) -> bool:

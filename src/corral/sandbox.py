@@ -18,8 +18,9 @@ import posixpath
 import secrets
 import shlex
 import shutil
+import signal
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -33,6 +34,7 @@ from corral.backends.bwrap_args import box_env
 from corral.channel import Channel
 from corral.files import Files
 from corral.models import CommandResult, ProcessInfo
+from corral.net import BoxNetwork, Resolver
 from corral.policy import Policy, RlimitName
 from corral.processes import Process, ProcessRegistry
 from corral.pty import PtySession, SessionRegistry
@@ -42,6 +44,8 @@ Command = str | Sequence[str]
 StdinArg = bytes | str | Literal["pipe"] | None
 READY_TIMEOUT = 15.0
 KILL_GRACE = 5.0
+PID_MAX = 1 << 22
+"""Linux's PID_MAX_LIMIT: an agent reporting a larger pid is lying."""
 
 
 def to_argv(cmd: Command) -> list[str]:
@@ -69,8 +73,13 @@ class Sandbox:
         *,
         workspace: str | os.PathLike[str] | None = None,
         backend: Backend | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
+        """``resolver``: how the egress proxy (network mode ``allowlist``) resolves names;
+        default the host's resolver. A :class:`corral.net.StaticResolver` pins names."""
         self.policy = policy or Policy()
+        self._resolver = resolver
+        self._network: BoxNetwork | None = None
         self._workspace_arg = Path(workspace).resolve() if workspace is not None else None
         self._backend = backend
         self._box: Box | None = None
@@ -84,8 +93,14 @@ class Sandbox:
         self.files = Files(self.policy, self._request)
         self._closed = False
         self._broken: str | None = None
+        self._after_close: list[Callable[[], object]] = []
+        self._workspace_prepared = False  # set by SandboxPool for its staging directories
         self.audit = AuditLog.for_policy(self.policy, self.sandbox_id)
         """The sandbox's audit log (records nothing unless ``policy.audit_log`` is set)."""
+        self.files.on_denied = self._audit_file_denied
+        # Box counters (OOM kills, pids-limit hits) already reported as violations.
+        self._seen_violations = (0, 0)
+        self._spawn_marks: dict[int, int] = {}
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._box else "not started")
@@ -93,7 +108,8 @@ class Sandbox:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def __aenter__(self) -> Sandbox:
-        await self.start()
+        if self._box is None or self._closed:  # a pool hands out started sandboxes
+            await self.start()
         return self
 
     async def __aexit__(
@@ -117,13 +133,21 @@ class Sandbox:
             )
         assert self.workspace is not None
         backend = self._backend or backend_for(self.policy)
+        state_dir = state_root() / "boxes" / self.sandbox_id
+        self._network = BoxNetwork.for_policy(
+            self.policy.network, state_dir / "net", audit=self.audit, resolver=self._resolver
+        )
         spec = BoxSpec(
             policy=self.policy,
             workspace=self.workspace,
             sandbox_id=self.sandbox_id,
-            state_dir=state_root() / "boxes" / self.sandbox_id,
+            state_dir=state_dir,
+            network=self._network,
+            workspace_prepared=self._workspace_prepared,
         )
         try:
+            if self._network is not None:
+                await self._network.start()
             self._box = await backend.start(spec)
             self._channel = Channel(self._box.channel, self._on_event)
             self._channel.on_lost = self._on_lost
@@ -134,9 +158,14 @@ class Sandbox:
                 detail = await self._box.diagnose()
                 message = f"{exc.message}: {detail}" if detail else exc.message
                 raise errors.BackendError(message) from None
+            if self._network is not None:
+                await self._network.ready()
         except BaseException:
             await self.aclose()
             raise
+        self.audit.record(
+            "sandbox", event="start", backend=self.policy.backend, workspace=str(self.workspace)
+        )
 
     async def aclose(self) -> None:
         """Kill everything in the box and remove every trace of it. Idempotent."""
@@ -151,11 +180,17 @@ class Sandbox:
             await self._channel.close()
         if self._box is not None:
             await self._box.close()
+        if self._network is not None:
+            await self._network.close()
         for proc in self._registry.running():
             proc._lost()
         await self._sessions.aclose()  # after the processes: their shells are gone by now
+        for hook in self._after_close:
+            await asyncio.to_thread(hook)
         if self._owned_workspace is not None:
             shutil.rmtree(self._owned_workspace, ignore_errors=True)
+        self.audit.record("sandbox", event="close", broken=self._broken)
+        self.audit.close()
 
     @property
     def closed(self) -> bool:
@@ -186,6 +221,43 @@ class Sandbox:
             duration = header.get("duration")
             proc._on_exit(header["exit_code"], duration if isinstance(duration, float) else None)
             self._registry.on_exit()
+            if self.audit.enabled:
+                self._audit_exit(proc)
+
+    # ---- audit ---------------------------------------------------------------------------
+    def _audit_exit(self, proc: Process) -> None:
+        oom_at_spawn = self._spawn_marks.pop(proc.pid, None)
+        stats = self._box.stats() if self._box is not None else BoxStats()
+        self.audit.record(
+            "command",
+            event="exit",
+            pid=proc.pid,
+            exit_code=proc.exit_code,
+            duration=proc.duration,
+            timed_out=proc.timed_out,
+            oom_killed=oom_at_spawn is not None and stats.oom_kills > oom_at_spawn,
+        )
+        if proc.exit_code == -signal.SIGSYS:
+            self.audit.record(
+                "violation", type="seccomp", pid=proc.pid, argv=proc.argv, signal="SIGSYS"
+            )
+        self._audit_limits(stats)
+
+    def _audit_limits(self, stats: BoxStats) -> None:
+        """Report OOM kills and refused forks the box's cgroup counted since last time."""
+        oom_seen, pids_seen = self._seen_violations
+        if stats.oom_kills > oom_seen:
+            self.audit.record("violation", type="oom", count=stats.oom_kills - oom_seen)
+        if stats.pids_limit_hits > pids_seen:
+            hits = stats.pids_limit_hits - pids_seen
+            self.audit.record("violation", type="pids_limit", count=hits)
+        self._seen_violations = (
+            max(oom_seen, stats.oom_kills),
+            max(pids_seen, stats.pids_limit_hits),
+        )
+
+    def _audit_file_denied(self, op: str, path: str, reason: str) -> None:
+        self.audit.record("file_denied", op=op, path=path, reason=reason)
 
     def _on_lost(self, reason: str) -> None:
         if self._closed:
@@ -230,14 +302,20 @@ class Sandbox:
 
         def register(reply: dict[str, Any]) -> None:
             pid = reply.get("pid")
-            if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= PID_MAX:
                 raise protocol.FrameError(f"spawn reply with a bad pid {pid!r}")
             proc = Process(pid, argv, self.policy.limits.output_bytes, self._request)
             self._registry.add(proc)
             holder.append(proc)
 
         await self._request("spawn", payload, on_reply=register, **fields)
-        return holder[0]
+        proc = holder[0]
+        if self.audit.enabled:
+            self._spawn_marks[proc.pid] = self._oom_kills()
+            self.audit.record(
+                "command", event="spawn", argv=argv, cwd=fields["cwd"], pid=proc.pid, pty=pty
+            )
+        return proc
 
     def _cwd(self, cwd: str | None) -> str:
         if cwd is None:
@@ -259,6 +337,7 @@ class Sandbox:
         output produced so far is kept (``timed_out=True``)."""
         timeout = timeout if timeout is not None else self.policy.limits.exec_timeout_secs
         oom_before = self._oom_kills()
+        pids_before = self._pids_limit_hits()
         proc = await self.spawn(cmd, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits)
         waited = await proc.wait(timeout)
         if waited.status == "timeout":
@@ -275,6 +354,7 @@ class Sandbox:
             truncated=proc.truncated,
             pid=proc.pid,
             oom_killed=self._oom_kills() > oom_before,
+            pids_limited=self._pids_limit_hits() > pids_before,
         )
         if check and not result.ok:
             why = "timed out" if result.timed_out else f"exited with status {result.exit_code}"
@@ -283,6 +363,13 @@ class Sandbox:
 
     def _oom_kills(self) -> int:
         return self._box.oom_kills() if self._box is not None else 0
+
+    def _pids_limit_hits(self) -> int:
+        """Forks the box's pids limit refused so far (one file read where the box can)."""
+        if self._box is None:
+            return 0
+        cheap = getattr(self._box, "pids_limit_hits", None)
+        return int(cheap()) if callable(cheap) else self._box.stats().pids_limit_hits
 
     def process(self, pid: int) -> Process:
         """The handle of a tracked process (ProcessNotFound if unknown)."""

@@ -109,9 +109,11 @@ class SyncFiles:
 class SyncSandbox:
     """``Sandbox`` for synchronous code: same arguments, same results."""
 
-    def __init__(self, policy: Policy | None = None, *, workspace: Any = None) -> None:
+    def __init__(
+        self, policy: Policy | None = None, *, workspace: Any = None, resolver: Any = None
+    ) -> None:
         self._loop = _Loop()
-        self._sandbox = Sandbox(policy, workspace=workspace)
+        self._sandbox = Sandbox(policy, workspace=workspace, resolver=resolver)
         self.files = SyncFiles(self._sandbox, self._loop)
         try:
             self._loop.call(self._sandbox.start())

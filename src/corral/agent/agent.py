@@ -7,7 +7,8 @@ only CAP_SETUID/CAP_SETGID) and runs every command as ``uid``/``gid`` from its c
 command can neither signal nor inspect the agent (different uid, no ptrace: seccomp).
 
 It is started as ``python3 -I -S agent.py CONFIG_JSON`` with the channel socket on the fd
-named in the config. Every message type of :mod:`protocol` is handled here, so every backend
+named in the config (``"fd"``), or a character device to open (``"device"``, a virtio-serial
+port in a microVM). Every message type of :mod:`protocol` is handled here, so every backend
 that can start this script gets every feature.
 """
 
@@ -49,11 +50,40 @@ class Child:
         self.popen: Any = None  # the Popen, so reaping can set its returncode
 
 
+class CharDevice:
+    """The channel as a character device (a virtio-serial port): the few socket calls the
+    loop makes, over os.read/os.write. Reading 0 bytes means the host end closed."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def setblocking(self, flag: bool) -> None:
+        os.set_blocking(self.fd, flag)
+
+    def send(self, data: bytes | bytearray) -> int:
+        return os.write(self.fd, data)
+
+    def recv(self, size: int) -> bytes:
+        return os.read(self.fd, size)
+
+    def sendall(self, data: bytes | bytearray) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+
 class Agent:
     def __init__(self, config: dict[str, Any]) -> None:
         self.uid = int(config.get("uid", 1000))
         self.gid = int(config.get("gid", 1000))
-        self.sock = socket.socket(fileno=int(config["fd"]))
+        self.sock: socket.socket | CharDevice
+        if "device" in config:  # a virtio-serial port (microVM backend)
+            self.sock = CharDevice(str(config["device"]))
+        else:
+            self.sock = socket.socket(fileno=int(config["fd"]))
         self.sock.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.decoder = protocol.FrameDecoder()
@@ -64,6 +94,7 @@ class Agent:
         self.running = True
         self.files = files.FileOps(self.uid, self.gid)
         self.info_extra = dict(config.get("info", {}))
+        start_forwarders(list(config.get("forwarders") or []))
         # Limits every command gets anyway are set once on the agent and inherited, so the
         # common spawn needs no Python pre-exec hook in the child (about 0.8 ms a command).
         self.inherited_rlimits = set_inherited_rlimits({"core": 0})
@@ -402,6 +433,10 @@ class Agent:
     # ---- loop ----------------------------------------------------------------------------
     def run(self) -> None:
         self.send({"ev": "ready", "pid": os.getpid()})
+        # Loaded after "ready": the host is still setting up while this runs, and the first
+        # command does not pay for it (about 3 ms).
+        import subprocess  # noqa: F401
+
         while self.running:
             for key, mask in self.sel.select():
                 if key.data == "chan":
@@ -437,6 +472,80 @@ def spawn_error(exc: OSError, program: str, cwd: str | None) -> str:
     if isinstance(exc, PermissionError):
         return f"{target}: permission denied"
     return f"cannot start {program}: {exc.strerror or exc}"
+
+
+def start_forwarders(specs: list[dict[str, Any]]) -> None:
+    """Loopback listeners relaying every connection to a host unix socket (corral.net).
+
+    This is how a box with no route out reaches the host's egress proxy and exposed ports.
+    Threads keep the agent's select loop untouched; the sockets are mode 0666 on the host,
+    so relaying works whichever ids the agent holds at the moment.
+    """
+    if not specs:
+        return
+    import threading
+
+    for spec in specs:
+        for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+            server = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                server.bind((address, int(spec["port"])))
+                server.listen(128)
+            except OSError:
+                server.close()
+                if family == socket.AF_INET:
+                    raise
+                continue  # no IPv6 loopback in this box: IPv4 is enough
+            args = (server, str(spec["unix"]))
+            threading.Thread(target=forward_accept, args=args, daemon=True).start()
+
+
+def forward_accept(server: socket.socket, path: str) -> None:
+    import threading
+
+    while True:
+        try:
+            conn, _ = server.accept()
+        except (ConnectionAbortedError, InterruptedError):
+            continue
+        except OSError:
+            return
+        threading.Thread(target=forward_conn, args=(conn, path), daemon=True).start()
+
+
+def forward_conn(conn: socket.socket, path: str) -> None:
+    import threading
+
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        upstream.connect(path)
+    except OSError:
+        conn.close()
+        upstream.close()
+        return
+    back = threading.Thread(target=forward_copy, args=(upstream, conn), daemon=True)
+    back.start()
+    forward_copy(conn, upstream)
+    back.join()
+    conn.close()
+    upstream.close()
+
+
+def forward_copy(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while True:
+            data = src.recv(262144)
+            if not data:
+                break
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def drain_fd(fd: int) -> None:

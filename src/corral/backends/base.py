@@ -8,13 +8,19 @@ known fd (or a virtio-serial port bridged to a socket).
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from corral.policy import Policy
+
+if TYPE_CHECKING:
+    from corral.backends.cgroups import Cgroup
+    from corral.net import BoxNetwork
 
 AGENT_DIR = Path(__file__).resolve().parent.parent / "agent"
 """Host directory holding the guest agent (stdlib-only Python files)."""
@@ -24,6 +30,25 @@ BOX_PREFIX = "cb-"
 
 BOX_UID = 1000
 """uid (and gid) that commands run as inside every box; the agent is uid 0 of the box."""
+
+
+def kill_child(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL a child started with asyncio, through a pidfd, without reaping it.
+
+    ``Process.kill()`` polls first (``Popen.send_signal``), which reaps a child that has just
+    exited behind asyncio's watcher ("Unknown child process pid N" warnings)."""
+    if proc.returncode is not None:
+        return
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except OSError:
+        return  # already reaped: nothing to kill
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def state_root() -> Path:
@@ -39,6 +64,11 @@ class BoxSpec:
     workspace: Path
     sandbox_id: str
     state_dir: Path
+    network: BoxNetwork | None = None
+    """The host side of the network policy (None for ``none``): binds, forwarders, attach."""
+    workspace_prepared: bool = False
+    """The workspace is a staging directory whose content is bound in later (the warm pool):
+    bind it as it is, and map the box user as for an idmapped workspace."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +81,62 @@ class BoxStats:
     pids: int | None = None
     pids_limit_hits: int = 0
     cpu_seconds: float | None = None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process exists (the orphan sweeps' test of a box's owner)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class BoxBase:
+    """What every backend's box holds: its spec, the host end of the channel, its warnings."""
+
+    def __init__(self, spec: BoxSpec, channel: socket.socket, warnings: tuple[str, ...]) -> None:
+        self._spec = spec
+        self._channel = channel
+        self._warnings = warnings
+        self._closed = False
+
+    @property
+    def channel(self) -> socket.socket:
+        return self._channel
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Limits the host could not enforce (for example a missing cgroup controller)."""
+        return self._warnings
+
+
+class CgroupAccounting:
+    """``stats()``, ``oom_kills()`` and ``pids_limit_hits()`` of a box from its cgroup."""
+
+    _cgroup: Cgroup | None
+
+    def oom_kills(self) -> int:
+        return self._cgroup.oom_kills() if self._cgroup is not None else 0
+
+    def pids_limit_hits(self) -> int:
+        return self._cgroup.pids_limit_hits() if self._cgroup is not None else 0
+
+    def stats(self) -> BoxStats:
+        if self._cgroup is None:
+            return BoxStats()
+        s = self._cgroup.stats()
+        cpu = None if s.cpu_usage_ns is None else s.cpu_usage_ns / 1e9
+        return BoxStats(
+            memory_bytes=s.memory_current,
+            memory_peak_bytes=s.memory_peak,
+            oom_kills=s.oom_kills,
+            pids=s.pids_current,
+            pids_limit_hits=s.pids_limit_hits,
+            cpu_seconds=cpu,
+        )
 
 
 class Box(Protocol):

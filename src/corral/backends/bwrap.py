@@ -29,16 +29,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from corral.backends import bwrap_args, cgroups, seccomp
+from corral.backends import bwrap_args, cgroups, idmap, seccomp, staging
 from corral.backends.base import (
     AGENT_DIR,
     BOX_PREFIX,
     BOX_UID,
+    BoxBase,
     BoxSpec,
-    BoxStats,
+    CgroupAccounting,
+    kill_child,
+    pid_alive,
     state_root,
 )
-from corral.errors import BackendError, BackendUnavailable
+from corral.backends.idmap import COMMAND_HOST_ID
+from corral.errors import BackendError, BackendUnavailable, PolicyError
+from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
 HOST_UID_BASE = 2_000_000
@@ -55,18 +60,23 @@ def find_python() -> str:
     return os.path.realpath(sys.executable)
 
 
-def id_map(owner: int) -> str:
-    """uid_map/gid_map text: box 0..999 and 1001.. -> host base range, box 1000 -> owner."""
-    if HOST_UID_BASE <= owner < HOST_UID_BASE + ID_RANGE:
+def id_ranges(owner: int) -> list[tuple[int, int, int]]:
+    """``(box id, host id, count)``: box 0..999 and 1001.. -> host base range, 1000 -> owner."""
+    if HOST_UID_BASE <= owner < HOST_UID_BASE + ID_RANGE and owner != COMMAND_HOST_ID:
         raise BackendError(f"workspace owner id {owner} collides with corral's id range")
-    return (
-        f"0 {HOST_UID_BASE} {BOX_UID}\n"
-        f"{BOX_UID} {owner} 1\n"
-        f"{BOX_UID + 1} {HOST_UID_BASE + BOX_UID + 1} {ID_RANGE - BOX_UID - 1}\n"
-    )
+    return [
+        (0, HOST_UID_BASE, BOX_UID),
+        (BOX_UID, owner, 1),
+        (BOX_UID + 1, HOST_UID_BASE + BOX_UID + 1, ID_RANGE - BOX_UID - 1),
+    ]
 
 
-def _shared_files() -> tuple[Path, Path, Path]:
+def id_map(owner: int) -> str:
+    """uid_map/gid_map text of :func:`id_ranges`."""
+    return "".join(f"{box} {host} {count}\n" for box, host, count in id_ranges(owner))
+
+
+def shared_files() -> tuple[Path, Path, Path]:
     """Host files every box binds: a mode-000 file and directory (masks) and an /etc/passwd."""
     shared = state_root() / "shared"
     shared.mkdir(parents=True, exist_ok=True)
@@ -87,16 +97,6 @@ def _shared_files() -> tuple[Path, Path, Path]:
     return masked_file, masked_dir, passwd
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
     """Remove what boxes of dead owners left behind (after a SIGKILL of the host process)."""
     boxes = state_root() / "boxes"
@@ -110,14 +110,17 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
             owner = {}
         if owner.get("backend", "bwrap") != "bwrap":
             continue  # another backend's box: its own sweep knows how to delete it
-        if _pid_alive(int(owner.get("host_pid", 0) or 0)):
+        if pid_alive(int(owner.get("host_pid", 0) or 0)):
             continue
+        sweep_network(entry / "net")  # pasta of a full-mode box, if any
         bwrap_pid = int(owner.get("bwrap_pid", 0) or 0)
         if bwrap_pid and _is_bwrap(bwrap_pid):
             with contextlib.suppress(OSError):
                 os.kill(bwrap_pid, signal.SIGKILL)
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry.name)
+    # Workspaces a dead pool had bound into its boxes (mounts in the host's namespace).
+    staging.sweep_staging()
     # A box's cgroup whose state directory is gone belongs to nobody. Only box names are
     # considered: other users of the corral/ parent (tests, other tools) are not ours.
     with contextlib.suppress(BackendError):
@@ -190,7 +193,7 @@ def _setup_box_ids(spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int
     Path(f"/proc/{child}/gid_map").write_text(id_map(gid))
 
 
-class BwrapBox:
+class BwrapBox(BoxBase, CgroupAccounting):
     def __init__(
         self,
         spec: BoxSpec,
@@ -198,38 +201,12 @@ class BwrapBox:
         channel: socket.socket,
         cgroup: cgroups.Cgroup | None,
         warnings: tuple[str, ...],
+        shared: idmap.SharedPaths | None = None,
     ) -> None:
-        self._spec = spec
+        super().__init__(spec, channel, warnings)
         self._proc = proc
-        self._channel = channel
         self._cgroup = cgroup
-        self._warnings = warnings
-        self._closed = False
-
-    @property
-    def channel(self) -> socket.socket:
-        return self._channel
-
-    @property
-    def warnings(self) -> tuple[str, ...]:
-        return self._warnings
-
-    def oom_kills(self) -> int:
-        return self._cgroup.oom_kills() if self._cgroup is not None else 0
-
-    def stats(self) -> BoxStats:
-        if self._cgroup is None:
-            return BoxStats()
-        s = self._cgroup.stats()
-        cpu = None if s.cpu_usage_ns is None else s.cpu_usage_ns / 1e9
-        return BoxStats(
-            memory_bytes=s.memory_current,
-            memory_peak_bytes=s.memory_peak,
-            oom_kills=s.oom_kills,
-            pids=s.pids_current,
-            pids_limit_hits=s.pids_limit_hits,
-            cpu_seconds=cpu,
-        )
+        self._shared = shared
 
     def describe(self) -> dict[str, Any]:
         limits = self._spec.policy.limits
@@ -246,6 +223,16 @@ class BwrapBox:
         """What bwrap said, when the box died before its agent was ready."""
         return await _bwrap_stderr(self._proc)
 
+    def stop(self) -> None:
+        """SIGKILL every process of the box now, without waiting (``close`` still cleans up).
+
+        Once this returns no process of the box runs user code again: the warm pool uses it
+        to hand a workspace back before the slower teardown."""
+        if self._cgroup is not None:
+            with contextlib.suppress(Exception):
+                self._cgroup.kill_all(wait=False)
+        kill_child(self._proc)
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -255,15 +242,15 @@ class BwrapBox:
         if self._cgroup is not None:
             with contextlib.suppress(Exception):
                 self._cgroup.kill_all()
-        if self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
+        kill_child(self._proc)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await self._proc.wait()
         if self._cgroup is not None:
             with contextlib.suppress(Exception):
                 self._cgroup.remove()
+        if self._shared is not None:
+            self._shared.release()  # unmounted before anything is deleted
         shutil.rmtree(self._spec.state_dir, ignore_errors=True)
 
 
@@ -293,23 +280,29 @@ class BwrapBackend:
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
         policy = spec.policy
+        problem = bwrap_args.unplaceable_mount(policy)
+        if problem is not None:
+            raise PolicyError(problem)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
-        masked_file, masked_dir, passwd = _shared_files()
+        masked_file, masked_dir, passwd = shared_files()
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         sec_r, sec_w = os.pipe()
         os.write(sec_w, seccomp.build_filter(policy.security.preset))
         os.close(sec_w)
-        ws_stat = spec.workspace.stat()
+        shared = idmap.share_paths(spec)
         agent_config = {
             "fd": guest_end.fileno(),
             "uid": BOX_UID,
             "gid": BOX_UID,
             "info": {"sandbox_id": spec.sandbox_id, "workdir": policy.workdir},
         }
+        net = spec.network
+        if net is not None:
+            agent_config["forwarders"] = net.forwarders()
         inputs = bwrap_args.BwrapInputs(
-            workspace=spec.workspace,
+            workspace=shared.workspace,
             agent_dir=AGENT_DIR,
             python=self.python,
             masked_file=masked_file,
@@ -317,6 +310,8 @@ class BwrapBackend:
             passwd_file=passwd,
             fds=bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r),
             agent_args=(json.dumps(agent_config, separators=(",", ":")),),
+            extra_binds=tuple(bwrap_args.Bind(h, g) for h, g in net.binds()) if net else (),
+            sources=shared.sources,
         )
         argv = bwrap_args.bwrap_argv(policy, inputs)
         argv[0] = self.bwrap or "bwrap"
@@ -325,6 +320,8 @@ class BwrapBackend:
         proc: asyncio.subprocess.Process | None = None
         try:
             cgroup, warnings = self._make_cgroup(spec)
+            if shared.warning:
+                warnings.append(shared.warning)
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -348,14 +345,17 @@ class BwrapBackend:
                 # Every process of the box descends from this child; bwrap's outer monitor
                 # only waits, and each cgroup v1 migration costs about a millisecond.
                 cgroup.add(child)
-            _setup_box_ids(spec, proc.pid, child, ws_stat.st_uid, ws_stat.st_gid)
+            _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid)
+            if net is not None and net.needs_attach:
+                await net.attach(child)  # full mode: fence and connect the netns first
             os.write(block_w, b"1")
         except BaseException:
             if proc is not None and proc.returncode is None:
-                proc.kill()
+                kill_child(proc)
                 await proc.wait()
             if cgroup is not None:
                 cgroup.remove()
+            shared.release()
             host_end.close()
             shutil.rmtree(spec.state_dir, ignore_errors=True)
             raise
@@ -366,7 +366,7 @@ class BwrapBackend:
                     with contextlib.suppress(OSError):
                         os.close(fd)
         host_end.setblocking(False)
-        return BwrapBox(spec, proc, host_end, cgroup, tuple(warnings))
+        return BwrapBox(spec, proc, host_end, cgroup, tuple(warnings), shared)
 
     def _make_cgroup(self, spec: BoxSpec) -> tuple[cgroups.Cgroup | None, list[str]]:
         limits = spec.policy.limits

@@ -20,10 +20,12 @@ box's root while mapping to an unprivileged host uid, and commands run as a seco
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import posixpath
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from corral.net import env as net_env
 from corral.policy import Policy
 
 GUEST_AGENT_DIR = "/run/corral/agent"
@@ -45,6 +47,39 @@ class HostView:
     isdir: Callable[[str], bool] = os.path.isdir
     readlink: Callable[[str], str] = os.readlink
     islink: Callable[[str], bool] = os.path.islink
+    owner: Callable[[str], tuple[int, int]] = lambda p: _owner(p)
+    searchable: Callable[[str, int, int], bool] = lambda p, u, g: _searchable(p, u, g)
+
+
+def _owner(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0)  # no workspace yet (pure tests): as for root, every path is reachable
+    return (st.st_uid, st.st_gid)
+
+
+def _searchable(path: str, uid: int, gid: int) -> bool:
+    """Whether the box can reach ``path`` at all: box uid 1000 maps to ``uid``, and no other
+    host user is mapped except root when the workspace owner is root. A path below a directory
+    the box can't search needs no mask, and bwrap couldn't make the mask's mount point."""
+    if uid == 0:
+        return True
+    parent = os.path.dirname(os.path.normpath(path))
+    while parent not in ("/", ""):
+        try:
+            st = os.stat(parent)
+        except OSError:
+            return True
+        mode = st.st_mode
+        if not (
+            mode & 0o001
+            or (st.st_uid == uid and mode & 0o100)
+            or (st.st_gid == gid and mode & 0o010)
+        ):
+            return False
+        parent = os.path.dirname(parent)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +104,10 @@ class BwrapInputs:
     """An /etc/passwd naming the box's users (used by the minimal root)."""
     fds: BwrapFds
     agent_args: tuple[str, ...]
+    extra_binds: tuple[Bind, ...] = ()
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """Idmapped mount points replacing ``allow_write`` and ``mounts`` host paths."""
+    """Binds a backend-neutral part asks for (the network directory of ``corral.net``)."""
 
 
 def expand(path: str, home: str) -> str:
@@ -77,51 +116,152 @@ def expand(path: str, home: str) -> str:
     return os.path.normpath(path)
 
 
+# Kernel knobs under /proc that go by file mode alone: commands run as the workspace owner's
+# host uid, which is root when corral runs as root, and a root-owned 0644 sysctl such as
+# kernel.core_pattern would then be writable (a pipe there runs a program as host root).
+# bwrap covers these only when its own sandbox root could write them, which ours (an
+# unprivileged host uid) cannot, so it skips them: bind them read-only ourselves.
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+
 # Top-level host directories a box never sees: it gets its own of each (or none).
 PRIVATE_TOP = frozenset({"proc", "dev", "tmp", "run", "home", "lost+found", "var/run"})
 
 
-def _root_args(policy: Policy, inp: BwrapInputs, host: HostView) -> list[str]:
-    """The box's root is bwrap's tmpfs (so mount points like /workspace can be made), with
-    each top-level host entry bound read-only on it; ``--remount-ro /`` seals it at the end."""
+@dataclass(frozen=True, slots=True)
+class Bind:
+    """One bind mount of a box's layout (the same layout for every backend)."""
+
+    source: str
+    dest: str
+    writable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Symlink:
+    target: str
+    dest: str
+
+
+def root_entries(
+    policy: Policy, python: str, passwd_file: Path, host: HostView
+) -> list[Bind | Symlink]:
+    """The box's root: each top-level host entry read-only (``inherit_readable``), or only
+    what sh, python3 and node need, with corral's own /etc/passwd."""
+    entries: list[Bind | Symlink] = []
     if policy.filesystem.inherit_readable:
-        args = []
         for name in sorted(host.listdir("/")):
             path = "/" + name
             if name in PRIVATE_TOP or path == policy.workdir:
                 continue
             if host.islink(path):
-                args += ["--symlink", host.readlink(path), path]
+                entries.append(Symlink(host.readlink(path), path))
             else:
-                args += ["--ro-bind", path, path]
-        return args
-    # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
-    args = ["--perms", "0755", "--dir", "/etc"]
+                entries.append(Bind(path, path))
+        return entries
     for link in MERGED_USR_LINKS:
         if host.islink(link):
-            args += ["--symlink", host.readlink(link), link]
+            entries.append(Symlink(host.readlink(link), link))
         elif host.isdir(link):
-            args += ["--ro-bind", link, link]
-    for path in MINIMAL_RO_DIRS + MINIMAL_RO_FILES:
-        if host.lexists(path):
-            args += ["--ro-bind", path, path]
-    args += ["--ro-bind", str(inp.passwd_file), "/etc/passwd"]
-    if not inp.python.startswith("/usr/"):
+            entries.append(Bind(link, link))
+    entries += [Bind(p, p) for p in MINIMAL_RO_DIRS + MINIMAL_RO_FILES if host.lexists(p)]
+    entries.append(Bind(str(passwd_file), "/etc/passwd"))
+    if not python.startswith("/usr/"):
         # An interpreter outside /usr (pyenv, a venv's base) must be visible too.
-        prefix = str(Path(inp.python).resolve().parent.parent)
-        args += ["--ro-bind", prefix, prefix]
+        prefix = str(Path(python).resolve().parent.parent)
+        entries.append(Bind(prefix, prefix))
+    return entries
+
+
+def policy_binds(
+    policy: Policy,
+    workspace: Path,
+    masked_file: Path,
+    masked_dir: Path,
+    host: HostView,
+    sources: Mapping[str, str] | None = None,
+) -> list[Bind]:
+    """The workspace, extra writable paths, shared mounts, then the read-only and masked
+    paths that cover them, in mount order. ``sources`` replaces host paths of
+    ``allow_write`` and ``mounts`` (by their idmapped mount points)."""
+    fs = policy.filesystem
+    src = sources or {}
+    binds = [Bind(str(workspace), policy.workdir, writable=True)]
+    for raw in fs.allow_write:
+        path = expand(raw, host.home)
+        binds.append(Bind(src.get(path, path), path, writable=True))
+    binds += [
+        Bind(src.get(str(m.host), str(m.host)), m.guest, writable=m.mode == "rw") for m in fs.mounts
+    ]
+    for raw in fs.deny_write:
+        guest = guest_path(raw, policy, host)
+        source = _host_path(guest, policy, workspace)
+        if host.lexists(source):
+            binds.append(Bind(source, guest))
+    uid, gid = host.owner(str(workspace))
+    for raw in fs.deny_read:
+        guest = guest_path(raw, policy, host)
+        source = _host_path(guest, policy, workspace)
+        if not host.lexists(source):
+            continue  # nothing to hide, and no mount point can be made on a read-only root
+        if not host.searchable(source, uid, gid):
+            continue  # out of the box's reach already (e.g. /root/.ssh for a user's workspace)
+        binds.append(Bind(str(masked_dir if host.isdir(source) else masked_file), guest))
+    return binds
+
+
+def _parent_dirs(dest: str, made: set[str]) -> list[str]:
+    """Make a mount point's missing parents listable (bwrap would make them 0700 as the
+    box's root, and uid 1000 could not reach the mount). Existing directories are left as
+    they are."""
+    args: list[str] = []
+    parent = posixpath.dirname(dest)
+    chain = []
+    while parent not in ("/", "") and parent not in made:
+        chain.append(parent)
+        parent = posixpath.dirname(parent)
+    for path in reversed(chain):
+        made.add(path)
+        args += ["--perms", "0755", "--dir", path]
     return args
 
 
-def _mask_args(policy: Policy, host: HostView, inp: BwrapInputs) -> list[str]:
-    args: list[str] = []
-    for raw in policy.filesystem.deny_read:
-        guest = _guest_path(raw, policy, host)
-        source = _host_path(guest, policy, inp)
-        if not host.lexists(source):
-            continue  # nothing to hide, and bwrap cannot create a mount point on a ro root
-        mask = inp.masked_dir if host.isdir(source) else inp.masked_file
-        args += ["--ro-bind", str(mask), guest]
+def unplaceable_mount(policy: Policy, host: HostView | None = None) -> str | None:
+    """Why a mount's guest path can't be made (its parent is a read-only host directory and
+    it does not exist there), as a sentence naming the fix; None when all can be made."""
+    host = host or HostView()
+    if not policy.filesystem.inherit_readable:
+        return None  # a minimal root is the box's own tmpfs: any path can be made
+    for guest in [policy.workdir, *(m.guest for m in policy.filesystem.mounts)]:
+        if host.lexists(guest):
+            continue
+        top = guest.strip("/").split("/")[0]
+        parent = posixpath.dirname(guest)
+        if top in PRIVATE_TOP or parent == "/" or not host.lexists("/" + top):
+            continue
+        existing = parent
+        while not host.lexists(existing):
+            existing = posixpath.dirname(existing)
+        return (
+            f"cannot mount at {guest}: it does not exist and {existing} is the host's own "
+            f"directory, read-only in the box; create {guest} on the host, or pick a guest "
+            f"path under a new top-level directory (for example /data{guest})"
+        )
+    return None
+
+
+def _render(entry: Bind | Symlink) -> list[str]:
+    if isinstance(entry, Symlink):
+        return ["--symlink", entry.target, entry.dest]
+    return ["--bind" if entry.writable else "--ro-bind", entry.source, entry.dest]
+
+
+def _root_args(policy: Policy, inp: BwrapInputs, host: HostView) -> list[str]:
+    """The box's root is bwrap's tmpfs (so mount points like /workspace can be made), with
+    each top-level host entry bound read-only on it; ``--remount-ro /`` seals it at the end."""
+    # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
+    args = [] if policy.filesystem.inherit_readable else ["--perms", "0755", "--dir", "/etc"]
+    for entry in root_entries(policy, inp.python, inp.passwd_file, host):
+        args += _render(entry)
     return args
 
 
@@ -159,23 +299,19 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     ]
     args += _root_args(policy, inp, host)
     args += ["--dev", "/dev", "--proc", "/proc"]
+    for path in PROC_READ_ONLY:
+        args += ["--ro-bind-try", path, path]
     args += ["--size", str(fs.tmp_size), "--tmpfs", "/tmp"]
     args += ["--tmpfs", "/run", "--tmpfs", "/home", "--dir", GUEST_HOME]
     args += ["--chmod", "1777", "/tmp", "--chmod", "0777", GUEST_HOME]
     args += ["--ro-bind", str(inp.agent_dir), GUEST_AGENT_DIR]
-    args += ["--bind", str(inp.workspace), policy.workdir]
-    for raw in fs.allow_write:
-        path = expand(raw, host.home)
-        args += ["--bind", path, path]
-    for mount in fs.mounts:
-        flag = "--bind" if mount.mode == "rw" else "--ro-bind"
-        args += [flag, str(mount.host), mount.guest]
-    for raw in fs.deny_write:
-        guest = _guest_path(raw, policy, host)
-        source = _host_path(guest, policy, inp)
-        if host.lexists(source):
-            args += ["--ro-bind", source, guest]
-    args += _mask_args(policy, host, inp)
+    for extra in inp.extra_binds:
+        args += _render(extra)
+    made: set[str] = set()
+    binds = policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources)
+    for bind in binds:
+        args += _parent_dirs(bind.dest, made)
+        args += _render(bind)
     args += ["--remount-ro", "/"]
     args += ["--seccomp", str(inp.fds.seccomp)]
     args += ["--chdir", "/", "--"]  # the agent needs no cwd; commands get theirs
@@ -183,17 +319,17 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     return args
 
 
-def _guest_path(raw: str, policy: Policy, host: HostView) -> str:
+def guest_path(raw: str, policy: Policy, host: HostView) -> str:
     """deny_* entries may be relative to the workspace (``.git``), absolute, or under ``~``."""
     if raw.startswith(("/", "~")):
         return expand(raw, host.home)
     return os.path.normpath(os.path.join(policy.workdir, raw))
 
 
-def _host_path(guest: str, policy: Policy, inp: BwrapInputs) -> str:
+def _host_path(guest: str, policy: Policy, workspace: Path) -> str:
     """Where a guest path comes from on the host (only the workspace is moved)."""
     if guest == policy.workdir or guest.startswith(policy.workdir + "/"):
-        return str(inp.workspace) + guest[len(policy.workdir) :]
+        return str(workspace) + guest[len(policy.workdir) :]
     return guest
 
 
@@ -208,5 +344,6 @@ def box_env(policy: Policy, term: str = "xterm-256color") -> dict[str, str]:
         "TERM": term,
         "TMPDIR": "/tmp",
     }
+    env.update(net_env.command_env(policy.network))
     env.update(policy.env)
     return env

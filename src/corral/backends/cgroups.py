@@ -323,6 +323,19 @@ def _read_key(path: Path, key: str) -> int | None:
     return None
 
 
+class _Backoff:
+    """Pauses between polls of a dying group: 0.1 ms doubling to 5 ms. Killed tasks leave
+    within a millisecond or so, but a namespace teardown can take several; cgroup v1 has no
+    event to wait on."""
+
+    def __init__(self) -> None:
+        self.delay = 0.0001
+
+    def __call__(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, 0.005)
+
+
 def _read_pids(path: Path) -> set[int]:
     text = _read(path / "cgroup.procs")
     return {int(p) for p in text.split()} if text else set()
@@ -555,8 +568,9 @@ class Cgroup:
             out |= _read_pids(d)
         return sorted(out)
 
-    def kill_all(self) -> None:
-        """SIGKILL every process in the group; returns once it is empty.
+    def kill_all(self, *, wait: bool = True) -> None:
+        """SIGKILL every process in the group; returns once it is empty (``wait``), or once
+        every process has the signal pending: none of them runs user code again.
 
         Raises BackendError if processes survive for several seconds (e.g. stuck in
         uninterruptible I/O).
@@ -566,9 +580,11 @@ class Cgroup:
             # The kernel kills the whole group atomically, racing forks included.
             with contextlib.suppress(FileNotFoundError):
                 _write(d2 / "cgroup.kill", "1")
-            self._wait_empty()
+            if wait:
+                self._wait_empty()
             return
         deadline = time.monotonic() + _KILL_DEADLINE_S
+        pause = _Backoff()
         while self.pids():
             # Frozen tasks cannot fork, so one pass over cgroup.procs gets them all; the
             # kill is delivered once they thaw. Without a freezer we loop until forks stop.
@@ -578,23 +594,25 @@ class Cgroup:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
             finally:
-                # Never leave the group frozen: SIGKILL is only acted on once thawed.
-                if frozen:
-                    self._freeze(False)
+                # Never leave the group frozen (or half frozen): SIGKILL is only acted on
+                # once thawed.
+                self._freeze(False)
             if time.monotonic() > deadline:
                 raise BackendError(
                     f"processes {self.pids()} in {self!r} survived SIGKILL for "
                     f"{_KILL_DEADLINE_S:.0f} s"
                 )
-            if self.pids():
-                time.sleep(0.005)  # dying tasks leave the group within microseconds
+            if not wait and frozen:
+                return  # all were frozen, so none forked: each has its SIGKILL pending
+            pause()
 
     def _wait_empty(self) -> None:
         deadline = time.monotonic() + _KILL_DEADLINE_S
+        pause = _Backoff()
         while self.pids():
             if time.monotonic() > deadline:
                 raise BackendError(f"processes {self.pids()} in {self!r} survived cgroup.kill")
-            time.sleep(0.005)
+            pause()
 
     def _freeze(self, frozen: bool) -> bool:
         """Freeze/thaw the group; False if there is no way to (no freezer)."""
@@ -614,8 +632,11 @@ class Cgroup:
             # v1 freezing is asynchronous (FREEZING until every task has stopped); a task
             # still running could fork after we listed the pids.
             deadline = time.monotonic() + _FREEZE_DEADLINE_S
-            while (_read(path) or "").strip() != "FROZEN" and time.monotonic() < deadline:
-                time.sleep(0.001)
+            pause = _Backoff()
+            while (_read(path) or "").strip() != "FROZEN":
+                if time.monotonic() > deadline:
+                    return False  # not every task stopped: the caller must not rely on it
+                pause()
         return True
 
     # ---- accounting
@@ -626,6 +647,11 @@ class Cgroup:
             return _read_key(self._dirs[""] / "memory.events", "oom_kill") or 0
         mem = self._dirs.get("memory")
         return (_read_key(mem / "memory.oom_control", "oom_kill") or 0) if mem else 0
+
+    def pids_limit_hits(self) -> int:
+        """How many forks the pids limit refused: one file read (``run`` reads it twice)."""
+        d = self._dirs[""] if self.version == "v2" else self._dirs.get("pids")
+        return (_read_key(d / "pids.events", "max") or 0) if d else 0
 
     def stats(self) -> CgroupStats:
         if self.version == "v2":

@@ -92,11 +92,11 @@ import struct
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal, TypeAlias, get_args
+from typing import Any, Final, Literal, TypeAlias, get_args
 
 from corral.errors import BackendUnavailable, PolicyError, SandboxError
 
-__all__ = ["Profile", "build_filter", "denied_syscalls"]
+__all__ = ["Profile", "build_filter", "denied_syscalls", "oci_seccomp"]
 
 Profile: TypeAlias = Literal["baseline", "restricted"]
 _PROFILES: Final[tuple[str, ...]] = get_args(Profile)
@@ -650,3 +650,94 @@ def denied_syscalls(profile: Profile = "baseline") -> frozenset[str]:
     """
     deny, _rules = _policy(profile)
     return deny | _ENOSYS
+
+
+# ---------------------------------------------------------------------------------------------
+# The same rules in the OCI runtime-spec format (``linux.seccomp``), for runc and crun.
+
+_OCI_ARCHES: Final[Mapping[str, str]] = {
+    "x86_64": "SCMP_ARCH_X86_64",
+    "aarch64": "SCMP_ARCH_AARCH64",
+}
+_LOW_WORD: Final = 0xFFFFFFFF
+
+
+def _complement_blocks(values: Iterable[int], bits: int = 32) -> list[tuple[int, int]]:
+    """``(mask, value)`` prefix blocks covering every ``bits``-bit number not in ``values``.
+
+    A set's complement is a union of at most ``bits * len(values)`` aligned blocks (as a
+    CIDR list excludes addresses), and each block is one ``MASKED_EQ`` test.
+    """
+    excluded = sorted(set(values))
+    out: list[tuple[int, int]] = []
+
+    def walk(prefix: int, length: int, inside: list[int]) -> None:
+        if not inside:
+            mask = (_LOW_WORD << (bits - length)) & ((1 << bits) - 1)
+            out.append((mask, prefix << (bits - length)))
+        elif length < bits:
+            shift = bits - length - 1
+            for bit in (0, 1):
+                child = prefix * 2 + bit
+                walk(child, length + 1, [v for v in inside if v >> shift == child])
+
+    walk(0, 0, excluded)
+    return out
+
+
+def _oci_conditions(pred: _Predicate) -> list[dict[str, Any]]:
+    """Alternatives (any one holds) that together mean ``pred``, each one OCI condition."""
+    if isinstance(pred, _AnyBit):
+        blocks = [(1 << i, 1 << i) for i in range(32) if pred.mask >> i & 1]
+    elif isinstance(pred, _OneOf):
+        blocks = [(_LOW_WORD, value) for value in pred.values]
+    else:
+        blocks = _complement_blocks(pred.values)
+    # Masks stay within the low word: the high half of the register is ignored, as the
+    # compiled filter and the kernel do.
+    return [
+        {"index": pred.arg, "value": mask, "valueTwo": value, "op": "SCMP_CMP_MASKED_EQ"}
+        for mask, value in blocks
+    ]
+
+
+def _oci_rules(name: str, rules: Iterable[_Rule]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for rule in rules:
+        if rule.action != EPERM:
+            raise SandboxError(f"seccomp: the OCI export only knows EPERM rules ({name})")
+        # One OCI rule per combination: conditions of one rule are ANDed, but no rule names
+        # an argument twice, since runc ORs such conditions while crun ANDs them.
+        combos: list[list[dict[str, Any]]] = [[]]
+        for pred in rule.when:
+            combos = [[*c, cond] for c in combos for cond in _oci_conditions(pred)]
+        out += [{**_oci_errno([name], errno.EPERM), "args": args} for args in combos]
+    return out
+
+
+def _oci_errno(names: list[str], err: int) -> dict[str, Any]:
+    return {"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": err}
+
+
+def oci_seccomp(profile: Profile = "baseline") -> dict[str, Any]:
+    """``profile`` as an OCI ``linux.seccomp`` object: the rules of :func:`build_filter`.
+
+    Only the form differs. Syscalls of another architecture (i386 via ``int 0x80``, x32)
+    meet libseccomp's bad-architecture action instead of the compiled filter's kill, since
+    only the native one is listed. Argument tests become ``SCMP_CMP_MASKED_EQ`` on the low
+    32 bits: a bit set test is one rule per bit, "one of" one rule per value, and "none
+    of" the complement as aligned blocks (see :func:`_complement_blocks`).
+    """
+    deny, arg_rules = _policy(profile)
+    arch = _ARCHES[_host_arch()]
+    syscalls: list[dict[str, Any]] = [
+        _oci_errno([n for n, _ in _numbers(arch, deny)], errno.EPERM),
+        _oci_errno([n for n, _ in _numbers(arch, _ENOSYS)], errno.ENOSYS),
+    ]
+    for name, _nr in _numbers(arch, arg_rules):
+        syscalls += _oci_rules(name, arg_rules[name])
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": [_OCI_ARCHES[arch.name]],
+        "syscalls": syscalls,
+    }

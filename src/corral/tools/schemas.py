@@ -8,6 +8,7 @@ runaway input cannot exhaust the host. Descriptions are written for the model re
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -39,7 +40,9 @@ Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_SECS)]
 
 def check_regex(pattern: str) -> str:
     try:
-        re.compile(pattern, re.MULTILINE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # e.g. "Possible nested set"
+            re.compile(pattern, re.MULTILINE)
     except re.error as exc:
         raise ValueError(f"invalid regex {pattern!r}: {exc}") from None
     return pattern

@@ -16,6 +16,7 @@ capped (head and tail kept) so one call cannot flood the model's context.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal
 
@@ -45,6 +46,17 @@ OUTPUT_CHARS = 30_000
 EXEC_CAPABILITY = "sandbox.exec"
 _ALIASES = {function_name(t.name): t.name for t in TOOLS}
 Handler = Callable[[Any], Awaitable[dict[str, Any]]]
+
+
+def _brief(data: Any, limit: int = 500) -> Any:
+    """Arguments as the audit log keeps them: long strings (file contents) cut short."""
+    if isinstance(data, str):
+        return data if len(data) <= limit else data[:limit] + f"...[{len(data)} chars]"
+    if isinstance(data, dict):
+        return {str(k)[:limit]: _brief(v, limit) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_brief(v, limit) for v in data[:100]]
+    return data
 
 
 def error(code: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -178,6 +190,21 @@ class Toolbox:
         ``approved=True`` says a human already approved this very call (the MCP server sets
         it after an elicitation); ``deny`` verdicts hold regardless.
         """
+        started = time.monotonic()
+        result = await self._call(name, arguments, approved)
+        audit = self.sandbox.audit
+        if audit.enabled:
+            err = result.get("error")
+            audit.record(
+                "tool",
+                tool=str(name)[:80],
+                arguments=_brief(self.secrets.redact_all(arguments)),
+                error=err.get("code") if isinstance(err, dict) else None,
+                duration=round(time.monotonic() - started, 6),
+            )
+        return result
+
+    async def _call(self, name: str, arguments: Any, approved: bool) -> dict[str, Any]:
         tool = _ALIASES.get(name, name) if isinstance(name, str) else ""
         spec = TOOLS_BY_NAME.get(tool)
         if spec is None:
@@ -205,12 +232,28 @@ class Toolbox:
         self, tool: str, arguments: dict[str, Any], approved: bool
     ) -> dict[str, Any] | None:
         verdict = self.gate.verdict(tool, arguments)
-        if verdict.outcome == "allow" or (verdict.outcome == "ask" and approved):
+        if verdict.outcome == "allow":
+            return None
+        line = command_line(tool, arguments)
+
+        def decided(decision: str) -> None:
+            self.sandbox.audit.record(
+                "approval",
+                tool=tool,
+                command=self.secrets.redact_all(line),
+                decision=decision,
+                reason=verdict.reason,
+            )
+
+        if verdict.outcome == "ask" and approved:
+            decided("approved")  # by a human before the call (the MCP server's elicitation)
             return None
         if verdict.outcome == "deny":
+            decided("denied_by_policy")
             return error("approval_denied", f"denied by policy: {verdict.reason}")
-        request = ApprovalRequest(tool, command_line(tool, arguments), verdict.reason, arguments)
+        request = ApprovalRequest(tool, line, verdict.reason, arguments)
         if self.approver is None:
+            decided("approval_required")
             return error(
                 "approval_required",
                 f"{request.describe()} This call needs a human's approval: ask the user, "
@@ -222,6 +265,7 @@ class Toolbox:
         except Exception:
             logger.exception("approver failed for %s", tool)
             ok = False
+        decided("approved" if ok else "declined")
         return None if ok else error("approval_denied", f"the user declined: {request.describe()}")
 
     def finish(self, result: dict[str, Any]) -> dict[str, Any]:
