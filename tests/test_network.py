@@ -7,7 +7,6 @@ the host's loopback.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import socket
@@ -23,6 +22,7 @@ from corral.audit import read_records
 from corral.errors import BackendUnavailable, PolicyError
 from corral.net import StaticResolver
 from corral.net.nat import missing_tools
+from loopback_http import LoopbackHttp
 
 pytestmark = pytest.mark.needs_bwrap
 
@@ -30,42 +30,9 @@ BACKEND = os.environ.get("CORRAL_TEST_BACKENDS", "bwrap").split(",")[0]
 NAMES = StaticResolver({"allowed.test": "127.0.0.1", "api.wild.test": "127.0.0.1"})
 
 
-class HostServer:
-    """An HTTP server on the host's 127.0.0.1 answering every GET with its path."""
-
-    def __init__(self) -> None:
-        self.server: asyncio.Server | None = None
-        self.port = 0
-        self.hits = 0
-
-    async def start(self) -> HostServer:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.hits += 1
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            body = b"hello " + head.split(b" ")[1] + b"\n"
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
-                + body
-            )
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-
 @pytest.fixture
-async def host_server() -> AsyncIterator[HostServer]:
-    server = await HostServer().start()
+async def host_server() -> AsyncIterator[LoopbackHttp]:
+    server = await LoopbackHttp().start()
     yield server
     await server.close()
 
@@ -97,7 +64,7 @@ def pasta_processes() -> set[int]:
 
 
 async def test_curl_reaches_an_allowed_host_every_way(
-    allowlist_box: Sandbox, host_server: HostServer
+    allowlist_box: Sandbox, host_server: LoopbackHttp
 ) -> None:
     url = f"http://allowed.test:{host_server.port}"
     for cmd in (
@@ -111,7 +78,7 @@ async def test_curl_reaches_an_allowed_host_every_way(
 
 
 async def test_python_urllib_reaches_an_allowed_host(
-    allowlist_box: Sandbox, host_server: HostServer
+    allowlist_box: Sandbox, host_server: LoopbackHttp
 ) -> None:
     code = (
         "import urllib.request; "
@@ -122,7 +89,7 @@ async def test_python_urllib_reaches_an_allowed_host(
 
 
 async def test_node_fetch_reaches_an_allowed_host(
-    allowlist_box: Sandbox, host_server: HostServer
+    allowlist_box: Sandbox, host_server: LoopbackHttp
 ) -> None:
     js = (
         f"fetch('http://allowed.test:{host_server.port}/node')"
@@ -133,7 +100,7 @@ async def test_node_fetch_reaches_an_allowed_host(
 
 
 async def test_a_host_not_on_the_list_is_refused_clearly_and_audited(
-    allowlist_box: Sandbox, host_server: HostServer
+    allowlist_box: Sandbox, host_server: LoopbackHttp
 ) -> None:
     r = await allowlist_box.run(f"curl -sS http://denied.test:{host_server.port}/x", timeout=20)
     assert "denied.test" in r.stdout and "network.allow_hosts" in r.stdout
@@ -160,7 +127,7 @@ async def test_a_host_not_on_the_list_is_refused_clearly_and_audited(
 
 
 async def test_a_direct_connection_ignoring_the_proxy_fails(
-    allowlist_box: Sandbox, host_server: HostServer
+    allowlist_box: Sandbox, host_server: LoopbackHttp
 ) -> None:
     r = await allowlist_box.run(f"curl -sS --noproxy '*' http://127.0.0.1:{host_server.port}/")
     assert r.exit_code == 7  # connection refused: the box's loopback is its own
@@ -251,7 +218,7 @@ async def test_contradictory_network_policies_are_refused(
 
 
 async def test_ports_mode_exposes_exactly_the_listed_ports(tmp_path: Path, workspace: Path) -> None:
-    listed, other = await HostServer().start(), await HostServer().start()
+    listed, other = await LoopbackHttp().start(), await LoopbackHttp().start()
     try:
         policy = net_policy(tmp_path, mode="ports", ports=[listed.port])
         async with Sandbox(policy, workspace=workspace) as sb:
@@ -300,7 +267,7 @@ async def _gateway(sb: Sandbox) -> str:
 
 @full_unavailable
 async def test_full_mode_has_an_interface_and_blocks_host_loopback(
-    tmp_path: Path, workspace: Path, host_server: HostServer
+    tmp_path: Path, workspace: Path, host_server: LoopbackHttp
 ) -> None:
     before = pasta_processes()
     async with full_box(net_policy(tmp_path, mode="full"), workspace) as sb:
@@ -321,7 +288,7 @@ async def test_full_mode_has_an_interface_and_blocks_host_loopback(
 
 @full_unavailable
 async def test_full_mode_reaches_host_loopback_when_allowed(
-    tmp_path: Path, workspace: Path, host_server: HostServer
+    tmp_path: Path, workspace: Path, host_server: LoopbackHttp
 ) -> None:
     policy = net_policy(tmp_path, mode="full", allow_private=["127.0.0.1"])
     async with full_box(policy, workspace) as sb:

@@ -17,6 +17,7 @@ from corral.net import EgressProxy, StaticResolver, command_env
 from corral.net.nat import nft_ruleset
 from corral.net.rules import AddressScreen, HostAllowlist, HostRule, classify, split_host_port
 from corral.policy import NetworkPolicy
+from loopback_http import LoopbackHttp
 
 # ---- rules ------------------------------------------------------------------------------
 
@@ -131,43 +132,13 @@ def test_nft_rules_block_private_ranges_and_open_only_what_is_allowed() -> None:
 # ---- the proxy over a unix socket ----------------------------------------------------------
 
 
-class Upstream:
-    """A tiny HTTP/echo server on 127.0.0.1 that remembers the request heads it got."""
-
-    def __init__(self) -> None:
-        self.heads: list[bytes] = []
-        self.server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            self.heads.append(head)
-            body = head.split(b"\r\n")[0] + b"\n"
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
-                + body
-            )
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
+def _request_line(head: bytes) -> bytes:
+    return head.split(b"\r\n")[0] + b"\n"
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[Upstream]:
-    up = Upstream()
-    await up.start()
+async def upstream() -> AsyncIterator[LoopbackHttp]:
+    up = await LoopbackHttp(_request_line).start()
     yield up
     await up.close()
 
@@ -209,7 +180,7 @@ async def exchange(path: Path, data: bytes) -> bytes:
 
 
 async def test_absolute_form_get_is_forwarded_in_origin_form(
-    proxy_socket: Path, upstream: Upstream
+    proxy_socket: Path, upstream: LoopbackHttp
 ) -> None:
     request = (
         f"GET http://allowed.test:{upstream.port}/p?q=1 HTTP/1.1\r\n"
@@ -222,7 +193,9 @@ async def test_absolute_form_get_is_forwarded_in_origin_form(
     assert b"proxy-connection" not in head and b"connection: close" in head
 
 
-async def test_connect_tunnels_to_a_wildcard_host(proxy_socket: Path, upstream: Upstream) -> None:
+async def test_connect_tunnels_to_a_wildcard_host(
+    proxy_socket: Path, upstream: LoopbackHttp
+) -> None:
     reader, writer = await asyncio.open_unix_connection(str(proxy_socket))
     writer.write(f"CONNECT a.wild.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
     async with asyncio.timeout(10):
@@ -281,7 +254,7 @@ async def test_malformed_requests_get_errors(
     assert reply.startswith(b"HTTP/1.1 " + status), reply[:200]
 
 
-async def test_unreachable_upstream_is_a_502(proxy_socket: Path, upstream: Upstream) -> None:
+async def test_unreachable_upstream_is_a_502(proxy_socket: Path, upstream: LoopbackHttp) -> None:
     port = upstream.port
     await upstream.close()  # nothing listens there any more
     reply = await exchange(proxy_socket, f"CONNECT allowed.test:{port} HTTP/1.1\r\n\r\n".encode())
@@ -293,7 +266,7 @@ def socks_connect(kind: int, address: bytes, port: int, command: int = 1) -> byt
     return b"\x05\x01\x00" + bytes([5, command, 0, kind]) + address + struct.pack("!H", port)
 
 
-async def test_socks5_connect_by_name(proxy_socket: Path, upstream: Upstream) -> None:
+async def test_socks5_connect_by_name(proxy_socket: Path, upstream: LoopbackHttp) -> None:
     reader, writer = await asyncio.open_unix_connection(str(proxy_socket))
     name = b"allowed.test"
     writer.write(socks_connect(3, bytes([len(name)]) + name, upstream.port))
