@@ -94,3 +94,4 @@ def test_doctor_reports_and_passes_here() -> None:
     assert r.returncode == 0
     assert checks["bwrap"]["ok"] and checks["sandbox"]["ok"]
     assert "cgroups" in checks and "landlock" in checks
+    assert checks["idmapped mounts"]["ok"], checks["idmapped mounts"]  # kernel 6.x, ext4 here

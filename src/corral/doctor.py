@@ -204,11 +204,35 @@ def check_network_modes() -> list[Check]:
     ]
 
 
+def check_idmap() -> Check:
+    """Idmapped workspaces: commands an unprivileged host uid even for a root-owned one."""
+    if os.geteuid() != 0:
+        return Check("idmapped mounts", False, "not checked: needs root", required=False)
+    from corral.backends import idmap
+
+    reason = idmap.unsupported_reason()
+    if reason is None:
+        return Check(
+            "idmapped mounts",
+            True,
+            f"workspaces are idmapped: commands run as host uid {idmap.COMMAND_HOST_ID}",
+        )
+    return Check(
+        "idmapped mounts",
+        False,
+        reason,
+        "Linux 5.12+ with a filesystem that supports idmapped mounts (ext4, xfs, btrfs; "
+        "tmpfs from 6.3); until then commands have the workspace owner's host uid",
+        required=False,
+    )
+
+
 def run_checks() -> list[Check]:
     checks = [
         check_bwrap(),
         check_root(),
         check_userns(),
+        check_idmap(),
         check_cgroups(),
         check_seccomp(),
         check_landlock(),
