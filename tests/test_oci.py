@@ -22,6 +22,8 @@ from corral import Policy, Sandbox, SandboxBroken
 from corral.backends import oci
 from corral.backends.base import state_root
 from corral.errors import BackendUnavailable
+from corral.net.nat import missing_tools
+from corral.policy import NetworkPolicy
 from test_lifecycle import box_processes, wait_pid_gone
 
 
@@ -95,11 +97,25 @@ def test_the_default_runtime_is_the_first_that_works() -> None:
     assert oci.OciBackend.for_policy(Policy(backend="oci")).runtime.name == oci.RUNTIMES[0]
 
 
-def test_full_network_mode_is_refused_with_the_alternatives() -> None:
-    policy = Policy.from_dict({"backend": "oci", "network": {"mode": "full"}})
-    with pytest.raises(BackendUnavailable) as info:
-        oci.OciBackend.for_policy(policy)
-    assert "bwrap" in info.value.message and "allowlist" in info.value.message
+@pytest.mark.skipif(bool(missing_tools()), reason="full mode needs pasta, nft and nsenter")
+async def test_full_network_mode_joins_a_fenced_namespace_and_keeps_sys_read_only(
+    runtime: str, workspace: Path
+) -> None:
+    policy = oci_policy(runtime).model_copy(update={"network": NetworkPolicy(mode="full")})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        links = (await sb.run("cat /proc/net/dev")).stdout.splitlines()[2:]
+        assert [ln for ln in links if ln.split(":")[0].strip() != "lo"]  # pasta's interface
+        assert "refused" in (await sb.run("nft flush ruleset 2>&1 || echo refused")).stdout
+        # The host's /sys (only the namespace's owner may mount a sysfs), read-only down to
+        # every submount (cgroups, bpf, security fs).
+        info = (await sb.run("cat /proc/self/mountinfo")).stdout.splitlines()
+        sys_mounts = {f[4]: f[5].split(",") for f in (ln.split() for ln in info)}
+        sys_mounts = {p: o for p, o in sys_mounts.items() if p == "/sys" or p.startswith("/sys/")}
+        assert "/sys" in sys_mounts and len(sys_mounts) > 1
+        assert {p for p, opts in sys_mounts.items() if "ro" not in opts} == set()
+        sid = sb.sandbox_id
+    held = [ln for ln in Path("/proc/self/mountinfo").read_text().splitlines() if sid in ln]
+    assert held == []
 
 
 def test_the_cli_picks_backend_and_runtime(runtime: str, workspace: Path) -> None:

@@ -14,7 +14,10 @@ Start-up sequence::
 
 Network modes ``allowlist`` and ``ports`` use the same backend-neutral pieces as bwrap
 (:mod:`corral.net`): binds of its network directory and forwarders in the agent's config.
-``full`` is refused for now (see :meth:`OciBackend.for_policy`).
+``full`` makes the box join a network namespace corral created and fenced beforehand
+(:meth:`corral.net.BoxNetwork.make_netns`): the runtime's init is not dumpable, so pasta could
+not attach to it by pid; then the host's ``/sys`` is bound read-only, since only the owner of a
+network namespace may mount a sysfs for it.
 
 The agent is PID 1 of the box: when it exits (its channel closed because the host process
 died), the kernel kills the rest of the box. ``close()`` and the orphan sweep use the
@@ -384,14 +387,6 @@ class OciBackend:
 
     @classmethod
     def for_policy(cls, policy: Policy) -> OciBackend:
-        if policy.network.mode == "full":
-            # pasta attaches by pid, and opens /proc/<pid>/ns/* as an unprivileged user,
-            # but the runtime's init process is not dumpable (owned by root) until it
-            # execs the agent, which is too late for the fence. Needs attach by ns path.
-            raise BackendUnavailable(
-                "network.mode 'full' is not available on the oci backend yet; use the bwrap "
-                "backend, or network.mode 'allowlist' or 'ports' (both work on oci)"
-            )
         if policy.runtime is not None:
             return cls(find_runtime(policy.runtime))
         reasons = []
@@ -429,7 +424,10 @@ class OciBackend:
         shared: idmap.SharedPaths | None = None
         try:
             shared = idmap.share_paths(spec)
-            result = self._bundle(spec, shared)
+            # full mode: the box joins a namespace corral made and fenced (by path: the
+            # runtime's init is not dumpable, so pasta could not attach to it by pid).
+            netns = await spec.network.make_netns() if spec.network is not None else None
+            result = self._bundle(spec, shared, netns)
             bundle = spec.state_dir / "bundle"
             bundle.mkdir()
             _write_bundle(bundle, result)
@@ -450,7 +448,9 @@ class OciBackend:
         warnings = result.unenforced + ((shared.warning,) if shared.warning else ())
         return OciBox(spec, runtime, host_end, cgroup, warnings, shared)
 
-    def _bundle(self, spec: BoxSpec, shared: idmap.SharedPaths) -> oci_config.OciBundle:
+    def _bundle(
+        self, spec: BoxSpec, shared: idmap.SharedPaths, netns: str | None = None
+    ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
         agent_config = {
             "fd": 0,
@@ -482,6 +482,7 @@ class OciBackend:
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             host_mounts=_host_mounts(),
             sources=shared.sources,
+            netns_path=netns,
         )
         return oci_config.oci_bundle(spec.policy, inputs)
 

@@ -143,8 +143,18 @@ def _submounts(binds: Iterable[Bind], host_mounts: Iterable[str]) -> list[Bind]:
     ]
 
 
-def _system_mounts(policy: Policy) -> list[dict[str, Any]]:
+def _system_mounts(policy: Policy, own_netns: bool = True) -> list[dict[str, Any]]:
     tmp_size = policy.filesystem.tmp_size
+    # The box's own sysfs (it owns its network namespace), read-only: no cgroup or other
+    # submounts of the host's /sys come along. A joined namespace (full mode) belongs to
+    # another user namespace, and only its owner may mount sysfs: then the host's /sys is
+    # bound read-only instead, submounts included, as the bwrap box sees it.
+    sysfs = {
+        "destination": "/sys",
+        "type": "sysfs",
+        "source": "sysfs",
+        "options": ["nosuid", "nodev", "noexec", "ro"],
+    }
     return [
         {
             "destination": "/proc",
@@ -160,14 +170,7 @@ def _system_mounts(policy: Policy) -> list[dict[str, Any]]:
             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
         },
         _tmpfs("/dev/shm", "1777", tmp_size, ["noexec"]),
-        {
-            # The box's own sysfs (it owns its network namespace), read-only: no cgroup
-            # or other submounts of the host's /sys come along.
-            "destination": "/sys",
-            "type": "sysfs",
-            "source": "sysfs",
-            "options": ["nosuid", "nodev", "noexec", "ro"],
-        },
+        *([sysfs] if own_netns else []),
         _tmpfs("/tmp", "1777", tmp_size),
         _tmpfs("/run", "755"),
         _tmpfs("/home", "755"),
@@ -237,6 +240,8 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     roots = root_entries(policy, inp.python, inp.passwd_file, host)
     # The runtime mounts its own /proc, /dev and /sys (bwrap binds the host's /sys).
     root_binds = [e for e in roots if isinstance(e, Bind) and e.dest not in _OWN_MOUNTS]
+    if inp.netns_path is not None:
+        root_binds.append(Bind("/sys", "/sys"))
     binds = [
         *root_binds,
         *_submounts(root_binds, inp.host_mounts),
@@ -244,7 +249,7 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         *inp.extra_binds,
         *policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources),
     ]
-    mounts = _system_mounts(policy) + [_bind(b, host) for b in binds]
+    mounts = _system_mounts(policy, inp.netns_path is None) + [_bind(b, host) for b in binds]
     host_roots = {b.dest for b in root_binds}
     dirs, files = _mount_points(mounts, host_roots, host)
     resources, unenforced = _resources(policy, inp.cgroups)

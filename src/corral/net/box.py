@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from corral import mounts
 from corral.audit import AuditLog
 from corral.errors import BackendError, PolicyError
 from corral.net.env import GUEST_NET_DIR, NODE_PRELOAD, proxy_port
@@ -166,6 +167,11 @@ class BoxNetwork:
         if self.nat is not None:
             await self.nat.fence(pid)
 
+    async def make_netns(self) -> str | None:
+        """For runtimes that join a network namespace by path (OCI): a fenced one made by
+        corral (``full`` mode), or None when the box gets a new, empty one."""
+        return await self.nat.make_netns() if self.nat is not None else None
+
     async def ready(self) -> None:
         """The agent is up: connect the fenced namespace to the outside (pasta)."""
         if self.nat is not None:
@@ -176,3 +182,5 @@ def sweep(host_dir: Path) -> None:
     """End what a box whose owner died left running (its pasta), for the orphan sweeps."""
     with contextlib.suppress(OSError):
         kill_pasta(host_dir / "pasta.pid")
+    for held in ("netns", "userns"):  # namespaces a full-mode OCI box joined by path
+        mounts.umount_all(str(host_dir / held))

@@ -30,6 +30,7 @@ import shutil
 import signal
 from pathlib import Path
 
+from corral import mounts
 from corral.errors import BackendError
 from corral.net.rules import BLOCKED_V4, BLOCKED_V6, AddressScreen, IPNetwork
 
@@ -150,9 +151,17 @@ class Nat:
         self.runas = runas
         self.pid: int | None = None
         self.pasta_pid: int | None = None
+        self.userns_file = state_dir / "userns"
+        self.netns_file = state_dir / "netns"
+        self.held = False
+        """Whether corral made the namespace itself (``make_netns``): pasta joins it by path."""
 
     async def fence(self, pid: int) -> None:
         """Load the nftables rules into the netns of ``pid`` (before the box runs anything)."""
+        await self._fence(f"/proc/{pid}/ns/net")
+        self.pid = pid
+
+    async def _fence(self, netns: str) -> None:
         missing = missing_tools()
         if missing:
             raise BackendError(
@@ -160,16 +169,63 @@ class Nat:
                 "network.mode 'allowlist' (run `corral doctor` to see what works here)"
             )
         rules = nft_ruleset(self.screen, host_gateways())
-        nsenter = ["nsenter", f"--net=/proc/{pid}/ns/net", "nft", "-f", "-"]
+        nsenter = ["nsenter", f"--net={netns}", "nft", "-f", "-"]
         code, err = await _run(nsenter, self.log, rules.encode())
         if code != 0:
             raise BackendError(f"cannot fence the box's network with nftables: {err}")
-        self.pid = pid
+
+    async def make_netns(self) -> str:
+        """A fenced network namespace for a runtime that joins one by path (OCI).
+
+        It lives in a user namespace owned by ``runas``, so pasta, running as that uid, may
+        enter it; bind mounts on two files of the state directory hold both namespaces once
+        the short-lived process that made them is gone. Returns the netns path."""
+        holder = await asyncio.create_subprocess_exec(
+            "unshare",
+            "--user",
+            "--net",
+            "--",
+            "/bin/sh",
+            "-c",
+            "echo; exec cat",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            user=self.runas,
+            group=self.runas,
+            extra_groups=[],
+            env={"PATH": "/usr/bin:/bin"},
+        )
+        try:
+            assert holder.stdout is not None
+            async with asyncio.timeout(PASTA_TIMEOUT):
+                if not await holder.stdout.readline():
+                    raise BackendError("cannot create a network namespace (unshare failed)")
+            for name, target in (("user", self.userns_file), ("net", self.netns_file)):
+                target.touch(mode=0o444)
+                mounts.bind(f"/proc/{holder.pid}/ns/{name}", str(target), recursive=False)
+            self.held = True
+        finally:
+            if holder.returncode is None:
+                holder.kill()
+            await holder.wait()
+        await self._fence(str(self.netns_file))
+        code, err = await _run(
+            ["nsenter", f"--net={self.netns_file}", "ip", "link", "set", "lo", "up"], self.log
+        )
+        if code != 0:
+            raise BackendError(f"cannot bring up loopback in the box's network: {err}")
+        return str(self.netns_file)
+
+    def release_netns(self) -> None:
+        """Drop the bind mounts holding a namespace made by ``make_netns`` (idempotent)."""
+        for target in (self.netns_file, self.userns_file):
+            mounts.umount_all(str(target))
+        self.held = False
 
     async def connect(self) -> None:
         """Attach pasta. After the agent is up: bwrap sets up loopback itself just before it
         execs the agent, and fails if pasta has brought ``lo`` up first."""
-        if self.pid is None:
+        if self.pid is None and not self.held:
             raise BackendError("the box's network was not fenced before pasta was attached")
         argv = [
             "pasta",
@@ -195,7 +251,11 @@ class Nat:
         # pasta writes its pid file after dropping to ``runas``: give it a file it may write.
         self.pid_file.touch(mode=0o644)
         os.chown(self.pid_file, self.runas, self.runas)
-        code, err = await _run([*argv, str(self.pid)], self.log)
+        if self.held:
+            target = ["--userns", str(self.userns_file), "--netns", str(self.netns_file)]
+        else:
+            target = [str(self.pid)]
+        code, err = await _run([*argv, *target], self.log)
         with contextlib.suppress(OSError, ValueError):
             self.pasta_pid = int(self.pid_file.read_text().strip())
         if code != 0:
@@ -207,16 +267,19 @@ class Nat:
         pid, self.pasta_pid = self.pasta_pid, None
         if pid is None:
             kill_pasta(self.pid_file)
+            self.release_netns()
             return
         try:
             pidfd = os.pidfd_open(pid)
         except OSError:
+            self.release_netns()
             return  # already gone
         try:
             if kill_pasta_pid(pid):
                 await _readable(pidfd, timeout=5.0)
         finally:
             os.close(pidfd)
+            self.release_netns()
 
 
 async def _readable(fd: int, timeout: float) -> None:
