@@ -9,9 +9,12 @@ known fd (or a virtio-serial port bridged to a socket).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -92,6 +95,31 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def orphaned_boxes(backend: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """State dirs of ``backend``'s boxes whose owner process is dead, with their owner.json.
+
+    A dir without a readable owner.json is bwrap's (the oldest format) once it is a minute
+    old; a younger one may be a box another process is starting right now."""
+    boxes = state_root() / "boxes"
+    for entry in boxes.iterdir() if boxes.is_dir() else ():
+        try:
+            owner = json.loads((entry / "owner.json").read_text())
+        except (OSError, ValueError):
+            owner = None
+        if not isinstance(owner, dict):
+            try:
+                if time.time() - entry.stat().st_mtime < 60:
+                    continue
+            except OSError:
+                continue
+            owner = {}
+        if owner.get("backend", "bwrap") != backend:
+            continue  # another backend's box: its own sweep knows how to delete it
+        if pid_alive(int(owner.get("host_pid", 0) or 0)):
+            continue
+        yield entry, owner
 
 
 class BoxBase:

@@ -38,7 +38,7 @@ from corral.backends.base import (
     BoxSpec,
     CgroupAccounting,
     kill_child,
-    pid_alive,
+    orphaned_boxes,
     state_root,
 )
 from corral.backends.idmap import COMMAND_HOST_ID
@@ -101,17 +101,7 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
     """Remove what boxes of dead owners left behind (after a SIGKILL of the host process)."""
     boxes = state_root() / "boxes"
     removed: list[str] = []
-    for entry in boxes.iterdir() if boxes.is_dir() else ():
-        try:
-            owner = json.loads((entry / "owner.json").read_text())
-        except (OSError, ValueError):
-            if _recent(entry):
-                continue  # a box another process is starting right now
-            owner = {}
-        if owner.get("backend", "bwrap") != "bwrap":
-            continue  # another backend's box: its own sweep knows how to delete it
-        if pid_alive(int(owner.get("host_pid", 0) or 0)):
-            continue
+    for entry, owner in orphaned_boxes("bwrap"):
         sweep_network(entry / "net")  # pasta of a full-mode box, if any
         bwrap_pid = int(owner.get("bwrap_pid", 0) or 0)
         if bwrap_pid and _is_bwrap(bwrap_pid):
@@ -128,13 +118,6 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
             lambda name: not name.startswith(BOX_PREFIX) or (boxes / name).exists(), support
         )
     return removed
-
-
-def _recent(path: Path, seconds: float = 60.0) -> bool:
-    try:
-        return time.time() - path.stat().st_mtime < seconds
-    except OSError:
-        return False
 
 
 def _is_bwrap(pid: int) -> bool:

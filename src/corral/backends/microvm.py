@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.backends import initramfs
-from corral.backends.base import BOX_UID, BoxBase, BoxSpec, BoxStats, pid_alive, state_root
+from corral.backends.base import BOX_UID, BoxBase, BoxSpec, BoxStats, orphaned_boxes, state_root
 from corral.backends.bwrap import find_python
 from corral.backends.bwrap_args import HostView, expand, guest_path
 from corral.errors import BackendError, BackendUnavailable
@@ -260,15 +260,8 @@ def _is_qemu(pid: int) -> bool:
 
 def sweep_orphans() -> list[str]:
     """Kill the VMs of dead owners and remove their state directories."""
-    boxes = state_root() / "boxes"
     removed: list[str] = []
-    for entry in boxes.iterdir() if boxes.is_dir() else ():
-        try:
-            owner = json.loads((entry / "owner.json").read_text())
-        except (OSError, ValueError):
-            continue  # not started yet, or another backend's box without an owner file
-        if owner.get("backend") != "microvm" or pid_alive(int(owner.get("host_pid", 0))):
-            continue
+    for entry, owner in orphaned_boxes("microvm"):
         qemu_pid = int(owner.get("qemu_pid", 0) or 0)
         if qemu_pid and _is_qemu(qemu_pid):
             with contextlib.suppress(OSError):

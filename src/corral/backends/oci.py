@@ -53,7 +53,7 @@ from corral.backends.base import (
     BoxBase,
     BoxSpec,
     CgroupAccounting,
-    pid_alive,
+    orphaned_boxes,
     state_root,
 )
 from corral.backends.bwrap import find_python, shared_files
@@ -165,14 +165,6 @@ def find_runtime(name: str) -> Runtime:
     return Runtime(name, path, state_root() / "oci" / name, hidden)
 
 
-def _owner_of(entry: Path) -> dict[str, Any] | None:
-    try:
-        owner = json.loads((entry / "owner.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return owner if isinstance(owner, dict) else None
-
-
 def _remove_cgroup_dirs(box_id: str) -> None:
     """rmdir ``corral/<id>`` in every hierarchy (the runtime makes it in all of them)."""
     base = Path("/sys/fs/cgroup")
@@ -194,12 +186,7 @@ def sweep_orphans(runtimes: list[Runtime]) -> list[str]:
     boxes = state_root() / "boxes"
     by_name = {r.name: r for r in runtimes}
     removed: list[str] = []
-    for entry in boxes.iterdir() if boxes.is_dir() else ():
-        owner = _owner_of(entry)
-        if owner is None or owner.get("backend") != "oci":
-            continue
-        if pid_alive(int(owner.get("host_pid", 0) or 0)):
-            continue
+    for entry, owner in orphaned_boxes("oci"):
         runtime = by_name.get(str(owner.get("runtime")))
         if runtime is not None:
             _delete_container(runtime, entry.name)
