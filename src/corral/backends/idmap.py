@@ -75,9 +75,11 @@ def _syscall_for(path: str, nr: int, *args: object) -> int:
         raise OSError(exc.errno, exc.strerror, path) from None
 
 
-def _userns_fd(uid: int, gid: int) -> int:
-    """A user namespace mapping on-disk ``uid``/``gid`` to COMMAND_HOST_ID (cached: one
-    short-lived ``unshare`` process per owner for the life of this process)."""
+def userns_fd(uid: int, gid: int) -> int:
+    """A user namespace mapping on-disk ``uid``/``gid`` to COMMAND_HOST_ID.
+
+    Cached for the life of the process, one open fd per workspace owner (bounded by the
+    number of owners, not of boxes): making one costs a short-lived ``unshare`` process."""
     with _lock:
         fd = _userns.get((uid, gid))
         if fd is not None:
@@ -110,7 +112,7 @@ def mount_idmapped(source: str, target: str) -> None:
     """Mount ``source`` (recursively, nosuid, nodev) at ``target``, its owner's files
     appearing as COMMAND_HOST_ID's."""
     st = os.stat(source)
-    ns_fd = _userns_fd(st.st_uid, st.st_gid)
+    ns_fd = userns_fd(st.st_uid, st.st_gid)
     tree = _syscall_for(
         source,
         _SYS_OPEN_TREE,
