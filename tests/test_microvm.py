@@ -136,6 +136,21 @@ async def test_writes_outside_the_workspace_fail_or_stay_in_the_vm(vm: Sandbox) 
     assert r.exit_code != 0
 
 
+async def test_commands_run_under_the_same_seccomp_filter(vm: Sandbox) -> None:
+    """The guest kernel is one more layer, not the only one: the host's filter holds too."""
+    status = (await vm.run("grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status", timeout=30)).stdout
+    assert status.split() == ["NoNewPrivs:", "1", "Seccomp:", "2"], status
+    probe = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.unshare(0x10000000), os.strerror(ctypes.get_errno()))\n"  # CLONE_NEWUSER
+        "print(libc.syscall(250, 0, 0, 0, 0, 0), os.strerror(ctypes.get_errno()))\n"  # keyctl
+    )
+    r = await vm.run(["python3", "-c", probe], timeout=60)
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("-1 ") for line in lines), (r.stdout, r.stderr)
+
+
 async def test_close_leaves_nothing(vm: Sandbox) -> None:
     pid = (await vm.info())["qemu_pid"]
     state = state_root() / "boxes" / vm.sandbox_id

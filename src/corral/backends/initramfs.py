@@ -185,10 +185,13 @@ def base_archive(kernel: Kernel) -> Path:
     return target
 
 
-def box_archive(base: Path, boot_sh: str, dest: Path) -> Path:
-    """``base`` followed by a small archive holding the box's ``/boot.sh``, written to ``dest``."""
+def box_archive(base: Path, boot_sh: str, dest: Path, seccomp_filter: bytes = b"") -> Path:
+    """``base`` followed by a small archive holding the box's ``/boot.sh`` (and the seccomp
+    filter its agent installs, as ``/agent/seccomp.bpf``), written to ``dest``."""
     extra = CpioWriter()
     extra.file("boot.sh", boot_sh.encode(), 0o755)
+    if seccomp_filter:
+        extra.file("agent/seccomp.bpf", seccomp_filter, 0o444)
     dest.write_bytes(base.read_bytes() + extra.finish())
     return dest
 
@@ -235,8 +238,10 @@ def boot_script(plan: BootPlan) -> str:
         "mkdir /mnt/upper/u /mnt/upper/w",
         ": > /mnt/upper/masked",
         "chmod 000 /mnt/upper/masked",
+        # nosuid, nodev: a setuid binary or a device node of the host tree grants nothing
+        # (no_new_privs already makes setuid inert; this holds without it too).
         "mount -t overlay -o lowerdir=/mnt/lower,upperdir=/mnt/upper/u,workdir=/mnt/upper/w"
-        " overlay /newroot",
+        ",nosuid,nodev overlay /newroot",
         "R=/newroot",
         "mount -t proc proc $R/proc",
         "mount -t sysfs sys $R/sys",
@@ -247,7 +252,7 @@ def boot_script(plan: BootPlan) -> str:
         f"mount -t tmpfs -o mode=1777,size={plan.tmp_size} tmp $R/tmp",
         "mount -t tmpfs -o mode=0755 run $R/run",
         f"mkdir -p $R{GUEST_AGENT_DIR}",
-        f"cp /agent/*.py $R{GUEST_AGENT_DIR}/",
+        f"cp /agent/* $R{GUEST_AGENT_DIR}/",
         "mount -t tmpfs -o mode=0755 home $R/home",
         "mkdir $R/home/user",
         f"chown {plan.uid}:{plan.gid} $R/home/user",

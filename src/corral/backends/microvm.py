@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral.backends import initramfs
+from corral.backends import initramfs, seccomp
 from corral.backends.base import BOX_UID, BoxBase, BoxSpec, BoxStats, orphaned_boxes, state_root
 from corral.backends.bwrap import find_python
 from corral.backends.bwrap_args import HostView, expand, guest_path
@@ -152,6 +152,9 @@ def boot_plan(spec: BoxSpec, python: str) -> tuple[initramfs.BootPlan, list[Host
         "uid": uid,
         "gid": gid,
         "info": {"sandbox_id": spec.sandbox_id, "workdir": policy.workdir},
+        # The same filter as the other backends, installed by the agent on itself (and so
+        # inherited by every command): the guest kernel is one more layer, not the only one.
+        "seccomp": f"{initramfs.GUEST_AGENT_DIR}/seccomp.bpf",
     }
     plan = initramfs.BootPlan(
         shares=tuple(shares),
@@ -410,7 +413,10 @@ class MicroVmBackend:
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         plan, shares = boot_plan(spec, self.python)
         initrd = initramfs.box_archive(
-            self.base, initramfs.boot_script(plan), spec.state_dir / "initrd.cpio"
+            self.base,
+            initramfs.boot_script(plan),
+            spec.state_dir / "initrd.cpio",
+            seccomp.build_filter(policy.security.preset),
         )
         sock_path = spec.state_dir / "chan.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
