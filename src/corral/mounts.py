@@ -12,13 +12,26 @@ MS_NODEV = 0x4
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
 MS_SHARED = 1 << 20
 MNT_DETACH = 0x2
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+def libc() -> ctypes.CDLL:
+    """The C library, with errno kept (every mount helper of corral goes through it)."""
+    lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    lib.syscall.restype = ctypes.c_long
+    return lib
+
+
+def syscall(nr: int, *args: object) -> int:
+    """A raw syscall (the new mount API has no libc wrappers); OSError on failure."""
+    result = int(libc().syscall(nr, *args))
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return result
 
 
 def _check(result: int, what: str, path: str) -> None:
@@ -29,7 +42,7 @@ def _check(result: int, what: str, path: str) -> None:
 
 def mount(source: str | None, target: str, flags: int) -> None:
     src = source.encode() if source is not None else None
-    _check(_libc().mount(src, target.encode(), None, flags, None), "mount", target)
+    _check(libc().mount(src, target.encode(), None, flags, None), "mount", target)
 
 
 def bind(source: str, target: str, *, recursive: bool = True) -> None:
@@ -47,7 +60,7 @@ def restrict(target: str) -> None:
 
 def umount(target: str) -> None:
     """Detach a mount; open files keep working, new lookups no longer see it."""
-    _check(_libc().umount2(target.encode(), MNT_DETACH), "umount", target)
+    _check(libc().umount2(target.encode(), MNT_DETACH), "umount", target)
 
 
 def is_mountpoint(path: str) -> bool:

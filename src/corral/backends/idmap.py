@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import functools
 import os
 import struct
@@ -29,6 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from corral import mounts
 from corral.backends import staging
 from corral.backends.base import BoxSpec
 from corral.backends.bwrap_args import expand
@@ -49,28 +49,14 @@ _MOUNT_ATTR_NODEV = 0x4
 _MOUNT_ATTR_IDMAP = 0x0010_0000
 
 _lock = threading.Lock()
+_probe_lock = threading.Lock()
 _userns: dict[tuple[int, int], int] = {}
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return libc
-
-
-def _syscall(nr: int, *args: object) -> int:
-    result = int(_libc().syscall(nr, *args))
-    if result < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return result
 
 
 def _syscall_for(path: str, nr: int, *args: object) -> int:
     """A mount syscall whose error names the path it was about."""
     try:
-        return _syscall(nr, *args)
+        return mounts.syscall(nr, *args)
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, path) from None
 
@@ -150,6 +136,13 @@ def mount_idmapped(source: str, target: str) -> None:
 @functools.cache
 def unsupported_reason() -> str | None:
     """Why idmapped mounts can't be used here (probed once), or None."""
+    # The cache does not keep two threads from a first call at once (a pool filling in a
+    # thread while a sandbox starts): they probe one after the other, never on one entry.
+    with _probe_lock:
+        return _probe()
+
+
+def _probe() -> str | None:
     probe = staging.new_entry("mnt", f"probe-{os.getpid()}")
     try:
         source = probe / "src"

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corral import mounts
 from corral.backends import cgroups, idmap, oci_config, staging
 from corral.backends.base import (
     AGENT_DIR,
@@ -67,9 +68,6 @@ RUNTIMES = ("crun", "runc", "runsc")
 RUNTIME_TIMEOUT = 15.0
 _PACKAGES = {"runc": "runc", "crun": "crun", "runsc": "runsc (gVisor, from gvisor.dev)"}
 _CLONE_NEWNS = 0x00020000
-_MS_REC = 0x4000
-_MS_PRIVATE = 1 << 18
-_MNT_DETACH = 2
 
 
 def hybrid_cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
@@ -91,15 +89,15 @@ def hybrid_cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
 
 def _hide_mount(path: str) -> Callable[[], None]:
     """A pre-exec hook: a private mount namespace without ``path`` (for crun on hybrid)."""
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = mounts.libc()
     target = path.encode()
 
     def hook() -> None:
         if libc.unshare(_CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-        if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        if libc.mount(b"none", b"/", None, mounts.MS_REC | mounts.MS_PRIVATE, None) != 0:
             raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
-        if libc.umount2(target, _MNT_DETACH) != 0:
+        if libc.umount2(target, mounts.MNT_DETACH) != 0:
             raise OSError(ctypes.get_errno(), f"umount {path}")
 
     return hook
