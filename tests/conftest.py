@@ -108,3 +108,12 @@ async def sh(sandbox: Sandbox) -> AsyncIterator[PtySession]:
     assert (await session.expect(PROMPT, 10)).matched
     yield session
     await session.close()
+
+
+def dead_pid() -> int:
+    """A pid that is certainly not running: a child this process started and reaped."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid

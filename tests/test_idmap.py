@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import dead_pid
 from corral import FilesystemPolicy, Policy, Sandbox, mounts
 from corral.backends import idmap, staging
 from corral.backends.base import state_root
@@ -78,11 +79,7 @@ def test_a_dead_owners_idmapped_mount_is_swept_and_its_content_kept(
     entry = staging.new_entry("mnt", "cb-dead.0")
     idmap.mount_idmapped(str(precious), str(entry / "ws"))
     assert (entry / "ws" / "data").stat().st_uid == idmap.COMMAND_HOST_ID
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-    (entry / "owner.json").write_text(json.dumps({"host_pid": pid}))
+    (entry / "owner.json").write_text(json.dumps({"host_pid": dead_pid()}))
     assert staging.sweep_staging() == ["cb-dead.0"]
     assert not entry.exists()
     assert (precious / "data").read_text() == "keep me"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import dead_pid
 from corral import Policy, Sandbox, SandboxError, mounts
 from corral.backends import staging
 from corral.pool import SandboxPool, needs_fresh_box
@@ -147,7 +148,7 @@ def test_sweep_unmounts_a_dead_owners_staging_and_keeps_the_workspace(
     (ws / "data").write_text("keep me")
     entry = staging.pool_root() / "cb-dead"
     (entry / "ws").mkdir(parents=True)
-    dead = _dead_pid()
+    dead = dead_pid()
     (entry / "owner.json").write_text(json.dumps({"host_pid": dead}))
     mounts.bind(str(entry / "ws"), str(entry / "ws"), recursive=False)
     mounts.make_shared(str(entry / "ws"))
@@ -167,15 +168,6 @@ def test_sweep_leaves_a_live_owners_staging(
     (entry / "owner.json").write_text(json.dumps({"host_pid": os.getpid()}))
     assert staging.sweep_staging() == []
     assert entry.exists()
-
-
-def _dead_pid() -> int:
-    """A pid that is certainly not running: a child we started and reaped."""
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-    return pid
 
 
 async def test_one_shot_claims_a_started_box_and_refills_after(workspace: Path) -> None:
