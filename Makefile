@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean security-report
+.PHONY: setup demo test test-microvm lint bench clean security-report
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ lint: setup
 
 test: setup lint
 	$(VPY) -m pytest -q
+
+# The whole backend contract and attack suites on the microVM backend (make test runs a slice
+# of them there: tests/test_microvm.py, tests/security/test_attack_microvm.py).
+test-microvm: setup
+	CORRAL_TEST_BACKENDS=microvm $(VPY) -m pytest -q -k microvm tests
 
 # The attack suite with the issue's full stress counts (1000 boxes in a row, 100 at once),
 # then its table: category, attacks tried, contained; latency of a second box under attack.

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from corral import Sandbox, SandboxBroken
+from corral import Policy, Sandbox, SandboxBroken
 from corral.backends import cgroups, idmap
-from corral.backends.base import state_root
+from corral.backends.base import BoxBase, state_root
 from corral.backends.bwrap import sweep_orphans
 
 pytestmark = pytest.mark.needs_bwrap
@@ -132,6 +132,42 @@ async def test_a_killed_agent_breaks_the_sandbox_cleanly(sandbox: Sandbox) -> No
     assert result.status == "exited" and result.exit_code == -9
     with pytest.raises(SandboxBroken):
         await sandbox.run("true")
+
+
+async def test_a_hung_box_is_killed_and_every_call_says_so(
+    box_policy: Policy, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGSTOP freezes the box from the host (its agent, or the whole VM): the heartbeat
+    notices, kills the box, and the pending call fails with the reason instead of hanging."""
+    import corral.sandbox
+
+    monkeypatch.setattr(corral.sandbox, "HEARTBEAT_EVERY", 0.05)
+    monkeypatch.setattr(BoxBase, "heartbeat_timeout", 3.0)  # every ping of this box
+    async with Sandbox(box_policy, workspace=workspace) as sandbox:
+        p = await sandbox.spawn("sleep 300")
+        frozen = box_processes(sandbox.sandbox_id)
+        assert frozen
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(SandboxBroken, match="stopped answering"):
+            async with asyncio.timeout(30):
+                await sandbox.run(["echo", "never"])
+        result = await p.wait(timeout=10)
+        assert result.status == "exited" and result.exit_code == -9  # lost with its box
+        assert sandbox._heartbeat is not None
+        async with asyncio.timeout(30):
+            await sandbox._heartbeat  # it kills the box after failing the calls
+        survivors = [pid for pid in frozen if process_state(pid) not in ("Z", "X", None)]
+        assert not survivors, survivors
+        with pytest.raises(SandboxBroken, match="stopped answering"):
+            await sandbox.files.read_text("anything")
+
+
+def process_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def test_sweep_leaves_cgroups_that_are_not_boxes_alone() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -116,7 +117,7 @@ async def test_info_reports_the_guest(vm: Sandbox) -> None:
     assert info["kernel"].split()[1] == initramfs.find_kernel().version
     assert info["cpus"] == 2
     assert 300 << 20 < info["memory_bytes"] <= 384 << 20
-    assert info["hostname"] == vm.sandbox_id
+    assert info["hostname"] == "corral"
     assert info["accel"] in ("kvm", "tcg")
 
 
@@ -174,3 +175,44 @@ async def test_a_vm_that_dies_is_reported_and_cleaned_up(tmp_path: Path) -> None
         with pytest.raises(SandboxBroken):
             await run_until_broken(sb)
     assert not (state_root() / "boxes" / sb.sandbox_id).exists()
+
+
+# ---- snapshots: the second VM of a shape is restored, not booted ----------------------------
+
+
+async def test_restored_vms_share_no_randomness_and_keep_the_hosts_time(tmp_path: Path) -> None:
+    policy = Policy(backend="microvm")
+    script = (
+        "cat /proc/sys/kernel/random/boot_id /proc/sys/kernel/random/uuid; "
+        "grep -m1 stack /proc/self/maps | cut -d- -f1; date +%s.%N"
+    )
+    seen: list[list[str]] = []
+    for _ in range(2):
+        async with Sandbox(policy, workspace=tmp_path) as sb:
+            r = await sb.run(script, timeout=30)
+            host_now = time.time()
+            boot_id, uuid, stack, clock = r.stdout.split()
+            assert abs(float(clock) - host_now) < 3, (clock, host_now)
+            seen.append([boot_id, uuid, stack])
+            how = (await sb.info())["boot"]
+    assert how == "restored"  # the first VM of the shape saved it, at the latest
+    for first, second in zip(seen[0], seen[1], strict=True):
+        assert first != second
+
+
+async def test_a_damaged_snapshot_is_replaced_and_snapshots_can_be_off(tmp_path: Path) -> None:
+    policy = Policy(backend="microvm", vm={"memory_mb": 320})  # a shape of its own
+    async with Sandbox(policy, workspace=tmp_path) as sb:
+        saved = Path((await sb.info())["snapshot"])
+    assert saved.is_file()
+    saved.write_bytes(b"not a saved VM")
+    async with Sandbox(policy, workspace=tmp_path) as sb:
+        info = await sb.info()
+        assert info["boot"] == "booted and saved"
+        assert any("did not restore" in w for w in info["unenforced"]), info["unenforced"]
+        assert (await sb.run(["echo", "ok"], timeout=30)).stdout == "ok\n"
+    assert saved.stat().st_size > 1 << 20  # a new, whole VM
+    off = policy.model_copy(update={"vm": policy.vm.model_copy(update={"snapshot": False})})
+    async with Sandbox(off, workspace=tmp_path) as sb:
+        info = await sb.info()
+        assert info["boot"] == "booted" and info["snapshot"] is None

@@ -158,6 +158,11 @@ class Channel:
             return
         self._on_event(header, payload)
 
+    def abandon(self, reason: str) -> None:
+        """Give the agent up (it stopped answering): pending and later requests fail with
+        ``reason``, as when it exits."""
+        self._lose(reason)
+
     def _lose(self, reason: str) -> None:
         if self.lost.is_set():
             return

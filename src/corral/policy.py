@@ -125,6 +125,9 @@ class VmPolicy(_Model):
     """``auto`` tries KVM and falls back to software emulation (TCG)."""
     kernel: Path | None = None
     """A kernel image; default: the newest /boot/vmlinuz-* with 9p support."""
+    snapshot: bool = True
+    """Start VMs from a saved VM booted up to its first box-specific step (the first VM of
+    each shape saves it); ``false`` boots every VM's kernel."""
 
 
 class Limits(_Model):

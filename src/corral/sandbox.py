@@ -43,6 +43,8 @@ from corral.streaming import ExecStream
 Command = str | Sequence[str]
 StdinArg = bytes | str | Literal["pipe"] | None
 READY_TIMEOUT = 15.0
+HEARTBEAT_EVERY = 5.0
+"""Seconds between two heartbeats (a ``ping`` the agent answers from its loop)."""
 KILL_GRACE = 5.0
 PID_MAX = 1 << 22
 """Linux's PID_MAX_LIMIT: an agent reporting a larger pid is lying."""
@@ -94,6 +96,7 @@ class Sandbox:
         self._closed = False
         self._broken: str | None = None
         self._after_close: list[Callable[[], object]] = []
+        self._heartbeat: asyncio.Task[None] | None = None
         self._workspace_prepared = False  # set by SandboxPool for its staging directories
         self.audit = AuditLog.for_policy(self.policy, self.sandbox_id)
         """The sandbox's audit log (records nothing unless ``policy.audit_log`` is set)."""
@@ -163,6 +166,7 @@ class Sandbox:
         except BaseException:
             await self.aclose()
             raise
+        self._heartbeat = asyncio.create_task(self._beat(), name="corral-heartbeat")
         self.audit.record(
             "sandbox", event="start", backend=self.policy.backend, workspace=str(self.workspace)
         )
@@ -172,6 +176,10 @@ class Sandbox:
         if self._closed:
             return
         self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
         if self._channel is not None and not self._channel.lost.is_set():
             with contextlib.suppress(errors.SandboxError, TimeoutError):
                 async with asyncio.timeout(2):
@@ -211,6 +219,34 @@ class Sandbox:
             raise errors.SandboxClosed("the sandbox is not started; use `async with Sandbox()`")
         return await self._channel.request(op, payload, **fields)
 
+    async def _beat(self) -> None:
+        """Ping the agent every :data:`HEARTBEAT_EVERY` seconds; one that does not answer
+        within the box's ``heartbeat_timeout`` (a hung VM, a stopped agent) gets its box
+        killed, and every pending and later call fails saying so."""
+        channel, box = self._channel, self._box
+        assert channel is not None and box is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HEARTBEAT_EVERY):
+                    await channel.lost.wait()
+            if channel.lost.is_set():
+                return
+            deadline = box.heartbeat_timeout
+            try:
+                async with asyncio.timeout(deadline):
+                    await channel.request("ping")
+            except TimeoutError:
+                break
+            except errors.SandboxError:
+                return  # lost meanwhile: the channel reported why
+        reason = (
+            f"the sandbox stopped answering (no reply to a heartbeat within {deadline:g} s) "
+            "and was killed; start a new one"
+        )
+        self.audit.record("sandbox", event="unresponsive", timeout=deadline)
+        channel.abandon(reason)
+        await box.close()
+
     def _on_event(self, header: dict[str, Any], payload: bytes) -> None:
         proc = self._registry.find(header["pid"])
         if proc is None:
@@ -218,6 +254,9 @@ class Sandbox:
         if header["ev"] == "out":
             proc._on_output(header["stream"], payload)
         elif header["ev"] == "exit":
+            observe = getattr(self._box, "observe_counters", None)
+            if observe is not None and "box" in header:  # a microVM's guest cgroup
+                observe(header["box"])
             duration = header.get("duration")
             proc._on_exit(header["exit_code"], duration if isinstance(duration, float) else None)
             self._registry.on_exit()

@@ -95,6 +95,19 @@ def agent_pid():
 """
 
 
+def root_is_copy_on_write(sb: Sandbox) -> bool:
+    """The microVM's root is a copy-on-write overlay of the host's, in the VM's memory: a write
+    outside the workspace succeeds there and never reaches the host (``host_guard`` checks the
+    host's files after every attack). The other backends refuse it (read-only binds)."""
+    return sb.policy.backend == "microvm"
+
+
+def refused_or_kept_in_the_vm(sb: Sandbox, *refusals: str | None) -> set[str | None]:
+    """The outcomes an attack on a host file may have: the refusals, and success on a
+    copy-on-write root (the VM's copy changes; the host's does not)."""
+    return set(refusals) | ({None} if root_is_copy_on_write(sb) else set())
+
+
 def needs_x86_64() -> None:
     if platform.machine() not in ("x86_64", "amd64"):
         pytest.skip("raw syscall numbers of the attack suite are x86_64's")

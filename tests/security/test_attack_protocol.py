@@ -51,6 +51,10 @@ class FakeBox:
     def warnings(self) -> tuple[str, ...]:
         return ()
 
+    @property
+    def heartbeat_timeout(self) -> float:
+        return 30.0
+
     def stats(self) -> BoxStats:
         return BoxStats()
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
-from typing import Any
+
+TYPE_CHECKING = False  # the guest agent does not import typing (see agent.py)
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any
 
 SYS_OPENAT2 = 437  # the same number on every architecture (new-style syscall table)
 RESOLVE_NO_MAGICLINKS = 0x02

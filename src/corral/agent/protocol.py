@@ -26,11 +26,19 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+
+TYPE_CHECKING = False  # the guest agent does not import typing (see agent.py)
+if TYPE_CHECKING:
+    from typing import Any
 
 HEADER = struct.Struct(">II")
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 16 << 20
+
+VM_SNAPSHOT_MARKER = b"corral-snapshot-point\n"
+"""What a microVM's agent writes on its channel once it is up with every import done, before
+anything box-specific: the host may save the VM there, then sends ``<size>\\n`` and a JSON
+object of that size: ``script`` (the box's mounts), ``config`` (the agent's) and ``clock``."""
 
 # Operations the agent understands; one message type per thing the host can ask.
 OPS = frozenset(
@@ -49,6 +57,7 @@ OPS = frozenset(
         "file_mkdir",
         "file_remove",
         "shutdown",
+        "ping",
     }
 )
 

@@ -59,6 +59,12 @@ def state_root() -> Path:
     return Path(os.environ.get("CORRAL_STATE_DIR", "/run/corral"))
 
 
+def cache_root() -> Path:
+    """Where derived files that outlive boxes and reboots live (the microVM's kernel,
+    initramfs and snapshots): each is keyed on its inputs and rebuilt when they change."""
+    return Path(os.environ.get("CORRAL_CACHE_DIR", "/var/cache/corral"))
+
+
 @dataclass(frozen=True, slots=True)
 class BoxSpec:
     """What to start: the policy, where the workspace is, and a unique id."""
@@ -125,6 +131,9 @@ def orphaned_boxes(backend: str) -> Iterator[tuple[Path, dict[str, Any]]]:
 class BoxBase:
     """What every backend's box holds: its spec, the host end of the channel, its warnings."""
 
+    heartbeat_timeout = 30.0
+    """Seconds the agent may take to answer a heartbeat before the box is declared hung."""
+
     def __init__(self, spec: BoxSpec, channel: socket.socket, warnings: tuple[str, ...]) -> None:
         self._spec = spec
         self._channel = channel
@@ -176,6 +185,12 @@ class Box(Protocol):
     @property
     def warnings(self) -> tuple[str, ...]:
         """Limits the host could not enforce (for example a missing cgroup controller)."""
+        ...
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        """Seconds the agent may take to answer a heartbeat before the box is declared hung
+        (killed, and every call reports it)."""
         ...
 
     def stats(self) -> BoxStats: ...

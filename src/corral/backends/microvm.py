@@ -9,7 +9,10 @@ Start-up sequence::
        nested setups); ``microvm`` first under KVM, ``q35`` first under TCG (see MACHINES)
     3. listen on a unix socket in the box's state directory; qemu connects to it as the
        client end of the virtio-serial port named ``corral``: the accepted socket is the
-       channel, and no NIC exists unless the network mode asks (none is supported yet)
+       channel. There is no NIC: a second port, ``corral-net``, carries the connections of
+       network modes ``allowlist`` and ``ports`` to the host's proxy and relays
+       (:mod:`corral.net.vmlink`); every VM has it, so the device set (a saved VM's shape)
+       does not depend on the network mode
     4. the guest mounts the host root (9p, read-only) under a tmpfs overlay, the workspace and
        the policy's mounts (9p), private /tmp /run /home, and switch_roots into the agent
 
@@ -23,32 +26,50 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from corral.backends import initramfs, seccomp
-from corral.backends.base import BOX_UID, BoxBase, BoxSpec, BoxStats, orphaned_boxes, state_root
+from corral.backends import initramfs, seccomp, vmsnap
+from corral.backends.base import (
+    BOX_UID,
+    BoxBase,
+    BoxSpec,
+    BoxStats,
+    cache_root,
+    orphaned_boxes,
+)
 from corral.backends.bwrap import find_python
 from corral.backends.bwrap_args import HostView, expand, guest_path
 from corral.errors import BackendError, BackendUnavailable
+from corral.net import vmlink
 from corral.policy import Policy
 
+T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
+NET_SOCKET = "net.sock"
+"""Beside the channel's socket: qemu connects the ``corral-net`` port to it (every VM)."""
 CONNECT_TIMEOUT = 10.0
 """qemu connects to the channel socket while it sets up devices, before the guest runs."""
 SHUTDOWN_GRACE = 3.0
 """After the agent's ``shutdown`` the guest powers off by itself; then qemu is killed."""
 PROBE_TIMEOUT = {"kvm": 5.0, "tcg": 30.0}
 BOOT_TIMEOUT = {"kvm": 15.0, "tcg": 90.0}
+"""Boot to the agent's first frame (software emulation on a busy host takes many seconds)."""
+RESTORE_TIMEOUT = {"kvm": 10.0, "tcg": 30.0}
+"""Restore to the agent's first frame; past it the saved VM is discarded and the box boots."""
+STALL_TIMEOUT = {"kvm": 10.0, "tcg": 45.0}
+"""Boot to the agent's snapshot-point line. Under TCG a loaded host occasionally leaves a
+kernel hung before its first message (a few seconds is normal): it is killed and booted again."""
 # Machine types to try, in order. Under TCG, Debian's kernel on ``microvm`` (no PIT/HPET
 # reference) intermittently fails to calibrate the TSC and hangs before init: q35 first.
 MACHINES = {"kvm": ("microvm", "q35"), "tcg": ("q35", "microvm")}
-"""Boot to the agent's first frame (software emulation on a busy host takes many seconds)."""
 # Quiet, no device probing the box never uses; panic (the agent, PID 1, exiting) powers off.
 KERNEL_ARGS = (
     "console=ttyS0 quiet loglevel=1 panic=-1 reboot=t 8250.nr_uarts=1 i8042.noaux i8042.nomux"
@@ -63,13 +84,14 @@ class Boot:
 
     accel: str
     machine: str
+    image: Path
+    """The kernel file qemu loads: the extracted ELF (PVH entry) or the bzImage."""
 
 
 def qemu_argv(
     qemu: str,
     boot: Boot,
     *,
-    kernel: Path,
     initrd: Path,
     cpus: int,
     memory_mb: int,
@@ -81,7 +103,7 @@ def qemu_argv(
     argv = [qemu, "-nodefaults", "-no-user-config", "-nographic", "-monitor", "none"]
     argv += ["-M", machine, "-accel", boot.accel, "-cpu", "host" if boot.accel == "kvm" else "max"]
     argv += ["-smp", str(cpus), "-m", str(memory_mb), "-no-reboot", "-serial", serial]
-    argv += ["-kernel", str(kernel), "-initrd", str(initrd)]
+    argv += ["-kernel", str(boot.image), "-initrd", str(initrd)]
     argv += ["-append", f"{KERNEL_ARGS} {extra_cmdline}".strip()]
     return argv
 
@@ -96,15 +118,22 @@ class HostShare:
 
 
 def box_devices(boot: Boot, channel_path: Path, shares: list[HostShare]) -> list[str]:
-    """The virtio-serial channel port and the 9p shares (pure)."""
+    """The virtio-serial ports (the channel; the network link, whose host socket is
+    ``net.sock`` beside the channel's) and the 9p shares (pure)."""
     bus = "device" if boot.machine == "microvm" else "pci"
     argv = ["-chardev", f"socket,id=corral,path={channel_path}"]
+    argv += ["-chardev", f"socket,id=corralnet,path={channel_path.with_name(NET_SOCKET)}"]
     argv += [
         "-device",
         f"virtio-serial-{bus}",
         "-device",
         "virtserialport,chardev=corral,name=corral",
+        "-device",
+        "virtserialport,chardev=corralnet,name=corral-net",
     ]
+    # A generation id that changes when a saved VM is restored: the guest kernel reseeds its
+    # random generator on the change, so restored VMs do not share the snapshot's randomness.
+    argv += ["-device", "vmgenid,guid=auto"]
     for share in shares:
         model = "mapped-xattr" if share.mapped else "none"
         ro = ",readonly=on" if share.read_only else ""
@@ -130,7 +159,7 @@ def guest_ids(workspace: Path) -> tuple[int, int, bool]:
     return st.st_uid, st.st_gid, False
 
 
-def boot_plan(spec: BoxSpec, python: str) -> tuple[initramfs.BootPlan, list[HostShare]]:
+def boot_plan(spec: BoxSpec) -> tuple[initramfs.BootPlan, list[HostShare]]:
     """The guest's mounts and the qemu shares they come from (pure but for a stat)."""
     policy = spec.policy
     fs = policy.filesystem
@@ -155,18 +184,23 @@ def boot_plan(spec: BoxSpec, python: str) -> tuple[initramfs.BootPlan, list[Host
         # The same filter as the other backends, installed by the agent on itself (and so
         # inherited by every command): the guest kernel is one more layer, not the only one.
         "seccomp": f"{initramfs.GUEST_AGENT_DIR}/seccomp.bpf",
+        "cgroup": initramfs.GUEST_CGROUP,  # the agent reports its counters with every exit
     }
+    if spec.network is not None:  # forwarders over the corral-net port (no NIC, no 9p sockets)
+        config["vmlink"] = vmlink.guest_config(spec.network)
     plan = initramfs.BootPlan(
         shares=tuple(shares),
-        hostname=spec.sandbox_id,
+        hostname="corral",  # as on the other backends
         uid=uid,
         gid=gid,
         tmp_size=fs.tmp_size,
-        python=python,
         agent_config=json.dumps(config, separators=(",", ":")),
         own_workdir=policy.workdir if mapped else None,
         deny_read=tuple(guest_path(p, policy, host) for p in fs.deny_read),
         deny_write=tuple(guest_path(p, policy, host) for p in fs.deny_write),
+        memory_max=policy.limits.memory_bytes,
+        pids_max=policy.limits.max_pids,
+        cpu_max=policy.limits.cpu_quota,
     )
     return plan, host_shares
 
@@ -177,7 +211,6 @@ def boot_plan(spec: BoxSpec, python: str) -> tuple[initramfs.BootPlan, list[Host
 async def raw_boot(
     qemu: str,
     boot: Boot,
-    kernel: Path,
     initrd: Path,
     timeout: float,
     cpus: int = 1,
@@ -185,9 +218,8 @@ async def raw_boot(
 ) -> float | None:
     """Seconds from spawning qemu to the raw-boot marker on the console (None: no marker)."""
     argv = qemu_argv(
-        qemu, boot, kernel=kernel, initrd=initrd, cpus=cpus, memory_mb=memory_mb,
-        extra_cmdline="corralmode=raw",
-    )  # fmt: skip
+        qemu, boot, initrd=initrd, cpus=cpus, memory_mb=memory_mb, extra_cmdline="corralmode=raw"
+    )
     started = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -222,28 +254,35 @@ _probed: dict[str, Boot] = {}
 
 
 async def probe(qemu: str, kernel: initramfs.Kernel, base: Path, accel: str) -> Boot:
-    """The first (accel, machine) that boots the raw initramfs; cached per host and inputs."""
+    """The first (accel, machine, kernel file) that boots the raw initramfs; cached per host
+    and inputs. The extracted kernel is tried before the bzImage (it boots seconds faster)."""
     qemu_path = shutil.which(qemu) or qemu
-    key = f"{accel}:{qemu_path}:{os.stat(qemu_path).st_mtime_ns}:{kernel.version}:{kvm_usable()}"
+    images = list(dict.fromkeys([initramfs.boot_image(kernel), kernel.image]))
+    key = (
+        f"{accel}:{qemu_path}:{os.stat(qemu_path).st_mtime_ns}:{kernel.version}:{kvm_usable()}"
+        f":{','.join(map(str, images))}"
+    )
     if key in _probed:
         return _probed[key]
-    cache = state_root() / "microvm" / "probe.json"
+    cache = cache_root() / "microvm" / "probe.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         saved = json.loads(cache.read_text())
         if saved["key"] == key:
-            _probed[key] = Boot(str(saved["accel"]), str(saved["machine"]))
+            _probed[key] = Boot(str(saved["accel"]), str(saved["machine"]), Path(saved["image"]))
             return _probed[key]
     accels = {"auto": ["kvm", "tcg"] if kvm_usable() else ["tcg"], "kvm": ["kvm"], "tcg": ["tcg"]}
     tried: list[str] = []
     for acc in accels[accel]:
         for machine in MACHINES[acc]:
-            boot = Boot(acc, machine)
-            if await raw_boot(qemu, boot, kernel.image, base, PROBE_TIMEOUT[acc]) is not None:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                cache.write_text(json.dumps({"key": key, "accel": acc, "machine": machine}))
-                _probed[key] = boot
-                return boot
-            tried.append(f"{acc}/{machine}")
+            for image in images:
+                boot = Boot(acc, machine, image)
+                if await raw_boot(qemu, boot, base, PROBE_TIMEOUT[acc]) is not None:
+                    record = {"key": key, "accel": acc, "machine": machine, "image": str(image)}
+                    cache.parent.mkdir(parents=True, exist_ok=True)
+                    cache.write_text(json.dumps(record))
+                    _probed[key] = boot
+                    return boot
+                tried.append(f"{acc}/{machine}/{image.name}")
     raise BackendUnavailable(
         f"qemu could not boot {kernel.image} here (tried {', '.join(tried)}); run "
         "`corral doctor`, check that the kernel boots with `qemu-system-x86_64 -accel tcg`, "
@@ -277,7 +316,14 @@ def sweep_orphans() -> list[str]:
 # ---- the box -------------------------------------------------------------------------------
 
 
+class BootStalled(BackendError):
+    """The VM did not reach its snapshot point in time (killed; the backend boots again)."""
+
+
 class MicroVmBox(BoxBase):
+    _net_sock: socket.socket | None = None
+    _netlink: vmlink.VmLink | None = None
+
     def __init__(
         self,
         spec: BoxSpec,
@@ -286,21 +332,55 @@ class MicroVmBox(BoxBase):
         boot: Boot,
         kernel: initramfs.Kernel,
         warnings: tuple[str, ...],
+        how: str,
+        snapshot: Path | None,
     ) -> None:
         super().__init__(spec, channel, warnings)
         self._proc = proc
         self._boot = boot
         self._kernel = kernel
+        self._how = how
+        self._guest = BoxStats()
+        self._snapshot = snapshot
 
     @property
     def qemu_pid(self) -> int:
         return self._proc.pid
 
     def oom_kills(self) -> int:
-        return 0
+        return self._guest.oom_kills
+
+    def pids_limit_hits(self) -> int:
+        return self._guest.pids_limit_hits
+
+    def observe_counters(self, counters: object) -> None:
+        """The guest cgroup's accounting, as the agent sends it with every command's exit
+        (the host sees no cgroup of the box): what :meth:`stats` reports since. The guest is
+        the untrusted side: malformed values are ignored and the counts never go down."""
+        if not isinstance(counters, dict):
+            return
+
+        def number(key: str) -> int | None:
+            value = counters.get(key)
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            return value if ok else None
+
+        old = self._guest
+        usec = number("cpu_usec")
+        self._guest = BoxStats(
+            memory_bytes=number("memory_bytes"),
+            memory_peak_bytes=number("memory_peak_bytes"),
+            oom_kills=max(old.oom_kills, number("oom_kills") or 0),
+            pids=number("pids"),
+            pids_limit_hits=max(old.pids_limit_hits, number("pids_limit_hits") or 0),
+            cpu_seconds=None if usec is None else usec / 1e6,
+        )
 
     def stats(self) -> BoxStats:
-        """The qemu process's resident memory and CPU time (the whole VM, seen from the host)."""
+        """The guest cgroup's accounting as of the last command's exit; before any, the
+        qemu process's resident memory and CPU time (the whole VM, seen from the host)."""
+        if self._guest != BoxStats():
+            return self._guest
         try:
             fields = Path(f"/proc/{self._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
@@ -320,7 +400,12 @@ class MicroVmBox(BoxBase):
             "machine": self._boot.machine,
             "vm_cpus": vm.cpus,
             "vm_memory_mb": vm.memory_mb,
+            "memory_limit_bytes": self._spec.policy.limits.memory_bytes,
+            "cpu_quota": self._spec.policy.limits.cpu_quota,
+            "max_pids": self._spec.policy.limits.max_pids,
             "kernel_image": str(self._kernel.image),
+            "boot": self._how,
+            "snapshot": None if self._snapshot is None else str(self._snapshot),
             "qemu_pid": self._proc.pid,
             "unenforced": list(self._warnings),
         }
@@ -337,12 +422,20 @@ class MicroVmBox(BoxBase):
                     err = (await self._proc.stderr.read(4096)).decode(errors="replace").strip()
                     if err:
                         parts.append(f"qemu: {err}")
-        with contextlib.suppress(OSError):
-            console = (self._spec.state_dir / "console.log").read_bytes()[-1500:]
-            tail = console.decode(errors="replace").strip()
-            if tail:
-                parts.append(f"guest console: ...{tail}")
+        tail = console_tail(self._spec.state_dir / "console.log")
+        if tail:
+            parts.append(f"guest console: ...{tail}")
         return "; ".join(parts)
+
+    async def attach_network(self, sock: socket.socket) -> None:
+        """Serve the ``corral-net`` port when the network mode forwards anything; hold it
+        (unused) otherwise, so no VM ever sees its host end close."""
+        self._net_sock = sock
+        net = self._spec.network
+        if net is not None:
+            sock.setblocking(False)
+            self._netlink = vmlink.VmLink(net.unix_forwarders(), net.audit)
+            self._netlink.start(*await asyncio.open_connection(sock=sock))
 
     async def close(self) -> None:
         if self._closed:
@@ -350,6 +443,10 @@ class MicroVmBox(BoxBase):
         self._closed = True
         with contextlib.suppress(OSError):
             self._channel.close()
+        if self._netlink is not None:
+            await self._netlink.close()  # ends every forwarded connection
+        if self._net_sock is not None:
+            self._net_sock.close()
         # After the agent's shutdown the guest's PID 1 exits and the VM powers off itself.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(SHUTDOWN_GRACE):
@@ -377,10 +474,11 @@ class MicroVmBackend:
                 "qemu is not installed; `apt-get install qemu-system-x86 linux-image-amd64 "
                 "busybox-static` (or `make setup`), then `corral doctor`"
             )
-        if policy.network.mode != "none":
+        if policy.network.mode == "full":
             raise BackendUnavailable(
-                f"network mode {policy.network.mode!r} is not available on the microvm backend "
-                "yet; use network.mode 'none' or the bwrap backend"
+                "network mode 'full' is not available on the microvm backend: its VMs have no "
+                "NIC; use network.mode 'allowlist' (HTTP/SOCKS proxy) or 'ports' (host "
+                "loopback ports), or the bwrap or oci backend for 'full'"
             )
         if not policy.filesystem.inherit_readable:
             raise BackendUnavailable(
@@ -396,44 +494,91 @@ class MicroVmBackend:
             raise BackendUnavailable("vm.accel is 'kvm' but /dev/kvm is missing or not usable")
         try:
             self.kernel = initramfs.find_kernel(policy.vm.kernel)
-            self.base = initramfs.base_archive(self.kernel)
+            self.python = find_python()
+            self.base = initramfs.base_archive(self.kernel, self.python)
         except initramfs.KernelNotFound as exc:
             raise BackendUnavailable(str(exc)) from None
         self.qemu = qemu
         self.accel = policy.vm.accel
-        self.python = find_python()
         sweep_orphans()
 
     async def boot_mode(self) -> Boot:
         return await probe(self.qemu, self.kernel, self.base, self.accel)
 
     async def start(self, spec: BoxSpec) -> MicroVmBox:
+        """Restore the saved VM of this shape when there is one, else boot (and save it)."""
         boot = await self.boot_mode()
         policy = spec.policy
-        spec.state_dir.mkdir(parents=True, exist_ok=True)
-        plan, shares = boot_plan(spec, self.python)
-        initrd = initramfs.box_archive(
-            self.base,
-            initramfs.boot_script(plan),
-            spec.state_dir / "initrd.cpio",
-            seccomp.build_filter(policy.security.preset),
+        plan, shares = boot_plan(spec)
+        plan = replace(plan, seccomp=seccomp.build_filter(policy.security.preset))
+        devices = box_devices(boot, spec.state_dir / "chan.sock", shares)
+        shape = vmsnap.Shape(
+            qemu=self.qemu,
+            image=str(boot.image),
+            initrd=str(self.base),
+            accel=boot.accel,
+            machine=boot.machine,
+            cpus=policy.vm.cpus,
+            memory_mb=policy.vm.memory_mb,
+            shares=len(shares),
+            devices=re.sub(r"path=[^,]*", "path=", " ".join(devices)),
         )
+        snapshot = vmsnap.snapshot_path(shape) if policy.vm.snapshot else None
+        notes: list[str] = []
+        if snapshot is not None and snapshot.exists():
+            try:
+                return await self._boot(spec, boot, plan, devices, restore=snapshot)
+            except BackendError as exc:  # a stale or damaged file: boot, and save a new one
+                vmsnap.discard(snapshot)
+                notes.append(f"the saved VM did not restore ({exc.message}); booted instead")
+        try:
+            return await self._boot(spec, boot, plan, devices, save=snapshot, notes=notes)
+        except BootStalled as exc:  # rare under TCG on a loaded host: one more try
+            notes.append(f"the first boot stalled ({exc.message}); booted again")
+            return await self._boot(spec, boot, plan, devices, save=snapshot, notes=notes)
+
+    async def _boot(
+        self,
+        spec: BoxSpec,
+        boot: Boot,
+        plan: initramfs.BootPlan,
+        devices: list[str],
+        *,
+        restore: Path | None = None,
+        save: Path | None = None,
+        notes: list[str] | None = None,
+    ) -> MicroVmBox:
+        policy = spec.policy
+        notes = list(notes or [])
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
         sock_path = spec.state_dir / "chan.sock"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        qmp_path = spec.state_dir / "qmp.sock"
         argv = qemu_argv(
             self.qemu,
             boot,
-            kernel=self.kernel.image,
-            initrd=initrd,
+            initrd=self.base,
             cpus=policy.vm.cpus,
             memory_mb=policy.vm.memory_mb,
             serial=f"file:{spec.state_dir / 'console.log'}",
-        ) + box_devices(boot, sock_path, shares)
+        )
+        argv += devices
+        if restore is not None:
+            argv += vmsnap.incoming_args(restore)
+        elif save is not None:
+            argv += vmsnap.qmp_args(qmp_path)
+        timeout = (RESTORE_TIMEOUT if restore else BOOT_TIMEOUT)[boot.accel]
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        net_path = sock_path.with_name(NET_SOCKET)
+        net_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        net_sock: socket.socket | None = None
+        accepted: list[socket.socket] = []
         proc: asyncio.subprocess.Process | None = None
+        loop = asyncio.get_running_loop()
         try:
-            listener.bind(str(sock_path))
-            listener.listen(1)
-            listener.setblocking(False)
+            for server, server_path in ((listener, sock_path), (net_listener, net_path)):
+                server.bind(str(server_path))
+                server.listen(1)
+                server.setblocking(False)
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -448,82 +593,139 @@ class MicroVmBackend:
                 "created": time.time(),
             }
             (spec.state_dir / "owner.json").write_text(json.dumps(owner))
-            channel = await self._accept(listener, proc)
-            await self._wait_for_agent(channel, proc, BOOT_TIMEOUT[boot.accel])
-        except BaseException:
+            what = "qemu failed to start the microVM"
+            channel, _ = await _until(proc, loop.sock_accept(listener), CONNECT_TIMEOUT, what)
+            accepted.append(channel)
+            net_sock, _ = await _until(proc, loop.sock_accept(net_listener), CONNECT_TIMEOUT, what)
+            how = "restored"
+            if restore is None:
+                what = "the microVM's kernel did not boot"
+                try:
+                    await _until(proc, _read_marker(channel), STALL_TIMEOUT[boot.accel], what)
+                except BackendError as exc:
+                    raise BootStalled(exc.message) from None
+                how = "booted"
+                if save is not None:
+                    try:
+                        await _until(proc, vmsnap.save(qmp_path, save), timeout, "saving the VM")
+                        how = "booted and saved"
+                    except BackendError as exc:
+                        notes.append(f"could not save the VM for the next boxes: {exc.message}")
+            else:
+                vmsnap.touch(restore)
+            await loop.sock_sendall(channel, initramfs.boot_payload(plan, time.time()))
+            what = "the microVM's guest agent did not start"
+            await _until(proc, _readable(channel), timeout, what)
+        except BaseException as exc:
             if proc is not None and proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+            if net_sock is not None:
+                net_sock.close()
+            for sock in accepted:
+                sock.close()
+            tail = console_tail(spec.state_dir / "console.log")
             shutil.rmtree(spec.state_dir, ignore_errors=True)
+            if isinstance(exc, BackendError) and tail:
+                raise type(exc)(f"{exc.message}; guest console: ...{tail}") from None
             raise
         finally:
             listener.close()
+            net_listener.close()
             sock_path.unlink(missing_ok=True)
-        channel.setblocking(False)
-        return MicroVmBox(spec, proc, channel, boot, self.kernel, self._warnings(policy))
-
-    async def _accept(
-        self, listener: socket.socket, proc: asyncio.subprocess.Process
-    ) -> socket.socket:
-        loop = asyncio.get_running_loop()
-        accept = asyncio.ensure_future(loop.sock_accept(listener))
-        exited = asyncio.ensure_future(proc.wait())
-        done, _ = await asyncio.wait(
-            {accept, exited}, timeout=CONNECT_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
-        )
-        if accept in done:
-            exited.cancel()
-            conn, _ = accept.result()
-            return conn
-        accept.cancel()
-        exited.cancel()
-        err = b""
-        if proc.returncode is not None and proc.stderr is not None:
-            err = await proc.stderr.read(4096)
-        detail = (
-            err.decode(errors="replace").strip() or f"no connection within {CONNECT_TIMEOUT:g} s"
-        )
-        raise BackendError(f"qemu failed to start the microVM: {detail}")
-
-    async def _wait_for_agent(
-        self, channel: socket.socket, proc: asyncio.subprocess.Process, timeout: float
-    ) -> None:
-        """Wait until the agent's first frame (``ready``) is readable, without consuming it.
-
-        The VM boots for longer than a container starts (seconds under TCG): the backend owns
-        this wait, so the sandbox's own ready timeout only covers the agent's first frame.
-        """
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-
-        def on_readable() -> None:
-            if not readable.done():
-                readable.set_result(None)
-
-        loop.add_reader(channel.fileno(), on_readable)
-        exited = asyncio.ensure_future(proc.wait())
-        try:
-            done, _ = await asyncio.wait(
-                {readable, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            loop.remove_reader(channel.fileno())
-            exited.cancel()
-            readable.cancel()
-        if readable not in done:
-            why = "the VM exited" if exited in done else f"no answer within {timeout:g} s"
-            raise BackendError(f"the microVM's guest agent did not start ({why})")
+            net_path.unlink(missing_ok=True)
+        warnings = self._warnings(policy) + tuple(notes)
+        snapshot = restore or (save if how == "booted and saved" else None)
+        box = MicroVmBox(spec, proc, channel, boot, self.kernel, warnings, how, snapshot)
+        assert net_sock is not None  # accepted with the channel
+        await box.attach_network(net_sock)
+        return box
 
     def _warnings(self, policy: Policy) -> tuple[str, ...]:
-        limits = policy.limits
-        out = []
-        if limits.max_pids is not None:
-            out.append("max_pids limit not enforced (microvm: the VM bounds the box)")
-        if limits.cpu_quota is not None:
-            out.append("cpu_quota limit not enforced (microvm: use vm.cpus)")
-        if limits.memory_bytes is not None and limits.memory_bytes < policy.vm.memory_mb << 20:
-            out.append("memory limit not enforced below the VM's size (microvm: use vm.memory_mb)")
-        return tuple(out)
+        """Nothing left unenforced: the guest kernel's cgroup holds the box's limits."""
+        return ()
+
+
+async def _until(
+    proc: asyncio.subprocess.Process, step: Awaitable[T], timeout: float, what: str
+) -> T:
+    """``step``'s result, or BackendError naming ``what`` when qemu exits or time runs out
+    (with qemu's own error message when it printed one)."""
+    task = asyncio.ensure_future(step)
+    exited = asyncio.ensure_future(proc.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {task, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        exited.cancel()
+    if task in done and not (isinstance(task.exception(), BackendError) or exited in done):
+        return task.result()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        if exited not in done:
+            raise BackendError(f"{what} (no answer within {timeout:g} s)")
+    detail = ""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(1):  # a channel that failed: qemu is usually exiting now
+            await proc.wait()
+    if proc.returncode is not None and proc.stderr is not None:
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(1):
+                detail = (await proc.stderr.read(4096)).decode(errors="replace").strip()
+    if not detail:
+        failure = task.exception() if task.done() and not task.cancelled() else None
+        detail = str(failure) if failure else f"qemu exited with status {proc.returncode}"
+    raise BackendError(f"{what}: {detail}")
+
+
+def console_tail(path: Path, size: int = 1500) -> str:
+    """The end of the guest's console (kernel messages, the init's and the agent's errors)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - size))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+async def _read_marker(channel: socket.socket) -> None:
+    """Read /init's snapshot-point line (nothing else is written before the boot script)."""
+    loop = asyncio.get_running_loop()
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = await loop.sock_recv(channel, 1)
+        if not chunk:
+            raise BackendError("the microVM closed its channel during boot")
+        line += chunk
+        if len(line) > 256:
+            break
+    if line.strip() != initramfs.SNAPSHOT_MARKER.encode():
+        raise BackendError(f"the microVM's init sent {line[:80]!r} instead of its boot marker")
+
+
+async def _readable(channel: socket.socket) -> None:
+    """Until the agent's first frame (``ready``) is readable, without consuming it."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(channel.fileno(), on_readable)
+    try:
+        await readable
+    finally:
+        loop.remove_reader(channel.fileno())
+    try:
+        first = channel.recv(1, socket.MSG_PEEK)
+    except OSError as exc:
+        raise BackendError(f"the channel failed ({exc})") from None
+    if not first:
+        raise BackendError("qemu closed the channel")
 
 
 # ---- corral doctor -------------------------------------------------------------------------
@@ -540,7 +742,7 @@ def host_report() -> list[tuple[str, bool, str, str]]:
     )
     try:
         kernel = initramfs.find_kernel()
-        base = initramfs.base_archive(kernel)
+        base = initramfs.base_archive(kernel, find_python())
         rows.append(("microvm: kernel", True, f"{kernel.image} (9p, virtio modules)", ""))
     except initramfs.KernelNotFound as exc:
         rows.append(("microvm: kernel", False, str(exc), "apt-get install linux-image-amd64"))

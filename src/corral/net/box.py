@@ -156,6 +156,19 @@ class BoxNetwork:
         ]
         return out
 
+    def unix_forwarders(self) -> list[tuple[int, Path]]:
+        """``(guest port, host unix socket)`` per forwarder, in :meth:`forwarders` order: for
+        a backend that cannot bind sockets into its box (the microVM relays them itself)."""
+        return [(f["port"], self.host_dir / Path(f["unix"]).name) for f in self.forwarders()]
+
+    def guest_files(self) -> dict[str, str]:
+        """What a box that cannot bind the network directory must be given: the node preload
+        that ``NODE_OPTIONS`` names, by guest path (allowlist mode), as text."""
+        if self.proxy is None:
+            return {}
+        preload = Path(__file__).with_name(NODE_PRELOAD).read_text()
+        return {f"{GUEST_NET_DIR}/{NODE_PRELOAD}": preload}
+
     @property
     def needs_attach(self) -> bool:
         """Whether :meth:`attach` must run before the box's agent starts (``full``)."""

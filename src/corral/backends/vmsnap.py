@@ -1,0 +1,196 @@
+"""Snapshots of booted microVMs: boot the kernel once per VM shape, restore it for every box.
+
+A VM's /init loads its modules, tells the host it reached the snapshot point
+(:data:`~corral.backends.initramfs.SNAPSHOT_MARKER`) and waits for the box's boot script on
+the channel. Nothing box-specific exists in the guest yet and no 9p share is mounted (qemu
+refuses to migrate a VM with a mounted 9p export), so the state at that point is the same for
+every box with the same devices, cpus and memory. The first box of a shape saves it
+(``migrate`` to a file over QMP, about half a second) and carries on; the next ones start qemu
+with ``-incoming`` and skip the kernel's boot entirely.
+
+Restored VMs share the snapshot's memory, including the kernel's random pool: every VM has a
+``vmgenid`` device, whose generation id changes on restore, and the kernel reseeds its random
+generator on that change (Linux >= 5.18) before any box process exists. The guest clock is set
+by the agent from the host's time (see ``BootPlan.clock``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corral.backends.base import cache_root
+from corral.errors import BackendError
+
+SAVE_TIMEOUT = 60.0
+KEEP = 6
+"""Snapshots kept (each is about 70 MiB for a 384 MiB VM: the guest's used memory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Everything a saved VM must share with the VM restored from it."""
+
+    qemu: str
+    image: str
+    initrd: str
+    accel: str
+    machine: str
+    cpus: int
+    memory_mb: int
+    shares: int
+    devices: str
+    """A version of the device layout (bumped when box_devices changes)."""
+
+    def key(self) -> str:
+        stamps = [self.qemu, self.image, self.initrd]
+        fields: dict[str, Any] = {
+            "shape": [self.accel, self.machine, self.cpus, self.memory_mb, self.shares],
+            "devices": self.devices,
+            "files": [_stamp(p) for p in stamps],
+        }
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _stamp(path: str) -> str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return f"{path}:missing"
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def snapshot_dir() -> Path:
+    return cache_root() / "microvm" / "snapshots"
+
+
+def snapshot_path(shape: Shape) -> Path:
+    return snapshot_dir() / f"{shape.key()}.vm"
+
+
+def incoming_args(path: Path) -> list[str]:
+    """qemu arguments that restore the saved VM at ``path`` (it resumes running)."""
+    return ["-incoming", f"exec:cat {shlex.quote(str(path))}"]
+
+
+def qmp_args(path: Path) -> list[str]:
+    return ["-qmp", f"unix:{path},server=on,wait=off"]
+
+
+def discard(path: Path) -> None:
+    """Forget a snapshot that failed to restore (the next box saves a new one)."""
+    path.unlink(missing_ok=True)
+
+
+class Qmp:
+    """A minimal QMP client: one command at a time, events kept for :meth:`wait_event`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._events: list[dict[str, Any]] = []
+
+    @classmethod
+    async def connect(cls, path: Path) -> Qmp:
+        reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 20)
+        qmp = cls(reader, writer)
+        await qmp._read()  # the greeting
+        await qmp.execute("qmp_capabilities")
+        return qmp
+
+    async def _read(self) -> dict[str, Any]:
+        line = await self._reader.readline()
+        if not line:
+            raise BackendError("qemu closed its QMP monitor")
+        message: dict[str, Any] = json.loads(line)
+        return message
+
+    async def execute(self, command: str, **arguments: Any) -> Any:
+        request: dict[str, Any] = {"execute": command}
+        if arguments:
+            request["arguments"] = arguments
+        self._writer.write(json.dumps(request).encode() + b"\n")
+        await self._writer.drain()
+        while True:
+            message = await self._read()
+            if "event" in message:
+                self._events.append(message)
+            elif "error" in message:
+                desc = message["error"].get("desc", message["error"])
+                raise BackendError(f"qemu refused {command}: {desc}")
+            elif "return" in message:
+                return message["return"]
+
+    async def wait_event(self, name: str, done: Any) -> dict[str, Any]:
+        """The first event ``name`` whose data satisfies ``done(data)``."""
+        while True:
+            while self._events:
+                event = self._events.pop(0)
+                data: dict[str, Any] = event.get("data", {})
+                if event["event"] == name and done(data):
+                    return data
+            self._events.append(await self._read())
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
+
+
+async def save(qmp_socket: Path, dest: Path, timeout: float = SAVE_TIMEOUT) -> None:
+    """Save the running VM to ``dest`` and let it run on (atomic: a partial file never
+    has the final name). Raises BackendError when qemu cannot migrate."""
+    dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = dest.with_suffix(f".tmp{os.getpid()}")
+    qmp = await Qmp.connect(qmp_socket)
+    try:
+        async with asyncio.timeout(timeout):
+            caps = [{"capability": "events", "state": True}]
+            await qmp.execute("migrate-set-capabilities", capabilities=caps)
+            await qmp.execute("migrate", uri=f"exec:cat > {shlex.quote(str(tmp))}")
+            final = await qmp.wait_event(
+                "MIGRATION", lambda d: d.get("status") in ("completed", "failed", "cancelled")
+            )
+            if final["status"] != "completed":
+                raise BackendError(f"qemu could not save the VM (migration {final['status']})")
+            await qmp.execute("cont")  # a migrated VM pauses; this one is a box too
+    except TimeoutError:
+        tmp.unlink(missing_ok=True)
+        raise BackendError(f"saving the VM took longer than {timeout:g} s") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        await qmp.close()
+    tmp.replace(dest)
+    prune(dest.parent)
+
+
+def prune(directory: Path, keep: int = KEEP) -> None:
+    """Keep the ``keep`` most recently used snapshots (a restore touches its file); stale
+    ones, whose inputs changed, are never used again and go first. Also removes the partial
+    files of savers that died."""
+    snaps = sorted(directory.glob("*.vm"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in snaps[keep:]:
+        old.unlink(missing_ok=True)
+    for tmp in directory.glob("*.tmp*"):
+        with contextlib.suppress(OSError, ValueError):
+            if not Path(f"/proc/{int(tmp.suffix.removeprefix('.tmp'))}").exists():
+                tmp.unlink()
+
+
+def touch(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def remove_all() -> None:
+    shutil.rmtree(snapshot_dir(), ignore_errors=True)

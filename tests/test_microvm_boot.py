@@ -1,0 +1,162 @@
+"""The microVM's boot pieces that need no VM: the boot script, the saved-VM keys and their
+cache, the precompiled agent and the extracted kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from corral.backends import initramfs, vmpython, vmsnap
+from corral.backends.base import AGENT_DIR
+from corral.backends.bwrap import find_python
+
+PLAN = initramfs.BootPlan(
+    shares=(initramfs.Share("ws", "/workspace", False),),
+    hostname="cb-test",
+    uid=1000,
+    gid=1000,
+    tmp_size=1 << 20,
+    agent_config='{"device":"/dev/corral"}',
+)
+
+
+def run_sh(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["sh", "-c", script], cwd=cwd, capture_output=True, text=True, timeout=30, check=False
+    )
+
+
+def test_the_boot_script_carries_the_seccomp_filter_byte_for_byte(tmp_path: Path) -> None:
+    blob = bytes(range(256)) * 9  # every byte value, several base64 lines
+    script = initramfs.boot_script(replace(PLAN, seccomp=blob))
+    start = script.index("base64 -d")
+    heredoc = script[start : script.index("CORRAL_EOF\n", start + 40) + len("CORRAL_EOF\n")]
+    (tmp_path / "run/corral/agent").mkdir(parents=True)
+    done = run_sh(f"R={tmp_path}\n{heredoc}", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "run/corral/agent/seccomp.bpf").read_bytes() == blob
+
+
+def test_the_payload_carries_script_config_and_clock() -> None:
+    payload = initramfs.boot_payload(PLAN, 1795000000.25)
+    size, _, body = payload.partition(b"\n")
+    assert int(size) == len(body)
+    boot = json.loads(body)
+    assert boot["script"] == initramfs.boot_script(PLAN)
+    assert boot["config"] == {"device": "/dev/corral"}
+    assert boot["clock"] == 1795000000.25
+    assert boot["agent_dir"] == initramfs.GUEST_AGENT_DIR
+
+
+def test_the_init_starts_the_agent_from_the_initramfs() -> None:
+    init = initramfs.init_script("/usr/bin/python3.11")
+    assert init.splitlines()[3].startswith('if [ "$corralmode" = raw ]')  # before any work
+    assert 'exec /usr/bin/python3.11 -I -S /agent/agent.py --vm-init "$PORT"' in init
+
+
+def test_the_packed_python_runs_the_agents_imports_with_nothing_else(tmp_path: Path) -> None:
+    """The initramfs's interpreter, libraries and modules, alone in a chroot, import what the
+    agent imports before the snapshot point (a missing file fails here, not in a VM)."""
+    python = find_python()
+    files, dirs = vmpython.runtime_files(python)
+    for path in [*files, *(d / ".keep" for d in dirs)]:
+        target = tmp_path / str(path).lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if path.name != ".keep":
+            shutil.copy2(path, target)
+    shutil.copytree(AGENT_DIR, tmp_path / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    probe = (
+        "import importlib, sys; sys.path.insert(0, '/agent'); import agent\n"
+        "[importlib.import_module(m) for m in agent.VM_PRELOAD]; print(len(sys.modules))"
+    )
+    done = subprocess.run(
+        ["chroot", str(tmp_path), python, "-I", "-S", "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "bin/sh").exists()  # really nothing else there
+
+
+SHAPE = vmsnap.Shape(
+    qemu=sys.executable,
+    image=sys.executable,
+    initrd=__file__,
+    accel="tcg",
+    machine="q35",
+    cpus=1,
+    memory_mb=512,
+    shares=2,
+    devices="-device virtio-serial-pci",
+)
+
+
+def test_a_saved_vm_is_keyed_on_everything_a_restore_must_match(tmp_path: Path) -> None:
+    keys = {SHAPE.key()}
+    for change in (
+        {"cpus": 2},
+        {"memory_mb": 256},
+        {"shares": 3},
+        {"machine": "microvm"},
+        {"accel": "kvm"},
+        {"devices": "-device virtio-serial-device"},
+    ):
+        keys.add(replace(SHAPE, **change).key())
+    assert len(keys) == 7
+    image = tmp_path / "vmlinux"
+    image.write_bytes(b"v1")
+    before = replace(SHAPE, image=str(image)).key()
+    os.utime(image, ns=(1, 1))  # a new kernel file under the same name
+    assert replace(SHAPE, image=str(image)).key() != before
+    assert vmsnap.snapshot_path(SHAPE).name == f"{SHAPE.key()}.vm"
+
+
+def test_the_cache_keeps_the_most_recent_snapshots_and_no_dead_partial_file(
+    tmp_path: Path,
+) -> None:
+    for n in range(5):
+        (tmp_path / f"s{n}.vm").write_bytes(b"x")
+        os.utime(tmp_path / f"s{n}.vm", (1000 + n, 1000 + n))
+    dead = tmp_path / f"s9.tmp{2**22 + 12345}"  # above pid_max's default: no such process
+    live = tmp_path / f"s8.tmp{os.getpid()}"
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    vmsnap.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s3.vm", "s4.vm", live.name]
+
+
+def test_the_agent_is_shipped_compiled_and_the_pycs_are_used(tmp_path: Path) -> None:
+    sources = sorted(AGENT_DIR.glob("*.py"))
+    pycs = initramfs.compiled_agent(sys.executable, sources)
+    assert {name.split(".")[0] for name in pycs} == {p.stem for p in sources}
+    (tmp_path / "__pycache__").mkdir()
+    for name, data in pycs.items():
+        (tmp_path / "__pycache__" / name).write_bytes(data)
+    (tmp_path / "protocol.py").write_text("raise SystemExit('the source was compiled')\n")
+    probe = "import sys; sys.path.insert(0, '.'); import protocol; print(protocol.__name__)"
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", probe], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.stdout == "protocol\n", done.stderr  # unchecked-hash pycs: the stub is never read
+    assert initramfs.compiled_agent("/nonexistent/python", sources) == {}
+
+
+def test_the_kernel_is_extracted_for_a_direct_boot() -> None:
+    try:
+        kernel = initramfs.find_kernel()
+    except initramfs.KernelNotFound as exc:
+        pytest.skip(str(exc))
+    image = initramfs.boot_image(kernel)
+    if image == kernel.image:
+        pytest.skip(f"{kernel.image} has no PVH entry or payload this host can extract")
+    assert image.read_bytes()[:4] == b"\x7fELF"
+    assert image.stat().st_size > kernel.image.stat().st_size  # uncompressed
+    assert initramfs.boot_image(kernel) == image  # cached
