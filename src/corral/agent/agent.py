@@ -519,18 +519,13 @@ def start_forwarders(specs: list[dict[str, Any]]) -> None:
         return
     import threading
 
+    if TYPE_CHECKING:
+        from corral.agent.vmlink import loopback_listeners
+    else:
+        from vmlink import loopback_listeners
+
     for spec in specs:
-        for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
-            server = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                server.bind((address, int(spec["port"])))
-                server.listen(128)
-            except OSError:
-                server.close()
-                if family == socket.AF_INET:
-                    raise
-                continue  # no IPv6 loopback in this box: IPv4 is enough
+        for server in loopback_listeners(int(spec["port"])):
             args = (server, str(spec["unix"]))
             threading.Thread(target=forward_accept, args=args, daemon=True).start()
 

@@ -59,6 +59,24 @@ MAX_CONNS = 256
 READ_CHUNK = 256 * 1024
 
 
+def loopback_listeners(port: int) -> list[socket.socket]:
+    """Listening sockets on ``port`` of the box's IPv4 and (where it exists) IPv6 loopback."""
+    servers = []
+    for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        server = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind((address, port))
+            server.listen(128)
+        except OSError:
+            server.close()
+            if family == socket.AF_INET:
+                raise
+            continue  # no IPv6 loopback in this box: IPv4 is enough
+        servers.append(server)
+    return servers
+
+
 class LinkError(Exception):
     """A frame that breaks the link protocol: the host drops the link."""
 
@@ -157,18 +175,7 @@ class GuestLink:
 
     def listen(self, ports: list[int]) -> None:
         for index, port in enumerate(ports):
-            for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
-                server = socket.socket(family, socket.SOCK_STREAM)
-                try:
-                    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    server.bind((address, port))
-                    server.listen(128)
-                except OSError:
-                    server.close()
-                    if family == socket.AF_INET:
-                        raise
-                    continue  # no IPv6 loopback in this box: IPv4 is enough
-                self.listeners.append((server, index))
+            self.listeners += [(server, index) for server in loopback_listeners(port)]
 
     def start(self) -> None:
         self.reader = threading.Thread(target=self.read_loop, daemon=True)

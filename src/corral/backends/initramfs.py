@@ -1,18 +1,19 @@
-"""corral's own initramfs for the microVM backend: busybox, a few kernel modules, the agent.
+"""corral's own initramfs for the microVM backend: busybox, a few kernel modules, the agent,
+and the Python that runs it.
 
-The archive is the same for every box:
+One archive serves every box (cached under ``cache_root()/microvm``, rebuilt when an input
+changes: kernel version, busybox, the modules, the agent's files, the interpreter): a static
+busybox, the modules 9p, virtio-serial and overlayfs need (Debian builds them as modules) in
+load order, the agent precompiled, the host's interpreter with its shared libraries and the
+standard modules the agent imports (:mod:`vmpython`), ``/dev/console`` and ``/init``.
 
-``base``   cached under ``cache_root()/microvm`` and rebuilt when an input changes (kernel
-           version, busybox, the modules, the agent's files, this module's init): a static
-           busybox, the modules that 9p and virtio-serial need (Debian builds them as modules)
-           in load order, the guest agent, ``/dev/console`` and the generic ``/init``.
-``box``    nothing: the box's ``/boot.sh`` (its shares, ids and seccomp filter) reaches the
-           guest over the channel once the kernel is up (see :data:`SNAPSHOT_MARKER`), so one
-           snapshot of a booted VM serves every box of the same shape.
-
-``/init`` with ``corralmode=raw`` on the kernel command line prints :data:`RAW_MARKER` and
-powers off before doing anything else: the benchmark's "raw boot of the same kernel and
-initramfs" and the backend's KVM/machine probe.
+``/init`` loads the modules and execs the agent (``--vm-init``), which writes
+:data:`SNAPSHOT_MARKER` on the channel and waits for the box's payload
+(:func:`boot_payload`: the script of :func:`boot_script`, its config and the host's time).
+Nothing box-specific is in the archive or in the VM before that line, so one saved VM serves
+every box of the same shape. With ``corralmode=raw`` on the kernel command line, ``/init``
+prints :data:`RAW_MARKER` and powers off before doing anything: the benchmark's "raw boot of
+the same kernel and initramfs" and the backend's KVM/machine probe.
 """
 
 from __future__ import annotations
@@ -355,6 +356,11 @@ class BootPlan:
     msize: int = 512 * 1024
     seccomp: bytes = b""
     """The compiled filter the agent installs on itself (written to ``seccomp.bpf``)."""
+    minimal_root: tuple[tuple[str, str], ...] | None = None
+    """``inherit_readable = false``: the root is a tmpfs holding only these ``(host path or
+    link target, box path)`` entries (read-only binds of the host's root share; an entry
+    whose first item starts with ``->`` is a symlink), and :attr:`passwd` as /etc/passwd."""
+    passwd: str = ""
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_max: float | None = None
@@ -376,9 +382,16 @@ def boot_script(plan: BootPlan) -> str:
         "chmod 000 /mnt/upper/masked",
         # nosuid, nodev: a setuid binary or a device node of the host tree grants nothing
         # (no_new_privs already makes setuid inert; this holds without it too).
-        "mount -t overlay -o lowerdir=/mnt/lower,upperdir=/mnt/upper/u,workdir=/mnt/upper/w"
-        ",nosuid,nodev overlay /newroot",
         "R=/newroot",
+    ]
+    if plan.minimal_root is None:
+        lines.append(
+            "mount -t overlay -o lowerdir=/mnt/lower,upperdir=/mnt/upper/u,workdir=/mnt/upper/w"
+            ",nosuid,nodev overlay /newroot"
+        )
+    else:
+        lines += _minimal_root(plan.minimal_root, plan.passwd)
+    lines += [
         "mount -t proc proc $R/proc",
         "mount -t sysfs sys $R/sys",
         # A minimal /dev, as bwrap's: no disk, /dev/mem, /dev/kmsg or port of the VM's own.
@@ -451,6 +464,29 @@ def boot_script(plan: BootPlan) -> str:
         " done",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _minimal_root(entries: tuple[tuple[str, str], ...], passwd: str) -> list[str]:
+    """A tmpfs root with read-only binds of a few host paths (``inherit_readable = false``)."""
+    q = shlex.quote
+    lines = [
+        "mount -t tmpfs -o mode=0755,nosuid,nodev root /newroot",
+        "mkdir -p $R/proc $R/sys $R/dev $R/tmp $R/run $R/home $R/etc",
+    ]
+    for source, dest in entries:
+        target = "$R" + q(dest)
+        if source.startswith("->"):
+            lines.append(f"ln -s {q(source[2:])} {target}")
+            continue
+        lower = "/mnt/lower" + q(source)
+        lines += [
+            f"if [ -d {lower} ]; then mkdir -p {target};"
+            f" else mkdir -p $(dirname {target}) && touch {target}; fi",
+            f"mount --bind {lower} {target}",
+            f"mount -o remount,bind,ro,nosuid,nodev {target}",
+        ]
+    lines.append(f"printf %s {q(passwd)} > $R/etc/passwd")
+    return lines
 
 
 def boot_payload(plan: BootPlan, clock: float) -> bytes:

@@ -2,8 +2,9 @@
 
 Start-up sequence::
 
-    1. find the kernel (newest /boot/vmlinuz-* with 9p modules) and corral's cached base
-       initramfs; append the box's /boot.sh (its shares and ids) as a second small archive
+    1. find the kernel (newest /boot/vmlinuz-* with 9p modules), its extracted ELF (qemu
+       enters it directly: no in-guest decompression) and corral's cached initramfs
+       (busybox, modules, the agent and the host's python3 to run it: see initramfs.py)
     2. probe, once per host (cached on disk), which accelerator and machine boot here:
        KVM is tried, never assumed (a /dev/kvm that cannot run a stock kernel is common in
        nested setups); ``microvm`` first under KVM, ``q35`` first under TCG (see MACHINES)
@@ -13,8 +14,13 @@ Start-up sequence::
        network modes ``allowlist`` and ``ports`` to the host's proxy and relays
        (:mod:`corral.net.vmlink`); every VM has it, so the device set (a saved VM's shape)
        does not depend on the network mode
-    4. the guest mounts the host root (9p, read-only) under a tmpfs overlay, the workspace and
-       the policy's mounts (9p), private /tmp /run /home, and switch_roots into the agent
+    4. restore the saved VM of this shape (``-incoming``), or boot: the agent, PID 1 from
+       the initramfs, writes the snapshot-point line when its imports are done; a booting VM
+       is saved there for the next boxes (:mod:`vmsnap`)
+    5. send the box's payload (mounts script, agent config, host time): the agent mounts
+       the host root (9p, read-only) under a tmpfs overlay, the workspace and the policy's
+       mounts (9p), private /tmp /run /home, a minimal /dev, a cgroup holding the limits,
+       and moves into that root; its ``ready`` frame ends the start
 
 A box's state directory records ``"backend": "microvm"`` and qemu's pid; boxes whose owner
 died are killed and removed by the next :class:`MicroVmBackend`.
@@ -46,7 +52,7 @@ from corral.backends.base import (
     orphaned_boxes,
 )
 from corral.backends.bwrap import find_python
-from corral.backends.bwrap_args import HostView, expand, guest_path
+from corral.backends.bwrap_args import HostView, Symlink, expand, guest_path, root_entries
 from corral.errors import BackendError, BackendUnavailable
 from corral.net import vmlink
 from corral.policy import Policy
@@ -198,11 +204,29 @@ def boot_plan(spec: BoxSpec) -> tuple[initramfs.BootPlan, list[HostShare]]:
         own_workdir=policy.workdir if mapped else None,
         deny_read=tuple(guest_path(p, policy, host) for p in fs.deny_read),
         deny_write=tuple(guest_path(p, policy, host) for p in fs.deny_write),
+        minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
+        passwd=(
+            "root:x:0:0:box agent:/run/corral:/usr/sbin/nologin\n"
+            f"user:x:{uid}:{gid}:box user:/home/user:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        ),
         memory_max=policy.limits.memory_bytes,
         pids_max=policy.limits.max_pids,
         cpu_max=policy.limits.cpu_quota,
     )
     return plan, host_shares
+
+
+def minimal_root(policy: Policy, host: HostView) -> tuple[tuple[str, str], ...]:
+    """The entries of bwrap's minimal root (its own /etc/passwd aside), for the VM's tmpfs
+    root: the same layout on every backend."""
+    entries: list[tuple[str, str]] = []
+    for entry in root_entries(policy, find_python(), Path("/nonexistent"), host):
+        if isinstance(entry, Symlink):
+            entries.append(("->" + entry.target, entry.dest))
+        elif entry.dest != "/etc/passwd":  # resolved here: a host symlink such as
+            entries.append((os.path.realpath(entry.source), entry.dest))  # /etc/localtime
+    return tuple(entries)
 
 
 # ---- probing the host ----------------------------------------------------------------------
@@ -480,11 +504,6 @@ class MicroVmBackend:
                 "NIC; use network.mode 'allowlist' (HTTP/SOCKS proxy) or 'ports' (host "
                 "loopback ports), or the bwrap or oci backend for 'full'"
             )
-        if not policy.filesystem.inherit_readable:
-            raise BackendUnavailable(
-                "filesystem.inherit_readable = false (a minimal root) is not available on the "
-                "microvm backend yet; use the bwrap backend or inherit_readable = true"
-            )
         if os.geteuid() != 0:
             raise BackendUnavailable(
                 "the microvm backend shares the host root with the VM and needs root; run "
@@ -759,10 +778,20 @@ def host_report() -> list[tuple[str, bool, str, str]]:
     elif kvm_usable():
         detail = (
             f"/dev/kvm is present but could not boot the kernel (tried): software emulation "
-            f"(TCG, {boot.machine} machine), seconds per boot"
+            f"(TCG, {boot.machine} machine), seconds per cold boot"
         )
     else:
         detail = f"no usable /dev/kvm: software emulation (TCG, {boot.machine} machine)"
     fix = "" if boot.accel == "kvm" else "run on a host with working (nested) KVM for fast boots"
     rows.append(("microvm: accel", boot.accel == "kvm", detail, fix))
+    direct = boot.image != kernel.image
+    how = "its uncompressed ELF (PVH entry)" if direct else "the bzImage (no PVH entry found)"
+    rows.append(("microvm: kernel file", True, f"qemu loads {how}: {boot.image}", ""))
+    saved = sorted(vmsnap.snapshot_dir().glob("*.vm"))
+    size = sum(p.stat().st_size for p in saved) >> 20
+    detail = (
+        f"{len(saved)} saved VM(s), {size} MiB in {vmsnap.snapshot_dir()}; the first VM of a new "
+        "shape boots and saves itself, the next ones restore (vm.snapshot)"
+    )
+    rows.append(("microvm: saved VMs", True, detail, ""))
     return rows

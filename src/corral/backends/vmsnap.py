@@ -31,8 +31,8 @@ from corral.backends.base import cache_root
 from corral.errors import BackendError
 
 SAVE_TIMEOUT = 60.0
-KEEP = 6
-"""Snapshots kept (each is about 70 MiB for a 384 MiB VM: the guest's used memory)."""
+KEEP = 4
+"""Saved VMs kept, most recently used first (each is 70-100 MiB: the guest's used memory)."""
 
 
 @dataclass(frozen=True, slots=True)
