@@ -208,7 +208,7 @@ async def test_a_damaged_snapshot_is_replaced_and_snapshots_can_be_off(tmp_path:
     saved.write_bytes(b"not a saved VM")
     async with Sandbox(policy, workspace=tmp_path) as sb:
         info = await sb.info()
-        assert info["boot"] == "booted and saved"
+        assert info["boot"] == "booted, saved and restored"
         assert any("did not restore" in w for w in info["unenforced"]), info["unenforced"]
         assert (await sb.run(["echo", "ok"], timeout=30)).stdout == "ok\n"
     assert saved.stat().st_size > 1 << 20  # a new, whole VM

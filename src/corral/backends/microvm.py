@@ -340,6 +340,10 @@ def sweep_orphans() -> list[str]:
 # ---- the box -------------------------------------------------------------------------------
 
 
+class _Saved(Exception):
+    """The booting VM was saved (and is killed): start the box from the saved file."""
+
+
 class BootStalled(BackendError):
     """The VM did not reach its snapshot point in time (killed; the backend boots again)."""
 
@@ -363,7 +367,7 @@ class MicroVmBox(BoxBase):
         self._proc = proc
         self._boot = boot
         self._kernel = kernel
-        self._how = how
+        self.boot_how = how
         self._guest = BoxStats()
         self._snapshot = snapshot
 
@@ -428,7 +432,7 @@ class MicroVmBox(BoxBase):
             "cpu_quota": self._spec.policy.limits.cpu_quota,
             "max_pids": self._spec.policy.limits.max_pids,
             "kernel_image": str(self._kernel.image),
-            "boot": self._how,
+            "boot": self.boot_how,
             "snapshot": None if self._snapshot is None else str(self._snapshot),
             "qemu_pid": self._proc.pid,
             "unenforced": list(self._warnings),
@@ -540,7 +544,9 @@ class MicroVmBackend:
             cpus=policy.vm.cpus,
             memory_mb=policy.vm.memory_mb,
             shares=len(shares),
-            devices=re.sub(r"path=[^,]*", "path=", " ".join(devices)),
+            # The device layout without per-box paths, and the kernel's command line (in the
+            # saved memory too).
+            devices=re.sub(r"path=[^,]*", "path=", " ".join(devices)) + " -append " + KERNEL_ARGS,
         )
         snapshot = vmsnap.snapshot_path(shape) if policy.vm.snapshot else None
         notes: list[str] = []
@@ -551,10 +557,21 @@ class MicroVmBackend:
                 vmsnap.discard(snapshot)
                 notes.append(f"the saved VM did not restore ({exc.message}); booted instead")
         try:
-            return await self._boot(spec, boot, plan, devices, save=snapshot, notes=notes)
-        except BootStalled as exc:  # rare under TCG on a loaded host: one more try
-            notes.append(f"the first boot stalled ({exc.message}); booted again")
-            return await self._boot(spec, boot, plan, devices, save=snapshot, notes=notes)
+            try:
+                return await self._boot(spec, boot, plan, devices, save=snapshot, notes=notes)
+            except BootStalled as exc:  # rare under TCG on a loaded host: one more try
+                notes.append(f"the first boot stalled ({exc.message}); booted again")
+                return await self._boot(spec, boot, plan, devices, save=snapshot, notes=notes)
+        except _Saved:
+            assert snapshot is not None
+        try:
+            box = await self._boot(spec, boot, plan, devices, restore=snapshot, notes=notes)
+        except BackendError as exc:
+            vmsnap.discard(snapshot)
+            notes.append(f"the VM just saved did not restore ({exc.message}); booted instead")
+            return await self._boot(spec, boot, plan, devices, notes=notes)
+        box.boot_how = "booted, saved and restored"
+        return box
 
     async def _boot(
         self,
@@ -627,9 +644,13 @@ class MicroVmBackend:
                 if save is not None:
                     try:
                         await _until(proc, vmsnap.save(qmp_path, save), timeout, "saving the VM")
-                        how = "booted and saved"
                     except BackendError as exc:
                         notes.append(f"could not save the VM for the next boxes: {exc.message}")
+                    else:
+                        # This VM stays paused: the box starts from the file just written, the
+                        # path every later box takes. (Resuming a VM after its migration left
+                        # its channel deaf now and then under TCG.)
+                        raise _Saved()
             else:
                 vmsnap.touch(restore)
             await loop.sock_sendall(channel, initramfs.boot_payload(plan, time.time()))
@@ -654,7 +675,7 @@ class MicroVmBackend:
             sock_path.unlink(missing_ok=True)
             net_path.unlink(missing_ok=True)
         warnings = self._warnings(policy) + tuple(notes)
-        snapshot = restore or (save if how == "booted and saved" else None)
+        snapshot = restore
         box = MicroVmBox(spec, proc, channel, boot, self.kernel, warnings, how, snapshot)
         assert net_sock is not None  # accepted with the channel
         await box.attach_network(net_sock)

@@ -146,8 +146,8 @@ class Qmp:
 
 
 async def save(qmp_socket: Path, dest: Path, timeout: float = SAVE_TIMEOUT) -> None:
-    """Save the running VM to ``dest`` and let it run on (atomic: a partial file never
-    has the final name). Raises BackendError when qemu cannot migrate."""
+    """Save the running VM to ``dest`` (atomic: a partial file never has the final name);
+    the VM is left paused. Raises BackendError when qemu cannot migrate (the VM runs on)."""
     dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = dest.with_suffix(f".tmp{os.getpid()}")
     qmp = await Qmp.connect(qmp_socket)
@@ -161,7 +161,6 @@ async def save(qmp_socket: Path, dest: Path, timeout: float = SAVE_TIMEOUT) -> N
             )
             if final["status"] != "completed":
                 raise BackendError(f"qemu could not save the VM (migration {final['status']})")
-            await qmp.execute("cont")  # a migrated VM pauses; this one is a box too
     except TimeoutError:
         tmp.unlink(missing_ok=True)
         raise BackendError(f"saving the VM took longer than {timeout:g} s") from None
