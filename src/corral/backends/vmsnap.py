@@ -4,9 +4,9 @@ A VM's /init loads its modules, tells the host it reached the snapshot point
 (:data:`~corral.backends.initramfs.SNAPSHOT_MARKER`) and waits for the box's boot script on
 the channel. Nothing box-specific exists in the guest yet and no 9p share is mounted (qemu
 refuses to migrate a VM with a mounted 9p export), so the state at that point is the same for
-every box with the same devices, cpus and memory. The first box of a shape saves it
-(``migrate`` to a file over QMP, about half a second) and carries on; the next ones start qemu
-with ``-incoming`` and skip the kernel's boot entirely.
+every box with the same devices, cpus and memory. The first VM of a shape is saved there
+(``migrate`` to a file over QMP, about half a second) and killed; every box, the first one
+too, starts qemu with ``-incoming`` from that file and skips the kernel's boot entirely.
 
 Restored VMs share the snapshot's memory, including the kernel's random pool: every VM has a
 ``vmgenid`` device, whose generation id changes on restore, and the kernel reseeds its random
