@@ -11,7 +11,7 @@ too, starts qemu with ``-incoming`` from that file and skips the kernel's boot e
 Restored VMs share the snapshot's memory, including the kernel's random pool: every VM has a
 ``vmgenid`` device, whose generation id changes on restore, and the kernel reseeds its random
 generator on that change (Linux >= 5.18) before any box process exists. The guest clock is set
-by the agent from the host's time (see ``BootPlan.clock``).
+by the agent from the host's time, sent with the box's payload (``initramfs.boot_payload``).
 """
 
 from __future__ import annotations
