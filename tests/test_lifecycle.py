@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from corral import Policy, Sandbox, SandboxBroken
+from corral import Policy, PolicyError, Sandbox, SandboxBroken
 from corral.backends import cgroups, idmap
 from corral.backends.base import BoxBase, state_root
 from corral.backends.bwrap import sweep_orphans
@@ -168,6 +170,37 @@ def process_state(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+async def test_a_start_that_fails_leaves_no_state_dir(workspace: Path) -> None:
+    """The network's directory is made before the box: a refused box must not leave it."""
+    policy = Policy.from_dict(
+        {
+            "network": {"mode": "allowlist", "allow_hosts": ["x.test"]},
+            "filesystem": {"mounts": [{"host": "/tmp", "guest": "/usr/x/y"}]},
+        }
+    )
+    sb = Sandbox(policy, workspace=workspace)
+    with pytest.raises(PolicyError):
+        await sb.start()
+    assert not (state_root() / "boxes" / sb.sandbox_id).exists()
+
+
+def test_the_sweep_removes_an_ownerless_box_dir_once_it_is_a_minute_old() -> None:
+    boxes = state_root() / "boxes"
+    old, young = boxes / "cb-ownerless-old", boxes / "cb-ownerless-young"
+    for entry in (old, young):
+        entry.mkdir(parents=True, exist_ok=True)
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    try:
+        removed = sweep_orphans()
+        assert old.name in removed and not old.exists()
+        assert young.exists()  # may be a box another process is starting right now
+    finally:
+        for entry in (old, young):
+            with contextlib.suppress(OSError):
+                entry.rmdir()
 
 
 def test_sweep_leaves_cgroups_that_are_not_boxes_alone() -> None:

@@ -190,6 +190,10 @@ class Sandbox:
             await self._box.close()
         if self._network is not None:
             await self._network.close()
+            # A start that failed after the network's directory was made leaves its parent,
+            # the box's state directory, empty: remove it (only if empty).
+            with contextlib.suppress(OSError):
+                (state_root() / "boxes" / self.sandbox_id).rmdir()
         for proc in self._registry.running():
             proc._lost()
         await self._sessions.aclose()  # after the processes: their shells are gone by now

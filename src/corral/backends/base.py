@@ -93,7 +93,11 @@ class BoxStats:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process exists (the orphan sweeps' test of a box's owner)."""
+    """Whether a process exists (the orphan sweeps' test of a box's owner). 0 and negative
+    numbers name process groups to kill(2), never a process: not alive (a state dir without
+    an owner, such as an empty one, reads as pid 0)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
