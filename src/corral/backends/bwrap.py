@@ -89,11 +89,7 @@ def shared_files() -> tuple[Path, Path, Path]:
     masked_dir.mkdir(exist_ok=True)
     masked_dir.chmod(0)
     if not passwd.exists():
-        passwd.write_text(
-            "root:x:0:0:box agent:/run/corral:/usr/sbin/nologin\n"
-            f"user:x:{BOX_UID}:{BOX_UID}:box user:{bwrap_args.GUEST_HOME}:/bin/sh\n"
-            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-        )
+        passwd.write_text(bwrap_args.passwd_text(BOX_UID, BOX_UID))
     return masked_file, masked_dir, passwd
 
 

@@ -110,6 +110,16 @@ class BwrapInputs:
     """Binds a backend-neutral part asks for (the network directory of ``corral.net``)."""
 
 
+def passwd_text(uid: int, gid: int) -> str:
+    """The box's /etc/passwd where corral writes one (a minimal root): the agent, the box
+    user (``uid``/``gid``) and nobody."""
+    return (
+        "root:x:0:0:box agent:/run/corral:/usr/sbin/nologin\n"
+        f"user:x:{uid}:{gid}:box user:{GUEST_HOME}:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    )
+
+
 def expand(path: str, home: str) -> str:
     if path == "~" or path.startswith("~/"):
         return os.path.normpath(home + path[1:])

@@ -52,7 +52,14 @@ from corral.backends.base import (
     orphaned_boxes,
 )
 from corral.backends.bwrap import find_python
-from corral.backends.bwrap_args import HostView, Symlink, expand, guest_path, root_entries
+from corral.backends.bwrap_args import (
+    HostView,
+    Symlink,
+    expand,
+    guest_path,
+    passwd_text,
+    root_entries,
+)
 from corral.errors import BackendError, BackendUnavailable
 from corral.net import vmlink
 from corral.policy import Policy
@@ -205,11 +212,7 @@ def boot_plan(spec: BoxSpec) -> tuple[initramfs.BootPlan, list[HostShare]]:
         deny_read=tuple(guest_path(p, policy, host) for p in fs.deny_read),
         deny_write=tuple(guest_path(p, policy, host) for p in fs.deny_write),
         minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
-        passwd=(
-            "root:x:0:0:box agent:/run/corral:/usr/sbin/nologin\n"
-            f"user:x:{uid}:{gid}:box user:/home/user:/bin/sh\n"
-            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-        ),
+        passwd=passwd_text(uid, gid),
         memory_max=policy.limits.memory_bytes,
         pids_max=policy.limits.max_pids,
         cpu_max=policy.limits.cpu_quota,
@@ -606,7 +609,6 @@ class MicroVmBackend:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         net_path = sock_path.with_name(NET_SOCKET)
         net_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        net_sock: socket.socket | None = None
         accepted: list[socket.socket] = []
         proc: asyncio.subprocess.Process | None = None
         loop = asyncio.get_running_loop()
@@ -633,6 +635,7 @@ class MicroVmBackend:
             channel, _ = await _until(proc, loop.sock_accept(listener), CONNECT_TIMEOUT, what)
             accepted.append(channel)
             net_sock, _ = await _until(proc, loop.sock_accept(net_listener), CONNECT_TIMEOUT, what)
+            accepted.append(net_sock)
             how = "restored"
             if restore is None:
                 what = "the microVM's kernel did not boot"
@@ -660,8 +663,6 @@ class MicroVmBackend:
             if proc is not None and proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-            if net_sock is not None:
-                net_sock.close()
             for sock in accepted:
                 sock.close()
             tail = console_tail(spec.state_dir / "console.log")
@@ -674,16 +675,11 @@ class MicroVmBackend:
             net_listener.close()
             sock_path.unlink(missing_ok=True)
             net_path.unlink(missing_ok=True)
-        warnings = self._warnings(policy) + tuple(notes)
-        snapshot = restore
-        box = MicroVmBox(spec, proc, channel, boot, self.kernel, warnings, how, snapshot)
-        assert net_sock is not None  # accepted with the channel
+        # Nothing of the policy is left unenforced (the guest's cgroup holds the limits): the
+        # warnings are how the VM started, when it did not go as planned.
+        box = MicroVmBox(spec, proc, channel, boot, self.kernel, tuple(notes), how, restore)
         await box.attach_network(net_sock)
         return box
-
-    def _warnings(self, policy: Policy) -> tuple[str, ...]:
-        """Nothing left unenforced: the guest kernel's cgroup holds the box's limits."""
-        return ()
 
 
 async def _until(
@@ -732,7 +728,7 @@ def console_tail(path: Path, size: int = 1500) -> str:
 
 
 async def _read_marker(channel: socket.socket) -> None:
-    """Read /init's snapshot-point line (nothing else is written before the boot script)."""
+    """Read the agent's snapshot-point line (it writes nothing else before the payload)."""
     loop = asyncio.get_running_loop()
     line = b""
     while not line.endswith(b"\n"):

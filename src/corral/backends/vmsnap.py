@@ -1,12 +1,13 @@
 """Snapshots of booted microVMs: boot the kernel once per VM shape, restore it for every box.
 
-A VM's /init loads its modules, tells the host it reached the snapshot point
-(:data:`~corral.backends.initramfs.SNAPSHOT_MARKER`) and waits for the box's boot script on
-the channel. Nothing box-specific exists in the guest yet and no 9p share is mounted (qemu
-refuses to migrate a VM with a mounted 9p export), so the state at that point is the same for
-every box with the same devices, cpus and memory. The first VM of a shape is saved there
-(``migrate`` to a file over QMP, about half a second) and killed; every box, the first one
-too, starts qemu with ``-incoming`` from that file and skips the kernel's boot entirely.
+A VM's /init loads its modules and starts the agent, which imports everything, tells the host
+it reached the snapshot point (:data:`~corral.backends.initramfs.SNAPSHOT_MARKER`) and waits
+for the box's payload on the channel. Nothing box-specific exists in the guest yet and no 9p
+share is mounted (qemu refuses to migrate a VM with a mounted 9p export), so the state at that
+point is the same for every box with the same devices, cpus and memory. The first VM of a
+shape is saved there (``migrate`` to a file over QMP, about half a second) and killed; every
+box, the first one too, starts qemu with ``-incoming`` from that file and skips the kernel's
+boot entirely.
 
 Restored VMs share the snapshot's memory, including the kernel's random pool: every VM has a
 ``vmgenid`` device, whose generation id changes on restore, and the kernel reseeds its random
@@ -48,7 +49,7 @@ class Shape:
     memory_mb: int
     shares: int
     devices: str
-    """A version of the device layout (bumped when box_devices changes)."""
+    """The device arguments without per-box paths, and the kernel command line."""
 
     def key(self) -> str:
         stamps = [self.qemu, self.image, self.initrd]
