@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from corral import Policy, Sandbox
-from corral.backends import initramfs, microvm
+from corral.backends.microvm import box as microvm
+from corral.backends.microvm import initramfs
 
 
 def p50_ms(samples: list[float]) -> float:

@@ -13,15 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from corral import Policy
-from corral.backends.bwrap_args import (
-    BwrapFds,
-    BwrapInputs,
-    HostView,
-    _searchable,
-    box_env,
-    bwrap_argv,
-    unplaceable_mount,
-)
+from corral.backends.bwrap.args import BwrapFds, BwrapInputs, bwrap_argv
+from corral.backends.layout import HostView, _searchable, box_env, unplaceable_mount
 
 HOST_TOP = ["bin", "etc", "usr", "lib", "proc", "dev", "tmp", "run", "home", "root", "var", "sys"]
 LINKS = {"/bin": "usr/bin", "/lib": "usr/lib"}

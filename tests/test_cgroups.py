@@ -1,4 +1,4 @@
-"""Tests of corral.backends.cgroups.
+"""Tests of corral.backends.host.cgroups.
 
 The first half runs against the real kernel (this is what the module is for: a memory
 bomb must really be OOM-killed, a fork bomb must really hit pids.max). Those tests skip,
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import corral.backends.cgroups as cgmod
-from corral.backends.cgroups import (
+import corral.backends.host.cgroups as cgmod
+from corral.backends.host.cgroups import (
     MIN_MEMORY_BYTES,
     Cgroup,
     CgroupLimits,
@@ -251,7 +251,7 @@ def test_add_missing_pid_is_backend_error(make_group: MakeGroup) -> None:
 def test_detect_as_unprivileged_user_reports_unusable() -> None:
     # A real unprivileged process, not a mock: it must see cgroups as unusable and say why.
     code = (
-        "from corral.backends.cgroups import detect, Cgroup, CgroupLimits\n"
+        "from corral.backends.host.cgroups import detect, Cgroup, CgroupLimits\n"
         "from corral.errors import BackendUnavailable\n"
         "s = detect()\n"
         "print(s.version)\n"
@@ -260,7 +260,7 @@ def test_detect_as_unprivileged_user_reports_unusable() -> None:
         "except BackendUnavailable as e:\n"
         "    print(e.code, e.message)\n"
     )
-    src = str(Path(cgmod.__file__).parents[2])
+    src = str(Path(cgmod.__file__).parents[4])
     try:
         out = subprocess.run(
             [sys.executable, "-c", code],

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from conftest import dead_pid
-from corral import FilesystemPolicy, Policy, Sandbox, mounts
-from corral.backends import idmap, staging
-from corral.backends.base import state_root
+from corral import FilesystemPolicy, Policy, Sandbox
+from corral.backends.host import idmap, mounts, staging
+from corral.backends.host.state import state_root
+from corral.backends.users import COMMAND_HOST_ID
 
 pytestmark = pytest.mark.needs_bwrap
 
@@ -84,7 +85,7 @@ def test_a_dead_owners_idmapped_mount_is_swept_and_its_content_kept(
     (precious / "data").write_text("keep me")
     entry = staging.new_entry("mnt", "cb-dead.0")
     idmap.mount_idmapped(str(precious), str(entry / "ws"))
-    assert (entry / "ws" / "data").stat().st_uid == idmap.COMMAND_HOST_ID
+    assert (entry / "ws" / "data").stat().st_uid == COMMAND_HOST_ID
     (entry / "owner.json").write_text(json.dumps({"host_pid": dead_pid()}))
     assert staging.sweep_staging() == ["cb-dead.0"]
     assert not entry.exists()

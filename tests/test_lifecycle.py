@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from corral import Policy, PolicyError, Sandbox, SandboxBroken
-from corral.backends import cgroups, idmap
-from corral.backends.base import BoxBase, state_root
-from corral.backends.bwrap import sweep_orphans
+from corral.backends.base import BoxBase
+from corral.backends.bwrap.box import sweep_orphans
+from corral.backends.host import cgroups, idmap
+from corral.backends.host.state import state_root
 
 pytestmark = pytest.mark.needs_bwrap
 

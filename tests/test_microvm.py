@@ -19,8 +19,9 @@ import pytest
 import pytest_asyncio
 
 from corral import PathOutsideSandbox, Policy, Sandbox
-from corral.backends import initramfs, unavailable_reason
-from corral.backends.base import state_root
+from corral.backends import unavailable_reason
+from corral.backends.host.state import state_root
+from corral.backends.microvm import initramfs
 from corral.errors import SandboxBroken
 
 POLICY = Policy(backend="microvm", vm={"cpus": 2, "memory_mb": 384})

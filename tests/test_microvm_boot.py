@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from corral.backends import initramfs, vmpython, vmsnap
 from corral.backends.base import AGENT_DIR
-from corral.backends.bwrap import find_python
+from corral.backends.host.python import find_python
+from corral.backends.microvm import initramfs, vmpython, vmsnap
 
 PLAN = initramfs.BootPlan(
     shares=(initramfs.Share("ws", "/workspace", False),),

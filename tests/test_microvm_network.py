@@ -18,7 +18,7 @@ import pytest_asyncio
 from corral import Policy, Sandbox
 from corral.audit import read_records
 from corral.backends import unavailable_reason
-from corral.backends.base import state_root
+from corral.backends.host.state import state_root
 from corral.errors import BackendUnavailable
 from corral.net import StaticResolver
 from loopback_http import LoopbackHttp, echo_path
@@ -192,7 +192,7 @@ async def test_closing_ends_the_link_and_leaves_nothing(ports_vm: Sandbox) -> No
 
 
 async def test_full_mode_is_refused_with_the_reason() -> None:
-    from corral.backends.microvm import MicroVmBackend
+    from corral.backends.microvm.box import MicroVmBackend
 
     with pytest.raises(BackendUnavailable, match=r"no NIC.*'allowlist'"):
         MicroVmBackend(Policy(backend="microvm", network={"mode": "full"}))

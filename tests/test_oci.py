@@ -19,8 +19,8 @@ import pytest
 
 from conftest import backend_policy
 from corral import Policy, Sandbox, SandboxBroken
-from corral.backends import oci
-from corral.backends.base import state_root
+from corral.backends.host.state import state_root
+from corral.backends.oci import box as oci
 from corral.errors import BackendUnavailable
 from corral.net.nat import missing_tools
 from corral.policy import NetworkPolicy

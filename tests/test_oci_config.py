@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from corral import Policy
-from corral.backends import seccomp
-from corral.backends.bwrap import HOST_UID_BASE
-from corral.backends.bwrap_args import HostView, Symlink
-from corral.backends.oci_config import CgroupFacts, OciBundle, OciInputs, oci_bundle
+from corral.backends.host import seccomp
+from corral.backends.layout import HostView, Symlink
+from corral.backends.oci.config import CgroupFacts, OciBundle, OciInputs, oci_bundle
+from corral.backends.users import HOST_UID_BASE
 
 HOST_TOP = [
     "bin",

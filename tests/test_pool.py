@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import dead_pid
-from corral import Policy, Sandbox, SandboxError, mounts
-from corral.backends import staging
+from corral import Policy, Sandbox, SandboxError
+from corral.backends.host import mounts, staging
 from corral.pool import SandboxPool, needs_fresh_box
 
 pytestmark = pytest.mark.needs_bwrap

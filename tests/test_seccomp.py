@@ -27,8 +27,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from corral.backends import seccomp
-from corral.backends.seccomp import (
+from corral.backends.host import seccomp
+from corral.backends.host.seccomp import (
     ALLOW,
     ENOSYS,
     EPERM,

@@ -65,7 +65,7 @@ def check_userns() -> Check:
 
 
 def check_cgroups() -> Check:
-    from corral.backends import cgroups
+    from corral.backends.host import cgroups
 
     support = cgroups.detect()
     if support.version == "none":
@@ -132,7 +132,7 @@ def check_kvm() -> Check:
 
 def check_microvm() -> list[Check]:
     """qemu, a kernel with 9p, and which accelerator really boots it (KVM tried, not assumed)."""
-    from corral.backends import microvm
+    from corral.backends.microvm import box as microvm
 
     return [
         Check(name, ok, detail, fix, required=False)
@@ -163,7 +163,7 @@ def check_oci_runtime(name: str) -> Check:
     """Whether the OCI backend starts boxes with runtime ``name``: a real box runs `true`."""
     import asyncio
 
-    from corral.backends import oci
+    from corral.backends.oci import box as oci
     from corral.errors import SandboxError
     from corral.policy import Policy
     from corral.sandbox import Sandbox
@@ -208,14 +208,15 @@ def check_idmap() -> Check:
     """Idmapped workspaces: commands an unprivileged host uid even for a root-owned one."""
     if os.geteuid() != 0:
         return Check("idmapped mounts", False, "not checked: needs root", required=False)
-    from corral.backends import idmap
+    from corral.backends.host import idmap
+    from corral.backends.users import COMMAND_HOST_ID
 
     reason = idmap.unsupported_reason()
     if reason is None:
         return Check(
             "idmapped mounts",
             True,
-            f"workspaces are idmapped: commands run as host uid {idmap.COMMAND_HOST_ID}",
+            f"workspaces are idmapped: commands run as host uid {COMMAND_HOST_ID}",
         )
     return Check(
         "idmapped mounts",

@@ -34,11 +34,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from corral import errors, mounts
-from corral.backends import backend_for, idmap
-from corral.backends.base import BOX_PREFIX, Backend
-from corral.backends.bwrap_args import HostView, guest_path
-from corral.backends.staging import new_entry, release_staging, sweep_staging
+from corral import errors
+from corral.backends import backend_for
+from corral.backends.base import Backend
+from corral.backends.host import idmap, mounts
+from corral.backends.host.staging import new_entry, release_staging, sweep_staging
+from corral.backends.host.state import BOX_PREFIX
+from corral.backends.layout import HostView, guest_path
+from corral.backends.users import COMMAND_HOST_ID
 from corral.models import CommandResult
 from corral.policy import Policy
 from corral.sandbox import Command, Sandbox
@@ -253,7 +256,7 @@ class SandboxPool:
         ws = entry / "ws"
         # Owned by whom the box user is on the host: the command ids, or (without
         # idmapping) the owner, whose workspaces are the only ones served warm.
-        ids = (idmap.COMMAND_HOST_ID,) * 2 if self._idmapped else self.owner
+        ids = (COMMAND_HOST_ID,) * 2 if self._idmapped else self.owner
         os.chown(ws, *ids)
         mounts.bind(str(ws), str(ws), recursive=False)
         mounts.make_shared(str(ws))

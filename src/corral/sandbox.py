@@ -29,8 +29,9 @@ from corral import errors
 from corral.agent import protocol
 from corral.audit import AuditLog
 from corral.backends import backend_for
-from corral.backends.base import BOX_PREFIX, Backend, Box, BoxSpec, BoxStats, state_root
-from corral.backends.bwrap_args import box_env
+from corral.backends.base import Backend, Box, BoxSpec, BoxStats
+from corral.backends.host.state import BOX_PREFIX, state_root
+from corral.backends.layout import box_env
 from corral.channel import Channel
 from corral.files import Files
 from corral.models import CommandResult, ProcessInfo

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from corral import Policy, Sandbox, errors
-from corral.backends import idmap
-from corral.backends.base import state_root
+from corral.backends.host import idmap
+from corral.backends.host.state import state_root
 from security.conftest import backend_label, record_figure
 from security.helpers import host_pids_mentioning
 

@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 # policy.backend -> (module, class). Modules are imported on demand: a host without qemu
 # never loads the microVM code.
 _BACKENDS: dict[str, tuple[str, str]] = {
-    "bwrap": ("corral.backends.bwrap", "BwrapBackend"),
-    "oci": ("corral.backends.oci", "OciBackend"),
-    "microvm": ("corral.backends.microvm", "MicroVmBackend"),
+    "bwrap": ("corral.backends.bwrap.box", "BwrapBackend"),
+    "oci": ("corral.backends.oci.box", "OciBackend"),
+    "microvm": ("corral.backends.microvm.box", "MicroVmBackend"),
 }
 
 

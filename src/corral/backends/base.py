@@ -9,12 +9,9 @@ known fd (or a virtio-serial port bridged to a socket).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,17 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from corral.policy import Policy
 
 if TYPE_CHECKING:
-    from corral.backends.cgroups import Cgroup
+    from corral.backends.host.cgroups import Cgroup
     from corral.net import BoxNetwork
 
 AGENT_DIR = Path(__file__).resolve().parent.parent / "agent"
 """Host directory holding the guest agent (stdlib-only Python files)."""
-
-BOX_PREFIX = "cb-"
-"""Every box id starts with this; orphan sweeps touch nothing else."""
-
-BOX_UID = 1000
-"""uid (and gid) that commands run as inside every box; the agent is uid 0 of the box."""
 
 
 def kill_child(proc: asyncio.subprocess.Process) -> None:
@@ -52,17 +43,6 @@ def kill_child(proc: asyncio.subprocess.Process) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def state_root() -> Path:
-    """Where every backend keeps per-box state (``boxes/<id>``) for the orphan sweep."""
-    return Path(os.environ.get("CORRAL_STATE_DIR", "/run/corral"))
-
-
-def cache_root() -> Path:
-    """Where derived files that outlive boxes and reboots live (the microVM's kernel,
-    initramfs and snapshots): each is keyed on its inputs and rebuilt when they change."""
-    return Path(os.environ.get("CORRAL_CACHE_DIR", "/var/cache/corral"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,46 +70,6 @@ class BoxStats:
     pids: int | None = None
     pids_limit_hits: int = 0
     cpu_seconds: float | None = None
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process exists (the orphan sweeps' test of a box's owner). 0 and negative
-    numbers name process groups to kill(2), never a process: not alive (a state dir without
-    an owner, such as an empty one, reads as pid 0)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def orphaned_boxes(backend: str) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """State dirs of ``backend``'s boxes whose owner process is dead, with their owner.json.
-
-    A dir without a readable owner.json is bwrap's (the oldest format) once it is a minute
-    old; a younger one may be a box another process is starting right now."""
-    boxes = state_root() / "boxes"
-    for entry in boxes.iterdir() if boxes.is_dir() else ():
-        try:
-            owner = json.loads((entry / "owner.json").read_text())
-        except (OSError, ValueError):
-            owner = None
-        if not isinstance(owner, dict):
-            try:
-                if time.time() - entry.stat().st_mtime < 60:
-                    continue
-            except OSError:
-                continue
-            owner = {}
-        if owner.get("backend", "bwrap") != backend:
-            continue  # another backend's box: its own sweep knows how to delete it
-        if pid_alive(int(owner.get("host_pid", 0) or 0)):
-            continue
-        yield entry, owner
 
 
 class BoxBase:

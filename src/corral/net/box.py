@@ -22,8 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from corral import mounts
 from corral.audit import AuditLog
+from corral.backends.host import mounts
 from corral.errors import BackendError, PolicyError
 from corral.net.env import GUEST_NET_DIR, NODE_PRELOAD, proxy_port
 from corral.net.nat import DNS_ADDRESS, Nat, kill_pasta

@@ -30,7 +30,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from corral import mounts
+from corral.backends.host import mounts
 from corral.errors import BackendError
 from corral.net.rules import BLOCKED_V4, BLOCKED_V6, AddressScreen, IPNetwork
 

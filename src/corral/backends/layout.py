@@ -1,4 +1,6 @@
-"""``Policy -> bwrap argv``: a pure function, so every policy field is unit-tested.
+"""The layout of a box (``Policy`` -> mounts), the same for every backend: pure, so every
+policy field is unit-tested, and each backend only renders it (bwrap argv, OCI mounts, the
+microVM's guest mount script).
 
 Layout of a box (guest paths)::
 
@@ -11,10 +13,6 @@ Layout of a box (guest paths)::
     /home              private tmpfs holding only /home/user (HOME), so other homes are hidden
     /run/corral/agent  the guest agent, read-only
     <workdir>          the workspace, read-write (default /workspace)
-
-The user namespace is created by bwrap but its uid/gid maps are written by the host (see
-``bwrap.py``) while bwrap waits on ``--userns-block-fd``: that is what lets the agent be the
-box's root while mapping to an unprivileged host uid, and commands run as a second uid.
 """
 
 from __future__ import annotations
@@ -25,11 +23,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from corral.backends.users import GUEST_HOME
 from corral.net import env as net_env
 from corral.policy import Policy
 
 GUEST_AGENT_DIR = "/run/corral/agent"
-GUEST_HOME = "/home/user"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What a minimal root needs to run sh, python3 and node: the usual merged-/usr layout.
 MINIMAL_RO_DIRS = ("/usr", "/etc/alternatives", "/etc/ssl", "/etc/ca-certificates")
@@ -80,44 +78,6 @@ def _searchable(path: str, uid: int, gid: int) -> bool:
             return False
         parent = os.path.dirname(parent)
     return True
-
-
-@dataclass(frozen=True, slots=True)
-class BwrapFds:
-    """File descriptor numbers bwrap inherits."""
-
-    info: int
-    userns_block: int
-    seccomp: int
-
-
-@dataclass(frozen=True, slots=True)
-class BwrapInputs:
-    workspace: Path
-    agent_dir: Path
-    python: str
-    masked_file: Path
-    """An empty host file with mode 000, bound over denied files."""
-    masked_dir: Path
-    """An empty host directory with mode 000, bound over denied directories."""
-    passwd_file: Path
-    """An /etc/passwd naming the box's users (used by the minimal root)."""
-    fds: BwrapFds
-    agent_args: tuple[str, ...]
-    extra_binds: tuple[Bind, ...] = ()
-    sources: Mapping[str, str] = field(default_factory=dict)
-    """Idmapped mount points replacing ``allow_write`` and ``mounts`` host paths."""
-    """Binds a backend-neutral part asks for (the network directory of ``corral.net``)."""
-
-
-def passwd_text(uid: int, gid: int) -> str:
-    """The box's /etc/passwd where corral writes one (a minimal root): the agent, the box
-    user (``uid``/``gid``) and nobody."""
-    return (
-        "root:x:0:0:box agent:/run/corral:/usr/sbin/nologin\n"
-        f"user:x:{uid}:{gid}:box user:{GUEST_HOME}:/bin/sh\n"
-        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-    )
 
 
 def expand(path: str, home: str) -> str:
@@ -219,22 +179,6 @@ def policy_binds(
     return binds
 
 
-def _parent_dirs(dest: str, made: set[str]) -> list[str]:
-    """Make a mount point's missing parents listable (bwrap would make them 0700 as the
-    box's root, and uid 1000 could not reach the mount). Existing directories are left as
-    they are."""
-    args: list[str] = []
-    parent = posixpath.dirname(dest)
-    chain = []
-    while parent not in ("/", "") and parent not in made:
-        chain.append(parent)
-        parent = posixpath.dirname(parent)
-    for path in reversed(chain):
-        made.add(path)
-        args += ["--perms", "0755", "--dir", path]
-    return args
-
-
 def unplaceable_mount(policy: Policy, host: HostView | None = None) -> str | None:
     """Why a mount's guest path can't be made (its parent is a read-only host directory and
     it does not exist there), as a sentence naming the fix; None when all can be made."""
@@ -257,76 +201,6 @@ def unplaceable_mount(policy: Policy, host: HostView | None = None) -> str | Non
             f"path under a new top-level directory (for example /data{guest})"
         )
     return None
-
-
-def _render(entry: Bind | Symlink) -> list[str]:
-    if isinstance(entry, Symlink):
-        return ["--symlink", entry.target, entry.dest]
-    return ["--bind" if entry.writable else "--ro-bind", entry.source, entry.dest]
-
-
-def _root_args(policy: Policy, inp: BwrapInputs, host: HostView) -> list[str]:
-    """The box's root is bwrap's tmpfs (so mount points like /workspace can be made), with
-    each top-level host entry bound read-only on it; ``--remount-ro /`` seals it at the end."""
-    # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
-    args = [] if policy.filesystem.inherit_readable else ["--perms", "0755", "--dir", "/etc"]
-    for entry in root_entries(policy, inp.python, inp.passwd_file, host):
-        args += _render(entry)
-    return args
-
-
-def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -> list[str]:
-    """Translate a policy into the full bwrap command line that starts the guest agent."""
-    host = host or HostView()
-    fs = policy.filesystem
-    args = [
-        "bwrap",
-        "--unshare-user",
-        "--userns-block-fd",
-        str(inp.fds.userns_block),
-        "--info-fd",
-        str(inp.fds.info),
-        "--unshare-pid",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--unshare-cgroup",
-        "--unshare-net",  # every network mode starts from an empty namespace
-        "--hostname",
-        "corral",
-        "--die-with-parent",
-        "--new-session",
-        "--uid",
-        "0",
-        "--gid",
-        "0",
-        # bwrap runs unprivileged, so it drops every capability but these: the agent needs
-        # exactly these to run commands as the box's user, and they are lost on that uid
-        # change, so no command ever holds a capability.
-        "--cap-add",
-        "CAP_SETUID",
-        "--cap-add",
-        "CAP_SETGID",
-    ]
-    args += _root_args(policy, inp, host)
-    args += ["--dev", "/dev", "--proc", "/proc"]
-    for path in PROC_READ_ONLY:
-        args += ["--ro-bind-try", path, path]
-    args += ["--size", str(fs.tmp_size), "--tmpfs", "/tmp"]
-    args += ["--tmpfs", "/run", "--tmpfs", "/home", "--dir", GUEST_HOME]
-    args += ["--chmod", "1777", "/tmp", "--chmod", "0777", GUEST_HOME]
-    args += ["--ro-bind", str(inp.agent_dir), GUEST_AGENT_DIR]
-    for extra in inp.extra_binds:
-        args += _render(extra)
-    made: set[str] = set()
-    binds = policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources)
-    for bind in binds:
-        args += _parent_dirs(bind.dest, made)
-        args += _render(bind)
-    args += ["--remount-ro", "/"]
-    args += ["--seccomp", str(inp.fds.seccomp)]
-    args += ["--chdir", "/", "--"]  # the agent needs no cwd; commands get theirs
-    args += [inp.python, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args]
-    return args
 
 
 def guest_path(raw: str, policy: Policy, host: HostView) -> str:

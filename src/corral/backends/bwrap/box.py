@@ -24,73 +24,23 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from corral.backends import bwrap_args, cgroups, idmap, seccomp, staging
-from corral.backends.base import (
-    AGENT_DIR,
-    BOX_PREFIX,
-    BOX_UID,
-    BoxBase,
-    BoxSpec,
-    CgroupAccounting,
-    kill_child,
-    orphaned_boxes,
-    state_root,
-)
-from corral.backends.idmap import COMMAND_HOST_ID
+from corral.backends.base import AGENT_DIR, BoxBase, BoxSpec, CgroupAccounting, kill_child
+from corral.backends.bwrap import args as bwrap_args
+from corral.backends.host import cgroups, idmap, seccomp, staging
+from corral.backends.host.boxfiles import shared_files
+from corral.backends.host.python import find_python
+from corral.backends.host.state import BOX_PREFIX, orphaned_boxes, state_root
+from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
+from corral.backends.users import BOX_UID, HOST_UID_BASE, id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
-HOST_UID_BASE = 2_000_000
-"""Box uid 0 maps to this unprivileged host uid (far above any /etc/subuid range)."""
-ID_RANGE = 65536
 START_TIMEOUT = 10.0
-
-
-def find_python() -> str:
-    """The real interpreter for the agent: Debian's, never a pyenv shim (80 ms vs 18 ms)."""
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.path.exists(candidate):
-            return os.path.realpath(candidate)
-    return os.path.realpath(sys.executable)
-
-
-def id_ranges(owner: int) -> list[tuple[int, int, int]]:
-    """``(box id, host id, count)``: box 0..999 and 1001.. -> host base range, 1000 -> owner."""
-    if HOST_UID_BASE <= owner < HOST_UID_BASE + ID_RANGE and owner != COMMAND_HOST_ID:
-        raise BackendError(f"workspace owner id {owner} collides with corral's id range")
-    return [
-        (0, HOST_UID_BASE, BOX_UID),
-        (BOX_UID, owner, 1),
-        (BOX_UID + 1, HOST_UID_BASE + BOX_UID + 1, ID_RANGE - BOX_UID - 1),
-    ]
-
-
-def id_map(owner: int) -> str:
-    """uid_map/gid_map text of :func:`id_ranges`."""
-    return "".join(f"{box} {host} {count}\n" for box, host, count in id_ranges(owner))
-
-
-def shared_files() -> tuple[Path, Path, Path]:
-    """Host files every box binds: a mode-000 file and directory (masks) and an /etc/passwd."""
-    shared = state_root() / "shared"
-    shared.mkdir(parents=True, exist_ok=True)
-    masked_file = shared / "masked-file"
-    masked_dir = shared / "masked-dir"
-    passwd = shared / "passwd"
-    if not masked_file.exists():
-        masked_file.touch()
-    masked_file.chmod(0)
-    masked_dir.mkdir(exist_ok=True)
-    masked_dir.chmod(0)
-    if not passwd.exists():
-        passwd.write_text(bwrap_args.passwd_text(BOX_UID, BOX_UID))
-    return masked_file, masked_dir, passwd
 
 
 def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
@@ -259,7 +209,7 @@ class BwrapBackend:
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
         policy = spec.policy
-        problem = bwrap_args.unplaceable_mount(policy)
+        problem = unplaceable_mount(policy)
         if problem is not None:
             raise PolicyError(problem)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
@@ -289,7 +239,7 @@ class BwrapBackend:
             passwd_file=passwd,
             fds=bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r),
             agent_args=(json.dumps(agent_config, separators=(",", ":")),),
-            extra_binds=tuple(bwrap_args.Bind(h, g) for h, g in net.binds()) if net else (),
+            extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             sources=shared.sources,
         )
         argv = bwrap_args.bwrap_argv(policy, inputs)
@@ -307,7 +257,7 @@ class BwrapBackend:
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
                 pass_fds=(guest_end.fileno(), info_w, block_r, sec_r),
-                env={"PATH": bwrap_args.SYSTEM_PATH, "LANG": "C.UTF-8"},
+                env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
                 # bwrap runs as the unprivileged host uid that box root maps to, so neither
                 # bwrap's own init nor the agent is host root, even for a moment.
                 user=HOST_UID_BASE,

@@ -1,6 +1,6 @@
 """``Policy -> OCI config.json``: a pure function, so every policy field is unit-tested.
 
-The box looks exactly like a bwrap box (same layout from :mod:`bwrap_args`, same guest
+The box looks exactly like a bwrap box (same layout from :mod:`corral.backends.layout`, same guest
 agent, same users), expressed in the OCI runtime spec so that runc, crun or runsc builds it::
 
     root.path          an empty per-box directory, read-only; only mount points live in it
@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from corral.backends import seccomp
-from corral.backends.bwrap import id_ranges
-from corral.backends.bwrap_args import (
+from corral.backends.host import seccomp
+from corral.backends.host.cgroups import CFS_PERIOD_US, PARENT
+from corral.backends.layout import (
     GUEST_AGENT_DIR,
-    GUEST_HOME,
     PROC_READ_ONLY,
     SYSTEM_PATH,
     Bind,
@@ -43,7 +42,7 @@ from corral.backends.bwrap_args import (
     policy_binds,
     root_entries,
 )
-from corral.backends.cgroups import CFS_PERIOD_US, PARENT
+from corral.backends.users import GUEST_HOME, id_ranges
 from corral.policy import Policy
 
 OCI_VERSION = "1.0.2"

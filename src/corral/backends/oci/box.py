@@ -3,7 +3,7 @@
 Start-up sequence::
 
     1. state dir boxes/<id>: owner.json first (so a crash from here on is swept), then the
-       bundle: config.json from :func:`oci_config.oci_bundle` and an empty root directory
+       bundle: config.json from :func:`.config.oci_bundle` and an empty root directory
        holding only mount points and the host root's symlinks
     2. ``<runtime> --root <state>/oci/<runtime> run --detach --bundle ... <id>`` with the
        guest end of the channel socketpair as the runtime's stdin: a detached runtime hands
@@ -45,20 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral import mounts
-from corral.backends import cgroups, idmap, oci_config, staging
-from corral.backends.base import (
-    AGENT_DIR,
-    BOX_PREFIX,
-    BOX_UID,
-    BoxBase,
-    BoxSpec,
-    CgroupAccounting,
-    orphaned_boxes,
-    state_root,
-)
-from corral.backends.bwrap import find_python, shared_files
-from corral.backends.bwrap_args import SYSTEM_PATH, Bind, unplaceable_mount
+from corral.backends.base import AGENT_DIR, BoxBase, BoxSpec, CgroupAccounting
+from corral.backends.host import cgroups, idmap, mounts, staging
+from corral.backends.host.boxfiles import shared_files
+from corral.backends.host.python import find_python
+from corral.backends.host.state import BOX_PREFIX, orphaned_boxes, state_root
+from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
+from corral.backends.oci import config as oci_config
+from corral.backends.users import BOX_UID
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.net import sweep as sweep_network
 from corral.policy import Policy

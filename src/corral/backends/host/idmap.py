@@ -28,13 +28,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from corral import mounts
-from corral.backends import staging
 from corral.backends.base import BoxSpec
-from corral.backends.bwrap_args import expand
-
-COMMAND_HOST_ID = 2_001_000
-"""Host uid and gid of box uid 1000 (commands) when shared paths are idmapped."""
+from corral.backends.host import mounts, staging
+from corral.backends.layout import expand
+from corral.backends.users import COMMAND_HOST_ID
 
 _SYS_OPEN_TREE = 428
 _SYS_MOVE_MOUNT = 429

@@ -33,14 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corral.agent import protocol
-from corral.backends import vmpython
-from corral.backends.base import AGENT_DIR, cache_root
+from corral.backends.base import AGENT_DIR
+from corral.backends.host.state import cache_root
+from corral.backends.microvm import vmpython
 
 RAW_MARKER = "corral-raw-boot-marker"
 SNAPSHOT_MARKER = protocol.VM_SNAPSHOT_MARKER.decode().strip()
 """Written by the agent on the channel once the kernel is up, its modules loaded and the
 agent's imports done, before anything box-specific: the host may save the VM there (see
-:mod:`corral.backends.vmsnap`), then sends :func:`boot_payload`."""
+:mod:`corral.backends.microvm.vmsnap`), then sends :func:`boot_payload`."""
 BUSYBOX = Path("/bin/busybox")
 # Wanted modules; their dependencies are added from modules.dep.
 MODULES = ("virtio_mmio", "virtio_pci", "virtio_console", "9pnet_virtio", "9p", "overlay")

@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from corral import mounts
-from corral.backends.base import pid_alive, state_root
+from corral.backends.host import mounts
+from corral.backends.host.state import pid_alive, state_root
 
 KINDS = ("pool", "mnt")
 """``pool``: the warm pool's staging dirs; ``mnt``: idmapped mount points of boxes."""

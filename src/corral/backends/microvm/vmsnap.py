@@ -1,7 +1,7 @@
 """Snapshots of booted microVMs: boot the kernel once per VM shape, restore it for every box.
 
 A VM's /init loads its modules and starts the agent, which imports everything, tells the host
-it reached the snapshot point (:data:`~corral.backends.initramfs.SNAPSHOT_MARKER`) and waits
+it reached the snapshot point (:data:`~corral.backends.microvm.initramfs.SNAPSHOT_MARKER`) and waits
 for the box's payload on the channel. Nothing box-specific exists in the guest yet and no 9p
 share is mounted (qemu refuses to migrate a VM with a mounted 9p export), so the state at that
 point is the same for every box with the same devices, cpus and memory. The first VM of a
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral.backends.base import cache_root
+from corral.backends.host.state import cache_root
 from corral.errors import BackendError
 
 SAVE_TIMEOUT = 60.0

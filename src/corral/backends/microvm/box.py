@@ -42,24 +42,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from corral.backends import initramfs, seccomp, vmsnap
-from corral.backends.base import (
-    BOX_UID,
-    BoxBase,
-    BoxSpec,
-    BoxStats,
-    cache_root,
-    orphaned_boxes,
-)
-from corral.backends.bwrap import find_python
-from corral.backends.bwrap_args import (
-    HostView,
-    Symlink,
-    expand,
-    guest_path,
-    passwd_text,
-    root_entries,
-)
+from corral.backends.base import BoxBase, BoxSpec, BoxStats
+from corral.backends.host import seccomp
+from corral.backends.host.python import find_python
+from corral.backends.host.state import cache_root, orphaned_boxes
+from corral.backends.layout import HostView, Symlink, expand, guest_path, root_entries
+from corral.backends.microvm import initramfs, vmsnap
+from corral.backends.users import BOX_UID, passwd_text
 from corral.errors import BackendError, BackendUnavailable
 from corral.net import vmlink
 from corral.policy import Policy

@@ -1,0 +1,69 @@
+"""Where boxes keep their state on the host, and how the orphan sweeps find dead owners'.
+
+Every box has a state directory ``<state>/boxes/<id>`` holding ``owner.json`` (the backend
+and the host pid that owns the box, plus what the backend needs to kill it). A box whose
+owner died (SIGKILL of the host process) is removed by the next start of its backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+BOX_PREFIX = "cb-"
+"""Every box id starts with this; orphan sweeps touch nothing else."""
+
+
+def state_root() -> Path:
+    """Where every backend keeps per-box state (``boxes/<id>``) for the orphan sweep."""
+    return Path(os.environ.get("CORRAL_STATE_DIR", "/run/corral"))
+
+
+def cache_root() -> Path:
+    """Where derived files that outlive boxes and reboots live (the microVM's kernel,
+    initramfs and snapshots): each is keyed on its inputs and rebuilt when they change."""
+    return Path(os.environ.get("CORRAL_CACHE_DIR", "/var/cache/corral"))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process exists (the orphan sweeps' test of a box's owner). 0 and negative
+    numbers name process groups to kill(2), never a process: not alive (a state dir without
+    an owner, such as an empty one, reads as pid 0)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def orphaned_boxes(backend: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """State dirs of ``backend``'s boxes whose owner process is dead, with their owner.json.
+
+    A dir without a readable owner.json is bwrap's (the oldest format) once it is a minute
+    old; a younger one may be a box another process is starting right now."""
+    boxes = state_root() / "boxes"
+    for entry in boxes.iterdir() if boxes.is_dir() else ():
+        try:
+            owner = json.loads((entry / "owner.json").read_text())
+        except (OSError, ValueError):
+            owner = None
+        if not isinstance(owner, dict):
+            try:
+                if time.time() - entry.stat().st_mtime < 60:
+                    continue
+            except OSError:
+                continue
+            owner = {}
+        if owner.get("backend", "bwrap") != backend:
+            continue  # another backend's box: its own sweep knows how to delete it
+        if pid_alive(int(owner.get("host_pid", 0) or 0)):
+            continue
+        yield entry, owner

@@ -1,0 +1,52 @@
+"""Who is who in a box: the box's uids and gids, how they map to host ids, its /etc/passwd.
+
+Inside every box the guest agent is uid 0 and commands run as :data:`BOX_UID`. On the host,
+box uid 0..999 and 1001.. map to an unprivileged range starting at :data:`HOST_UID_BASE`
+(far above any /etc/subuid range), and box uid 1000 maps either to :data:`COMMAND_HOST_ID`
+(shared paths idmapped, see :mod:`corral.backends.host.idmap`) or to the workspace owner.
+"""
+
+from __future__ import annotations
+
+from corral.errors import BackendError
+
+BOX_UID = 1000
+"""uid (and gid) that commands run as inside every box; the agent is uid 0 of the box."""
+
+HOST_UID_BASE = 2_000_000
+"""Box uid 0 maps to this unprivileged host uid (far above any /etc/subuid range)."""
+
+ID_RANGE = 65536
+"""How many ids a box's user namespace maps."""
+
+COMMAND_HOST_ID = 2_001_000
+"""Host uid and gid of box uid 1000 (commands) when shared paths are idmapped."""
+
+GUEST_HOME = "/home/user"
+"""HOME of the box user."""
+
+
+def id_ranges(owner: int) -> list[tuple[int, int, int]]:
+    """``(box id, host id, count)``: box 0..999 and 1001.. -> host base range, 1000 -> owner."""
+    if HOST_UID_BASE <= owner < HOST_UID_BASE + ID_RANGE and owner != COMMAND_HOST_ID:
+        raise BackendError(f"workspace owner id {owner} collides with corral's id range")
+    return [
+        (0, HOST_UID_BASE, BOX_UID),
+        (BOX_UID, owner, 1),
+        (BOX_UID + 1, HOST_UID_BASE + BOX_UID + 1, ID_RANGE - BOX_UID - 1),
+    ]
+
+
+def id_map(owner: int) -> str:
+    """uid_map/gid_map text of :func:`id_ranges`."""
+    return "".join(f"{box} {host} {count}\n" for box, host, count in id_ranges(owner))
+
+
+def passwd_text(uid: int, gid: int) -> str:
+    """The box's /etc/passwd where corral writes one (a minimal root): the agent, the box
+    user (``uid``/``gid``) and nobody."""
+    return (
+        "root:x:0:0:box agent:/run/corral:/usr/sbin/nologin\n"
+        f"user:x:{uid}:{gid}:box user:{GUEST_HOME}:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    )
