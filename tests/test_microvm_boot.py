@@ -160,3 +160,25 @@ def test_the_kernel_is_extracted_for_a_direct_boot() -> None:
     assert image.read_bytes()[:4] == b"\x7fELF"
     assert image.stat().st_size > kernel.image.stat().st_size  # uncompressed
     assert initramfs.boot_image(kernel) == image  # cached
+
+
+def test_a_new_initramfs_keeps_the_archives_other_corrals_may_boot_from(tmp_path: Path) -> None:
+    """Two corral versions (two checkouts, an upgrade) share one cache: a build must not
+    remove the archive the other is about to hand to qemu, only the least recently used."""
+    for age, name in enumerate(["d", "c", "b", "a"]):
+        archive = tmp_path / f"initramfs-6.1-{name}.cpio"
+        archive.write_bytes(b"x")
+        os.utime(archive, (1000.0 - age, 1000.0 - age))
+    (tmp_path / "initramfs-5.10-old.cpio").write_bytes(b"other kernel")
+    initramfs._prune_archives(tmp_path, "initramfs-6.1-*.cpio", keep=3)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [
+        "initramfs-5.10-old.cpio",
+        "initramfs-6.1-b.cpio",
+        "initramfs-6.1-c.cpio",
+        "initramfs-6.1-d.cpio",
+    ]
+
+
+def test_a_cache_file_removed_by_another_process_reads_as_never_used(tmp_path: Path) -> None:
+    assert vmsnap.last_used(tmp_path / "gone.vm") == 0.0

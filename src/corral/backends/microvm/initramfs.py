@@ -35,7 +35,7 @@ from pathlib import Path
 from corral.agent import protocol
 from corral.backends.base import AGENT_DIR
 from corral.backends.host.state import cache_root
-from corral.backends.microvm import vmpython
+from corral.backends.microvm import vmpython, vmsnap
 
 RAW_MARKER = "corral-raw-boot-marker"
 SNAPSHOT_MARKER = protocol.VM_SNAPSHOT_MARKER.decode().strip()
@@ -170,6 +170,17 @@ def boot_image(kernel: Kernel) -> Path:
     return target
 
 
+KEEP_ARCHIVES = 3
+"""Older initramfs archives kept beside a new one: another corral (another version or
+checkout of it) may be about to boot from one, and qemu opens it only when it starts."""
+
+
+def _prune_archives(cache: Path, pattern: str, keep: int = KEEP_ARCHIVES) -> None:
+    """Remove all but the ``keep`` most recently used archives matching ``pattern``."""
+    for old in sorted(cache.glob(pattern), key=vmsnap.last_used, reverse=True)[keep:]:
+        old.unlink(missing_ok=True)
+
+
 def _unxz(data: bytes) -> bytes:
     return lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(data)
 
@@ -290,6 +301,8 @@ def base_archive(kernel: Kernel, python: str) -> Path:
     fingerprint = _fingerprint(kernel, modules, python)
     target = cache / f"initramfs-{kernel.version}-{fingerprint}.cpio"
     if target.exists():
+        with contextlib.suppress(OSError):
+            os.utime(target)  # most recently used: the last a newer build would remove
         return target
     try:
         runtime, runtime_dirs = vmpython.runtime_files(python)
@@ -319,8 +332,7 @@ def base_archive(kernel: Kernel, python: str) -> Path:
     for name, data in compiled.items():
         cpio.file(f"agent/__pycache__/{name}", data)
     cache.mkdir(parents=True, exist_ok=True)
-    for old in cache.glob(f"initramfs-{kernel.version}-*.cpio"):
-        old.unlink(missing_ok=True)  # superseded by this build
+    _prune_archives(cache, f"initramfs-{kernel.version}-*.cpio")
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(cpio.finish())
     tmp.replace(target)

@@ -174,11 +174,20 @@ async def save(qmp_socket: Path, dest: Path, timeout: float = SAVE_TIMEOUT) -> N
     prune(dest.parent)
 
 
+def last_used(path: Path) -> float:
+    """When a cached file was last used (its mtime, touched on use); 0 if it is gone, as when
+    another corral process pruned it a moment ago."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def prune(directory: Path, keep: int = KEEP) -> None:
     """Keep the ``keep`` most recently used snapshots (a restore touches its file); stale
     ones, whose inputs changed, are never used again and go first. Also removes the partial
     files of savers that died."""
-    snaps = sorted(directory.glob("*.vm"), key=lambda p: p.stat().st_mtime, reverse=True)
+    snaps = sorted(directory.glob("*.vm"), key=last_used, reverse=True)
     for old in snaps[keep:]:
         old.unlink(missing_ok=True)
     for tmp in directory.glob("*.tmp*"):
