@@ -4,7 +4,7 @@ Run it from the repository root::
 
     .venv/bin/python examples/agent_loop.py
 
-It starts ``python -m corral.mcp_server`` (what ``corral mcp`` runs) as a subprocess, connects
+It starts ``python -m corral mcp`` (what ``corral mcp`` runs) as a subprocess, connects
 with the official MCP client, and prints every tool call and its result, as a model would see
 them. Scenario 1 needs a rustup toolchain in ~/.cargo and ~/.rustup (shared read-only into the
 box by the ``rust`` preset); without one it is skipped.
@@ -126,7 +126,7 @@ async def main() -> int:
         (workspace / "Cargo.toml").write_text(CRATE_TOML, encoding="utf-8")
         (workspace / "src" / "main.rs").write_text(BROKEN_MAIN, encoding="utf-8")
         has_rust = (Path.home() / ".cargo" / "bin" / "cargo").exists()
-        args = ["-m", "corral.mcp_server", "--workspace", str(workspace)]
+        args = ["-m", "corral", "mcp", "--workspace", str(workspace)]
         args += ["--preset", "rust"] if has_rust else []
         server = StdioServerParameters(command=sys.executable, args=args)
         async with Client(server) as client:

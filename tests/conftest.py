@@ -13,7 +13,7 @@ import pytest
 
 from corral import Policy, Sandbox
 from corral.backends import unavailable_reason
-from corral.pty import PtySession
+from corral.sessions.pty import PtySession
 
 PROMPT = r"\$ $"
 """The prompt of /bin/sh (dash) in a box's PTY session."""

@@ -27,11 +27,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from corral import Sandbox, attach
+from corral import Sandbox
 from corral.errors import SandboxError
-from corral.expect import Case, ExpectBuffer, Expecter, Match
-from corral.pty import PtySession
-from corral.terminal import DetachDetector, parse_detach_keys
+from corral.sessions import attach
+from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match
+from corral.sessions.pty import PtySession
+from corral.sessions.terminal import DetachDetector, parse_detach_keys
 
 pytestmark = pytest.mark.usefixtures("sessions_dir")
 

@@ -1,4 +1,4 @@
-"""Tests for corral.expect: cases, matching rules, chunking independence, results."""
+"""Tests for corral.sessions.expect: cases, matching rules, chunking independence, results."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from corral.errors import ErrorCode, ProtocolError, SandboxError
-from corral.expect import Case, ExpectBuffer, Expecter, Match, expand_response
+from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match, expand_response
 
 
 def split_at(data: bytes, cuts: list[int]) -> list[bytes]:

@@ -19,8 +19,8 @@ from mcp.client.context import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
-from corral.mcp_server import HttpApp, ServerConfig, build_http_app
 from corral.tools import SecretStore
+from corral.tools.mcp import HttpApp, ServerConfig, build_http_app
 
 pytestmark = pytest.mark.needs_bwrap
 
@@ -36,7 +36,7 @@ PROMPT_SCRIPT = (
 
 def stdio_params(*extra: str, env: dict[str, str] | None = None) -> StdioServerParameters:
     return StdioServerParameters(
-        command=sys.executable, args=["-m", "corral.mcp_server", *extra], env=env
+        command=sys.executable, args=["-m", "corral", "mcp", *extra], env=env
     )
 
 
@@ -276,16 +276,16 @@ def test_http_off_loopback_requires_a_token() -> None:
 def test_secrets_file_named_in_the_policy_feeds_the_store(tmp_path: Path) -> None:
     import argparse
 
-    from corral.mcp_server import config_from_args
+    from corral.cli.mcp import config_from_args
 
     secrets = tmp_path / "secrets.env"
     secrets.write_text("API_KEY=from-policy-file\n")
     policy = tmp_path / "corral.toml"
     policy.write_text(f'secrets_file = "{secrets}"\n')
     parser = argparse.ArgumentParser()
-    from corral.cli_mcp import add_mcp_command
+    from corral.cli.mcp import register
 
-    add_mcp_command(parser.add_subparsers())
+    register(parser.add_subparsers())
     args = parser.parse_args(["mcp", "--policy", str(policy)])
     config = config_from_args(args)
     assert config.secrets.resolve_value("{{secret:API_KEY}}") == "from-policy-file"

@@ -10,9 +10,9 @@ import pytest
 
 from conftest import PROMPT
 from corral import Policy, Sandbox
-from corral.batch import ExpectStep, SendStep
 from corral.errors import ErrorCode, SandboxError, SessionBusy, SessionNotFound
-from corral.pty import PtySession
+from corral.sessions.batch import ExpectStep, SendStep
+from corral.sessions.pty import PtySession
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.usefixtures("sessions_dir")]
 

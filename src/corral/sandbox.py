@@ -38,7 +38,7 @@ from corral.models import CommandResult, ProcessInfo
 from corral.net import BoxNetwork, Resolver
 from corral.policy import Policy, RlimitName
 from corral.processes import Process, ProcessRegistry
-from corral.pty import PtySession, SessionRegistry
+from corral.sessions.pty import PtySession, SessionRegistry
 from corral.streaming import ExecStream
 
 Command = str | Sequence[str]
@@ -427,7 +427,7 @@ class Sandbox:
     def registry(self) -> ProcessRegistry:
         return self._registry
 
-    # ---- interactive sessions and streaming (corral.pty, corral.streaming) ---------------
+    # ---- interactive sessions and streaming (corral.sessions, corral.streaming) --------------
     async def shell(
         self,
         shell: str = "/bin/sh",

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import PROMPT
 from corral import Sandbox
-from corral.pty import PtySession
+from corral.sessions.pty import PtySession
 
 pytestmark = [pytest.mark.attack("terminal"), pytest.mark.needs_bwrap]
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from corral import Policy, Sandbox, errors
 from corral.agent import protocol
 from corral.channel import error_from_reply
-from corral.expect import Case, ExpectBuffer
+from corral.sessions.expect import Case, ExpectBuffer
 from corral.tools import Toolbox
 from corral.tools.catalog import TOOLS
 

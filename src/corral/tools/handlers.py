@@ -11,12 +11,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from corral import errors
-from corral.expect import Case
+from corral.sessions.expect import Case
 from corral.tools import schemas as s
 from corral.tools.scopes import SELF
 
 if TYPE_CHECKING:
-    from corral.pty import PtySession
+    from corral.sessions.pty import PtySession
     from corral.tools.toolbox import Toolbox
 
 BACKGROUND_HINT = (

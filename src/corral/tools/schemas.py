@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from corral import errors
-from corral.expect import Case
 from corral.processes import parse_signal
+from corral.sessions.expect import Case
 
 MAX_COMMAND = 65_536
 MAX_TEXT = 1_000_000

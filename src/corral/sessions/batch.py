@@ -19,10 +19,10 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from corral import errors
-from corral.expect import Case, Match
+from corral.sessions.expect import Case, Match
 
 if TYPE_CHECKING:
-    from corral.pty import PtySession
+    from corral.sessions.pty import PtySession
 
 __all__ = [
     "BatchResult",

@@ -1,4 +1,4 @@
-"""``corral mcp``: the agent tools over MCP (official ``mcp`` SDK), on stdio or streamable HTTP.
+"""The agent tools over MCP (official ``mcp`` SDK), on stdio or streamable HTTP.
 
 Each MCP session gets its own sandbox, started on its first tool call (listing tools costs
 nothing) and closed when the session ends: on stdio when the client hangs up, on HTTP when
@@ -13,15 +13,12 @@ only an unknown tool name is a protocol error.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
 import json
 import logging
-import os
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -37,11 +34,9 @@ from mcp.shared.exceptions import MCPError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
-from corral.cli_mcp import add_mcp_command
 from corral.policy import Policy
 from corral.sandbox import Sandbox
 from corral.tools.approvals import PermissionMode, Rule
-from corral.tools.presets import PRESETS
 from corral.tools.secrets import SecretStore
 from corral.tools.toolbox import Toolbox, allowed_tools, tool_schemas
 
@@ -347,55 +342,3 @@ async def serve_http(
     app = build_http_app(config, host=host, token=token)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     await server.serve(sockets=[sock] if sock is not None else None)
-
-
-# ---- the command -----------------------------------------------------------------------------
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    policy = Policy.load(args.policy) if args.policy else Policy()
-    for name in args.preset:
-        policy = PRESETS[name](policy)
-    secrets = SecretStore.from_env()
-    if policy.secrets_file is not None:
-        secrets = secrets.merged(SecretStore.from_file(policy.secrets_file))
-    if args.secrets:
-        secrets = secrets.merged(SecretStore.from_file(args.secrets))
-    return ServerConfig(
-        policy=policy,
-        workspace=Path(args.workspace).resolve() if args.workspace else None,
-        capabilities=parse_capabilities(args.capabilities),
-        permission_mode=args.permission_mode,
-        secrets=secrets,
-    )
-
-
-def cmd_mcp(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    # stdout is the protocol channel on stdio: logs go to stderr only.
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    if not args.http:
-        asyncio.run(serve_stdio(config))
-        return 0
-    host, _, port = args.http.rpartition(":")
-    if not host or not port.isdigit():
-        raise errors.SandboxError(
-            f"--http wants HOST:PORT, got {args.http!r}", code=errors.ErrorCode.INVALID_INPUT
-        )
-    token = os.environ.get("CORRAL_MCP_TOKEN") or None
-    asyncio.run(serve_http(config, host.strip("[]"), int(port), token=token))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m corral.mcp_server [options]``: the same as ``corral mcp``."""
-    parser = argparse.ArgumentParser(prog="corral-mcp")
-    add_mcp_command(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(["mcp", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args))
-    except errors.SandboxError as exc:
-        print(f"corral mcp: [{exc.code}] {exc.message}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,8 +15,13 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from corral import attach
-from corral.terminal import DEFAULT_DETACH_KEYS, AttachOutcome, attach_terminal, parse_detach_keys
+from corral.sessions import attach
+from corral.sessions.terminal import (
+    DEFAULT_DETACH_KEYS,
+    AttachOutcome,
+    attach_terminal,
+    parse_detach_keys,
+)
 
 __all__ = ["register"]
 
@@ -25,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def register(sub: SubParsers) -> None:
-    from corral.cli import add_sandbox_options
+    from corral.cli.options import add_sandbox_options
 
     shell = sub.add_parser("shell", help="an interactive shell in a fresh sandbox")
     add_sandbox_options(shell)
@@ -82,7 +87,7 @@ def _report(outcome: AttachOutcome, session_id: str) -> int:
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
-    from corral.cli import build_policy
+    from corral.cli.options import build_policy
     from corral.sandbox import Sandbox
 
     keys = parse_detach_keys(args.detach_keys)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
 import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,3 +253,22 @@ def run_checks() -> list[Check]:
     if all(c.ok for c in checks if c.required):
         checks.append(check_sandbox())
     return checks
+
+
+def register(sub: SubParsers) -> None:
+    doctor = sub.add_parser("doctor", help="check what this host supports and how to fix it")
+    doctor.add_argument("--json", action="store_true")
+    doctor.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks = run_checks()
+    if args.json:
+        print(json.dumps([c.to_dict() for c in checks], indent=2))
+    else:
+        for c in checks:
+            mark = "ok  " if c.ok else ("warn" if not c.required else "FAIL")
+            print(f"[{mark}] {c.name}: {c.detail}")
+            if not c.ok and c.fix:
+                print(f"       fix: {c.fix}")
+    return 0 if all(c.ok for c in checks if c.required) else 1

@@ -35,7 +35,7 @@ from corral import errors
 from corral.agent import protocol
 
 if TYPE_CHECKING:
-    from corral.pty import PtySession
+    from corral.sessions.pty import PtySession
 
 __all__ = ["list_sessions", "locate", "socket_dir"]
 

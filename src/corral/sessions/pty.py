@@ -4,11 +4,11 @@ A :class:`PtySession` is a shell on a terminal the guest agent allocated inside 
 (so every backend gets it). One pump task reads the shell's output events and hands each
 chunk, as it arrives, to three consumers:
 
-* the session's :class:`~corral.expect.ExpectBuffer` (through the waiting
-  :class:`~corral.expect.Expecter` when an ``expect`` is pending, which is what makes an
+* the session's :class:`~corral.sessions.expect.ExpectBuffer` (through the waiting
+  :class:`~corral.sessions.expect.Expecter` when an ``expect`` is pending, which is what makes an
   expect resolve on the very chunk that completes the match: there is no polling interval);
 * a small raw tail of recent output, replayed to a human who attaches;
-* attached terminals (:mod:`corral.attach`), so a human sees what the agent sees and the
+* attached terminals (:mod:`corral.sessions.attach`), so a human sees what the agent sees and the
   agent's ``expect`` keeps seeing everything while the human types.
 
 ::
@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from corral import errors
-from corral.expect import Case, ExpectBuffer, Expecter, Match
 from corral.processes import Process, Request
+from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match
 
 if TYPE_CHECKING:
-    from corral.batch import BatchResult, BatchStep
+    from corral.sessions.batch import BatchResult, BatchStep
 
 __all__ = ["PtySession", "SessionRegistry", "to_case"]
 
@@ -313,7 +313,7 @@ class PtySession:
     ) -> BatchResult:
         """Run send / expect / expect_cases steps in order, stopping at the first failure;
         ``timeout`` applies to each expect step without its own ``timeout_secs``."""
-        from corral.batch import run_batch
+        from corral.sessions.batch import run_batch
 
         if self._reading:
             raise errors.SessionBusy(f"session {self.session_id} already has an expect in progress")
@@ -336,7 +336,7 @@ class PtySession:
                 except TimeoutError:
                     await self.process.signal("SIGKILL", group=False)
         await self._stop_pump()
-        from corral import attach
+        from corral.sessions import attach
 
         await attach.settle()
         return self.exit_code
@@ -369,7 +369,7 @@ class SessionRegistry:
         rows: int,
         strip_ansi: bool,
     ) -> PtySession:
-        from corral import attach
+        from corral.sessions import attach
 
         session = PtySession(
             process, shell, request, cols=cols, rows=rows, strip_ansi=strip_ansi,
@@ -380,7 +380,7 @@ class SessionRegistry:
         return session
 
     def _forget(self, session: PtySession) -> None:
-        from corral import attach
+        from corral.sessions import attach
 
         self._sessions.pop(session.session_id, None)
         attach.withdraw(session)
@@ -397,7 +397,7 @@ class SessionRegistry:
         return list(self._sessions.values())
 
     async def aclose(self) -> None:
-        from corral import attach
+        from corral.sessions import attach
 
         for session in list(self._sessions.values()):
             self._forget(session)
