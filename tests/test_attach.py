@@ -27,7 +27,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from corral import Sandbox
+from conftest import PROMPT
+from corral import Policy, Sandbox
 from corral.errors import SandboxError
 from corral.sessions import attach
 from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match
@@ -172,12 +173,53 @@ async def attach_cli(
     return term
 
 
+@pytest.fixture
+async def sh(sandbox: Sandbox) -> AsyncIterator[PtySession]:
+    """A shared shell session (one a human can attach to), at its first prompt."""
+    session = await sandbox.shell(shared=True)
+    assert (await session.expect(PROMPT, 10)).matched
+    yield session
+    await session.close()
+
+
 # ---- the session server ---------------------------------------------------------------------
+@pytest.mark.needs_bwrap
+async def test_a_shell_opens_no_socket_until_it_is_shared(
+    sandbox: Sandbox, sessions_dir: Path
+) -> None:
+    private = await sandbox.shell()
+    other = await sandbox.shell()
+    sock = sessions_dir / f"{os.getpid()}.sock"
+    assert not sock.exists() and not sessions_dir.exists()
+    assert await asyncio.to_thread(attach.list_sessions) == []
+
+    assert await sandbox.share(private) == sock
+    assert await sandbox.share(private) == sock  # sharing twice is one share
+    listed = await asyncio.to_thread(attach.list_sessions)
+    assert [s["session_id"] for _, s in listed] == [private.session_id]  # not `other`
+    await other.close()
+    assert sock.exists()
+    await private.close()
+    assert not sock.exists()  # the server stops with its last shared session
+    with pytest.raises(SandboxError):
+        await sandbox.share(private)  # a closed session cannot be shared
+
+
+@pytest.mark.needs_bwrap
+async def test_closing_the_sandbox_stops_serving_its_shared_sessions(
+    box_policy: Policy, workspace: Path, sessions_dir: Path
+) -> None:
+    async with Sandbox(box_policy, workspace=workspace) as sb:
+        await sb.shell(shared=True)
+        assert (sessions_dir / f"{os.getpid()}.sock").exists()
+    assert not (sessions_dir / f"{os.getpid()}.sock").exists()
+
+
 @pytest.mark.needs_bwrap
 async def test_sessions_are_served_on_a_private_socket(
     sandbox: Sandbox, sessions_dir: Path
 ) -> None:
-    sh = await sandbox.shell()
+    sh = await sandbox.shell(shared=True)
     sock = sessions_dir / f"{os.getpid()}.sock"
     assert stat.S_IMODE(sessions_dir.stat().st_mode) == 0o700
     assert stat.S_IMODE(sock.stat().st_mode) == 0o600
@@ -200,7 +242,7 @@ async def test_other_users_are_refused(sandbox: Sandbox, monkeypatch: pytest.Mon
     public = Path(tempfile.mkdtemp(prefix="corral-test-"))
     monkeypatch.setenv("CORRAL_SESSIONS_DIR", str(public / "sessions"))
     try:
-        sh = await sandbox.shell()
+        sh = await sandbox.shell(shared=True)
         sock = public / "sessions" / f"{os.getpid()}.sock"
         # Open the directory and socket up, so only the SO_PEERCRED check stands in the way.
         for path, mode in ((public, 0o755), (sock.parent, 0o755), (sock, 0o666)):

@@ -38,6 +38,7 @@ from corral.models import CommandResult, ProcessInfo
 from corral.net import BoxNetwork, Resolver
 from corral.policy import Policy, RlimitName
 from corral.processes import Process, ProcessRegistry
+from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
 from corral.streaming import ExecStream
 
@@ -437,14 +438,29 @@ class Sandbox:
         rows: int = 24,
         strip_ansi: bool = False,
         cwd: str | None = None,
+        shared: bool = False,
     ) -> PtySession:
-        """Open an interactive shell on a terminal; it lives until closed or the sandbox is."""
+        """Open an interactive shell on a terminal; it lives until closed or the sandbox is.
+
+        ``shared=True`` makes it attachable at once (see :meth:`share`).
+        """
         proc = await self.spawn(
             shlex.split(shell), cwd=cwd, env=env, pty=True, cols=cols, rows=rows
         )
-        return await self._sessions.open(
+        session = await self._sessions.open(
             proc, shell, self._request, cols=cols, rows=rows, strip_ansi=strip_ansi
         )
+        if shared:
+            await self.share(session)
+        return session
+
+    async def share(self, session: PtySession) -> Path:
+        """Let a human join ``session`` with ``corral attach`` until it closes.
+
+        This process starts serving its shared sessions on a private unix socket (0600,
+        same user only) and returns its path; unshared sessions open no socket at all.
+        """
+        return await attach.offer(self._sessions.get(session.session_id))
 
     def session(self, session_id: str) -> PtySession:
         """An open session by id (SessionNotFound if unknown or closed)."""

@@ -99,7 +99,8 @@ def cmd_shell(args: argparse.Namespace) -> int:
                 print(f"corral: warning: {warning}", file=sys.stderr)
             session = await sb.shell(args.shell)
             sid = session.session_id
-            outcome = await attach_terminal(attach.local_server(), sid, detach_keys=keys)
+            server = await sb.share(session)  # this terminal is its first attach
+            outcome = await attach_terminal(server, sid, detach_keys=keys)
             if outcome.reason != "detached":
                 return _status(await session.wait_closed())
             _say(

@@ -1,14 +1,16 @@
-"""Serving PTY sessions to other processes, so a human can attach to them.
+"""Serving shared PTY sessions to other processes, so a human can attach to them.
 
-The process that owns sessions (a script, the MCP server, ``corral shell``) serves them on
-one unix socket, ``<dir>/<owner-pid>.sock``, where ``<dir>`` is ``$CORRAL_SESSIONS_DIR``,
-else ``$XDG_RUNTIME_DIR/corral``, else ``/run/corral/sessions`` for root and
-``/tmp/corral-<uid>/sessions`` for others. The directory is 0700 and the socket 0600, and
-every connection's peer uid is checked (``SO_PEERCRED``): only the same user may attach,
-because an attached terminal can type into the box.
+A session is private to its process until it is shared (``Sandbox.shell(shared=True)`` or
+``Sandbox.share(session)``; ``corral shell`` and the MCP server share theirs). The process
+then serves its shared sessions on one unix socket, ``<dir>/<owner-pid>.sock``, where
+``<dir>`` is ``$CORRAL_SESSIONS_DIR``, else ``$XDG_RUNTIME_DIR/corral``, else
+``/run/corral/sessions`` for root and ``/tmp/corral-<uid>/sessions`` for others. The
+directory is 0700 and the socket 0600, and every connection's peer uid is checked
+(``SO_PEERCRED``): only the same user may attach, because an attached terminal can type
+into the box.
 
-The server starts with the first session this process opens (in the running event loop)
-and stops when the last one closes. Messages use the guest agent's frame format (JSON
+The server starts with the first session this process shares (in the running event loop)
+and stops when the last shared one closes. Messages use the guest agent's frame format (JSON
 header + raw payload), so terminal bytes never go through JSON:
 
 * ``{"op": "list"}`` -> ``{"sessions": [...]}``
@@ -29,15 +31,13 @@ import struct
 import tempfile
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from corral import errors
 from corral.agent import protocol
+from corral.sessions.pty import PtySession
 
-if TYPE_CHECKING:
-    from corral.sessions.pty import PtySession
-
-__all__ = ["list_sessions", "locate", "socket_dir"]
+__all__ = ["list_sessions", "locate", "offer", "socket_dir"]
 
 # A terminal that stops reading must not make the owner buffer output without bound.
 CLIENT_BUFFER_LIMIT = 4 << 20
@@ -214,20 +214,24 @@ _server: AttachServer | None = None
 _stopping: set[asyncio.Task[None]] = set()
 
 
-async def offer(session: PtySession) -> None:
-    """Make ``session`` attachable, starting this process's server if needed."""
+async def offer(session: PtySession) -> Path:
+    """Make ``session`` attachable until it closes, starting this process's server if
+    needed; returns the socket it is served on. Offering a shared session again is a no-op."""
     global _server
+    if session.closed:
+        raise errors.SessionNotFound(f"session {session.session_id} is closed")
     if _server is None or _server.loop is not asyncio.get_running_loop():
         server = AttachServer()
         await server.start()
         _server = server
-    _server.sessions[session.session_id] = session
+    if session.session_id not in _server.sessions:
+        _server.sessions[session.session_id] = session
 
+        async def unshare() -> None:
+            withdraw(session)
+            await settle()
 
-def local_server() -> Path:
-    """The socket this process serves its sessions on (only while it has sessions)."""
-    if _server is None:
-        raise errors.SessionNotFound("this process has no open sessions to attach to")
+        session.on_close(unshare)
     return _server.path
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,15 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from corral import errors
 from corral.sessions.expect import Case, Match
 
-if TYPE_CHECKING:
-    from corral.sessions.pty import PtySession
-
 __all__ = [
     "BatchResult",
     "BatchStep",
     "ExpectCasesStep",
     "ExpectStep",
     "SendStep",
+    "Session",
     "StepCase",
     "StepResult",
     "run_batch",
@@ -153,8 +151,20 @@ def _failure(match: Match, timeout: float | None) -> str:
     return f"timeout: {what} did not appear within {timeout or 0:g} s"
 
 
+class Session(Protocol):
+    """What a batch needs of a session (a :class:`~corral.sessions.pty.PtySession`)."""
+
+    async def write(self, data: str | bytes) -> None: ...
+
+    async def expect(self, pattern: str, timeout: float | None = ...) -> Match: ...
+
+    async def expect_cases(
+        self, cases: Sequence[Case | Mapping[str, Any]], timeout: float | None = ...
+    ) -> Match: ...
+
+
 async def run_batch(
-    session: PtySession,
+    session: Session,
     steps: Sequence[BatchStep | Mapping[str, Any]],
     timeout: float | None = 30.0,
 ) -> BatchResult:

@@ -8,8 +8,12 @@ chunk, as it arrives, to three consumers:
   :class:`~corral.sessions.expect.Expecter` when an ``expect`` is pending, which is what makes an
   expect resolve on the very chunk that completes the match: there is no polling interval);
 * a small raw tail of recent output, replayed to a human who attaches;
-* attached terminals (:mod:`corral.sessions.attach`), so a human sees what the agent sees and the
-  agent's ``expect`` keeps seeing everything while the human types.
+* watchers, such as attached terminals once the session is shared
+  (:mod:`corral.sessions.attach`), so a human sees what the agent sees and the agent's
+  ``expect`` keeps seeing everything while the human types.
+
+This module knows nothing of sockets: sharing is the attach server watching a session and
+asking to be told when it closes (:meth:`PtySession.on_close`).
 
 ::
 
@@ -24,15 +28,13 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from corral import errors
 from corral.processes import Process, Request
+from corral.sessions.batch import BatchResult, BatchStep, run_batch
 from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match
-
-if TYPE_CHECKING:
-    from corral.sessions.batch import BatchResult, BatchStep
 
 __all__ = ["PtySession", "SessionRegistry", "to_case"]
 
@@ -42,6 +44,7 @@ DEFAULT_TIMEOUT = 30.0
 CLOSE_GRACE = 2.0
 
 Watcher = Callable[[bytes | None], None]  # a chunk of output, or None at the end
+CloseHook = Callable[[], Awaitable[None]]
 
 
 def to_case(case: Case | Mapping[str, Any]) -> Case:
@@ -103,6 +106,7 @@ class PtySession:
         self._buffer = ExpectBuffer(strip_ansi=strip_ansi)
         self._tail = bytearray()
         self._watchers: list[Watcher] = []
+        self._close_hooks: list[CloseHook] = []
         self._waiter: tuple[Expecter, asyncio.Future[Match]] | None = None
         self._reading = False
         self._closed = False
@@ -313,8 +317,6 @@ class PtySession:
     ) -> BatchResult:
         """Run send / expect / expect_cases steps in order, stopping at the first failure;
         ``timeout`` applies to each expect step without its own ``timeout_secs``."""
-        from corral.sessions.batch import run_batch
-
         if self._reading:
             raise errors.SessionBusy(f"session {self.session_id} already has an expect in progress")
 
@@ -336,16 +338,24 @@ class PtySession:
                 except TimeoutError:
                     await self.process.signal("SIGKILL", group=False)
         await self._stop_pump()
-        from corral.sessions import attach
-
-        await attach.settle()
+        await self._run_close_hooks()
         return self.exit_code
+
+    def on_close(self, hook: CloseHook) -> None:
+        """Await ``hook()`` once the session is closed (by ``close()`` or its sandbox)."""
+        self._close_hooks.append(hook)
+
+    async def _run_close_hooks(self) -> None:
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            await hook()
 
     async def _abandon(self) -> None:
         """The sandbox is going away (it kills everything): end without talking to the box."""
         self._closed = True
         self._on_end()
         await self._stop_pump()
+        await self._run_close_hooks()
 
     async def _stop_pump(self) -> None:
         self._pump.cancel()
@@ -354,7 +364,7 @@ class PtySession:
 
 
 class SessionRegistry:
-    """The sessions of one sandbox, also offered to the process's attach server."""
+    """The open sessions of one sandbox."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, PtySession] = {}
@@ -369,21 +379,15 @@ class SessionRegistry:
         rows: int,
         strip_ansi: bool,
     ) -> PtySession:
-        from corral.sessions import attach
-
         session = PtySession(
             process, shell, request, cols=cols, rows=rows, strip_ansi=strip_ansi,
             on_close=self._forget,
         )  # fmt: skip
         self._sessions[session.session_id] = session
-        await attach.offer(session)
         return session
 
     def _forget(self, session: PtySession) -> None:
-        from corral.sessions import attach
-
         self._sessions.pop(session.session_id, None)
-        attach.withdraw(session)
 
     def get(self, session_id: str) -> PtySession:
         session = self._sessions.get(session_id)
@@ -397,9 +401,6 @@ class SessionRegistry:
         return list(self._sessions.values())
 
     async def aclose(self) -> None:
-        from corral.sessions import attach
-
         for session in list(self._sessions.values()):
             self._forget(session)
             await session._abandon()
-        await attach.settle()

@@ -8,16 +8,16 @@ into ``{"error": ...}`` by the toolbox.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from corral import errors
+from corral.sandbox import Sandbox
 from corral.sessions.expect import Case
+from corral.sessions.pty import PtySession
 from corral.tools import schemas as s
-from corral.tools.scopes import SELF
-
-if TYPE_CHECKING:
-    from corral.sessions.pty import PtySession
-    from corral.tools.toolbox import Toolbox
+from corral.tools.scopes import SELF, Scope
+from corral.tools.secrets import SecretStore
 
 BACKGROUND_HINT = (
     "Use wait_for_process to block until exit, or read_process_output to read partial output."
@@ -28,8 +28,21 @@ MAX_READ_BYTES = 8 << 20
 EXEC_ARGV = {"sh": ["/bin/sh", "-c"], "python3": ["python3", "-c"], "node": ["node", "-e"]}
 
 
-def bind(box: Toolbox) -> dict[str, Callable[[Any], Awaitable[dict[str, Any]]]]:
-    h = Handlers(box)
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """What the handlers work with; the toolbox that dispatches to them makes it."""
+
+    sandbox: Sandbox
+    secrets: SecretStore
+    scope: Scope
+    tool_names: Callable[[], list[str]]
+    """The tools the caller may use now (``sandbox_info`` lists them)."""
+    share_shells: bool = False
+    """Shells opened by ``open_shell`` can be joined with ``corral attach``."""
+
+
+def bind(ctx: ToolContext) -> dict[str, Callable[[Any], Awaitable[dict[str, Any]]]]:
+    h = Handlers(ctx)
     return {
         "run_command": h.run_command,
         "wait_for_process": h.wait_for_process,
@@ -57,9 +70,9 @@ def _cases(cases: list[s.CaseArgs]) -> list[Case]:
 
 
 class Handlers:
-    def __init__(self, box: Toolbox) -> None:
-        self.box = box
-        self.sb = box.sandbox
+    def __init__(self, ctx: ToolContext) -> None:
+        self.box = ctx
+        self.sb = ctx.sandbox
 
     # ---- processes -----------------------------------------------------------------------
     async def run_command(self, a: s.RunCommandArgs) -> dict[str, Any]:
@@ -125,7 +138,7 @@ class Handlers:
         return self.sb.session(session_id)
 
     async def open_shell(self, a: s.OpenShellArgs) -> dict[str, Any]:
-        session = await self.sb.shell(a.shell)
+        session = await self.sb.shell(a.shell, shared=self.box.share_shells)
         return {"session_id": session.session_id, "shell": session.shell, "hint": SHELL_HINT}
 
     async def shell_write(self, a: s.ShellWriteArgs) -> dict[str, Any]:
@@ -204,5 +217,5 @@ class Handlers:
 
     async def sandbox_info(self, a: s.SandboxInfoArgs) -> dict[str, Any]:
         info = await self.sb.info()
-        info["tools"] = [t.name for t in self.box.tools()]
+        info["tools"] = self.box.tool_names()
         return info

@@ -64,6 +64,8 @@ class ServerConfig:
     rules: tuple[Rule, ...] | None = None
     secrets: SecretStore = field(default_factory=SecretStore.from_env)
     idle_timeout: float = IDLE_TIMEOUT
+    share_shells: bool = True
+    """The agent's shells can be joined with ``corral attach`` (the human hand-off)."""
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Sessions:
                     permission_mode=self.config.permission_mode,
                     rules=self.config.rules,
                     secrets=self.config.secrets,
+                    share_shells=self.config.share_shells,
                 )
                 entry = self._open[key] = _Session(toolbox, time.monotonic())
                 logger.info("session %s: started sandbox %s", key, sandbox.sandbox_id)

@@ -158,7 +158,10 @@ class Toolbox:
         rules: Iterable[Rule] | None = None,
         secrets: SecretStore | None = None,
         output_chars: int = OUTPUT_CHARS,
+        share_shells: bool = False,
     ) -> None:
+        """``share_shells``: shells the agent opens can be joined by a human with
+        ``corral attach`` (the MCP server sets it); by default they stay private."""
         self.sandbox = sandbox
         self.capabilities = None if capabilities is None else frozenset(capabilities)
         self.gate = Gate(permission_mode, None if rules is None else tuple(rules))
@@ -166,7 +169,10 @@ class Toolbox:
         self.secrets = secrets if secrets is not None else SecretStore.from_env()
         self.output_chars = output_chars
         self.scope = Scope(sandbox.registry)
-        self._handlers: dict[str, Handler] = handlers.bind(self)
+        context = handlers.ToolContext(
+            sandbox, self.secrets, self.scope, lambda: [t.name for t in self.tools()], share_shells
+        )
+        self._handlers: dict[str, Handler] = handlers.bind(context)
 
     def add_child_registry(self, name: str, registry: ProcessRegistry) -> None:
         """Let this agent read a sub-agent's processes (see :mod:`corral.tools.scopes`)."""
