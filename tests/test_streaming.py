@@ -85,3 +85,30 @@ async def test_writing_without_stdin_is_refused(sandbox: Sandbox) -> None:
         await stream.write(b"x")
     assert info.value.code == ErrorCode.INVALID_INPUT
     assert await stream.wait(10) == 0
+
+
+async def test_iterating_the_call_directly_starts_and_streams(sandbox: Sandbox) -> None:
+    events = [ev async for ev in sandbox.exec_stream("echo out; echo err >&2; exit 3")]
+    assert joined(events, Stdout) == b"out\n" and joined(events, Stderr) == b"err\n"
+    assert events[-1] == Exited(3)
+
+
+async def test_the_call_is_also_a_context_manager(sandbox: Sandbox) -> None:
+    async with sandbox.exec_stream("echo up; sleep 60") as stream:
+        assert await anext(stream) == Stdout(b"up\n")
+    assert stream.exit_code == -9  # left running: killed on the way out
+
+
+async def test_the_command_starts_once_and_only_when_used(sandbox: Sandbox) -> None:
+    pending = sandbox.exec_stream(["echo", "once"])
+    assert sandbox.processes() == []  # nothing runs until the stream is used
+    stream = await pending
+    assert await pending is stream
+    assert [p.pid for p in sandbox.processes()] == [stream.pid]
+    assert await collect(stream) == [Stdout(b"once\n"), Exited(0)]
+
+
+async def test_an_empty_command_is_refused_at_the_call(sandbox: Sandbox) -> None:
+    with pytest.raises(SandboxError) as info:
+        sandbox.exec_stream("  ")
+    assert info.value.code == ErrorCode.INVALID_INPUT

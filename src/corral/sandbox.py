@@ -40,7 +40,7 @@ from corral.policy import Policy, RlimitName
 from corral.processes import Process, ProcessRegistry
 from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
-from corral.streaming import ExecStream
+from corral.streaming import ExecStream, PendingExecStream
 
 Command = str | Sequence[str]
 StdinArg = bytes | str | Literal["pipe"] | None
@@ -469,7 +469,7 @@ class Sandbox:
     def sessions(self) -> list[PtySession]:
         return self._sessions.list()
 
-    async def exec_stream(
+    def exec_stream(
         self,
         cmd: Command,
         *,
@@ -478,10 +478,17 @@ class Sandbox:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         timeout: float | None = None,
-    ) -> ExecStream:
-        """Start a command and stream its output events (Stdout, Stderr, Exited)."""
-        proc = await self.spawn(cmd, cwd=cwd, env=env, stdin=stdin, pty=tty)
-        return ExecStream(proc, stdin=stdin == "pipe", tty=tty, timeout=timeout)
+    ) -> PendingExecStream:
+        """Stream a command's output events (Stdout, Stderr, Exited): ``async for ev in
+        sb.exec_stream(...)``, ``async with sb.exec_stream(...) as stream`` or ``stream =
+        await sb.exec_stream(...)``. The command starts on first use."""
+        argv = to_argv(cmd)
+
+        async def start() -> ExecStream:
+            proc = await self.spawn(argv, cwd=cwd, env=env, stdin=stdin, pty=tty)
+            return ExecStream(proc, stdin=stdin == "pipe", tty=tty, timeout=timeout)
+
+        return PendingExecStream(start, cmd if isinstance(cmd, str) else shlex.join(argv))
 
     # ---- information ---------------------------------------------------------------------
     async def info(self) -> dict[str, Any]:

@@ -2,12 +2,19 @@
 
 ::
 
-    async with await sb.exec_stream(["tail", "-f", "app.log"]) as stream:
-        async for event in stream:
-            match event:
-                case Stdout(data): ...
-                case Stderr(data): ...
-                case Exited(code): ...
+    async for event in sb.exec_stream("make test"):
+        match event:
+            case Stdout(data): ...
+            case Stderr(data): ...
+            case Exited(code): ...
+
+    async with sb.exec_stream(["tail", "-f", "app.log"]) as stream:  # killed on exit
+        async for event in stream: ...
+
+    stream = await sb.exec_stream(["cat"], stdin="pipe")  # the handle, started
+
+``sb.exec_stream(...)`` returns a :class:`PendingExecStream`: awaiting it, iterating it or
+entering it starts the command (once) and gives the :class:`ExecStream`.
 
 With ``stdin="pipe"`` the stream is also a writer (``write``, ``close_stdin``); with
 ``tty=True`` the command runs on a terminal and everything it prints arrives as ``Stdout``.
@@ -19,14 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 from corral import errors
 from corral.processes import Process
 
-__all__ = ["ExecEvent", "ExecStream", "Exited", "Stderr", "Stdout"]
+__all__ = ["ExecEvent", "ExecStream", "Exited", "PendingExecStream", "Stderr", "Stdout"]
 
 KILL_GRACE = 5.0
 
@@ -170,3 +178,60 @@ class ExecStream:
                 await self.process.kill()
             await self.process.wait(KILL_GRACE)
         self._finish()
+
+
+class PendingExecStream:
+    """What ``Sandbox.exec_stream`` returns: the command starts on first use, once.
+
+    * ``await`` it for the :class:`ExecStream` (to write to stdin, wait, signal...);
+    * ``async for event in`` it directly;
+    * ``async with`` it: the stream, and the command killed on exit if still running.
+    """
+
+    def __init__(self, start: Callable[[], Awaitable[ExecStream]], command: str) -> None:
+        self._start = start
+        self._command = command
+        self._stream: ExecStream | None = None
+        self._starting = False
+
+    def __repr__(self) -> str:
+        if self._stream is not None:
+            return repr(self._stream)
+        return f"<PendingExecStream {self._command!r} not started>"
+
+    async def _started(self) -> ExecStream:
+        if self._stream is None:
+            if self._starting:
+                raise errors.SandboxError(
+                    f"{self._command!r} is already being started; await it once and share "
+                    "the stream",
+                    code=errors.ErrorCode.INVALID_INPUT,
+                )
+            self._starting = True
+            try:
+                self._stream = await self._start()
+            finally:
+                self._starting = False
+        return self._stream
+
+    def __await__(self) -> Generator[Any, None, ExecStream]:
+        return self._started().__await__()
+
+    def __aiter__(self) -> AsyncIterator[ExecEvent]:
+        return self
+
+    async def __anext__(self) -> ExecEvent:
+        stream = await self._started()
+        return await stream.__anext__()
+
+    async def __aenter__(self) -> ExecStream:
+        return await self._started()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._stream is not None:
+            await self._stream.__aexit__(exc_type, exc, tb)
