@@ -210,6 +210,18 @@ asyncio.run(main())
 """
 
 
+FIRST_START = """
+import asyncio, sys
+from corral import Policy, Sandbox
+
+async def main():
+    async with Sandbox(Policy(backend="oci", runtime=sys.argv[1])) as sb:
+        await sb.run("true")
+
+asyncio.run(main())
+"""
+
+
 def test_sigkill_of_the_owner_leaves_nothing_after_the_next_start(runtime: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", SCRIPT, runtime], stdout=subprocess.PIPE, text=True
@@ -221,7 +233,8 @@ def test_sigkill_of_the_owner_leaves_nothing_after_the_next_start(runtime: str) 
     proc.wait(timeout=10)
     sid = info["id"]
     assert (state_root() / "boxes" / sid).exists()  # nobody cleaned up: the owner is dead
-    oci.OciBackend.for_policy(oci_policy(runtime))  # every start sweeps first
+    # A process's first start sweeps first (in a thread), before its own box starts.
+    subprocess.run([sys.executable, "-c", FIRST_START, runtime], check=True, timeout=60)
     assert wait_pid_gone(info["init"], 10)
     assert leftovers(sid, runtime) == NOTHING
 

@@ -111,6 +111,8 @@ class SandboxPool:
         self._fill_error: BaseException | None = None
         self._closed = False
         self._wake = asyncio.Event()
+        self._staging: dict[Sandbox, Path] = {}
+        """Pooled sandboxes -> their staging directory (``<entry>/ws``, the box's workdir)."""
 
     async def __aenter__(self) -> SandboxPool:
         await self.start()
@@ -163,6 +165,7 @@ class SandboxPool:
     async def sandbox(self, workspace: str | os.PathLike[str] | None = None) -> Sandbox:
         """A started sandbox with ``workspace`` at the policy's workdir (closing it is yours)."""
         sb = await self._claim(workspace)
+        self._staging.pop(sb, None)  # the caller closes it: released as any sandbox is
         self._refill()
         return sb
 
@@ -203,11 +206,11 @@ class SandboxPool:
         After ``stop`` no process of the box runs again, so nothing touches the workspace
         once this returns; waiting for the namespaces to die (several ms) is the slow part
         and need not delay the caller. :meth:`aclose` waits for every teardown."""
-        stop = getattr(sb._box, "stop", None)
-        if stop is not None:
-            stop()
+        staging = self._staging.pop(sb, None)
+        if staging is not None:
+            sb.stop()
             with contextlib.suppress(OSError):
-                mounts.umount(str(sb._workspace_arg))
+                mounts.umount(str(staging))
         task = asyncio.get_running_loop().create_task(sb.aclose())
         self._teardown.add(task)
         task.add_done_callback(self._teardown.discard)
@@ -241,14 +244,18 @@ class SandboxPool:
         # Synchronous (well under a millisecond): in a thread, a cancellation would leave
         # the staging directory made and mounted but unknown to us.
         staging = self._new_staging()
-        sb = Sandbox(self.policy, workspace=staging / "ws", backend=self._backend)
-        sb._workspace_prepared = True
-        sb._after_close.append(lambda: release_staging(staging))
+        sb = Sandbox.on_staging(
+            self.policy,
+            staging / "ws",
+            backend=self._backend,
+            release=lambda: release_staging(staging),
+        )
         try:
             await sb.start()
         except BaseException:
             await sb.aclose()
             raise
+        self._staging[sb] = staging / "ws"
         return sb
 
     def _new_staging(self) -> Path:
@@ -280,8 +287,7 @@ class SandboxPool:
             if owned is not None:
                 shutil.rmtree(owned, ignore_errors=True)
             raise
-        sb.workspace = ws
-        sb._owned_workspace = owned
+        sb.lend_workspace(ws, owned=owned is not None)
 
     def _refill(self) -> None:
         if self._closed or len(self._ready) + self._pending >= self.size:
@@ -312,4 +318,5 @@ class SandboxPool:
         self._wake.set()
 
     async def _discard(self, sb: Sandbox) -> None:
+        self._staging.pop(sb, None)
         await sb.aclose()

@@ -210,6 +210,37 @@ class Sandbox:
     def closed(self) -> bool:
         return self._closed
 
+    # ---- the warm pool's hooks (corral.pool) ---------------------------------------------
+    @classmethod
+    def on_staging(
+        cls,
+        policy: Policy,
+        staging: Path,
+        *,
+        backend: Backend | None = None,
+        release: Callable[[], object] | None = None,
+    ) -> Sandbox:
+        """A sandbox whose box binds ``staging`` (an empty directory the warm pool mounts a
+        workspace on later) as it is, instead of a workspace. ``release`` runs in a thread
+        once the box is gone (the pool unmounts and removes the staging directory)."""
+        sb = cls(policy, workspace=staging, backend=backend)
+        sb._workspace_prepared = True
+        if release is not None:
+            sb._after_close.append(release)
+        return sb
+
+    def lend_workspace(self, workspace: Path, *, owned: bool = False) -> None:
+        """Record that ``workspace`` is now mounted on this box's staging directory (the
+        pool's claim); ``owned``: a temporary directory removed when the sandbox closes."""
+        self.workspace = workspace
+        self._owned_workspace = workspace if owned else None
+
+    def stop(self) -> None:
+        """Kill every process of the box now, without waiting for the teardown: once this
+        returns nothing in the box runs again. ``aclose()`` is still needed."""
+        if self._box is not None:
+            self._box.stop()
+
     @property
     def warnings(self) -> tuple[str, ...]:
         """Limits of the policy the host could not enforce (empty when all hold)."""
@@ -260,9 +291,8 @@ class Sandbox:
         if header["ev"] == "out":
             proc._on_output(header["stream"], payload)
         elif header["ev"] == "exit":
-            observe = getattr(self._box, "observe_counters", None)
-            if observe is not None and "box" in header:  # a microVM's guest cgroup
-                observe(header["box"])
+            if self._box is not None and "box" in header:  # a microVM's guest cgroup
+                self._box.observe_counters(header["box"])
             duration = header.get("duration")
             proc._on_exit(header["exit_code"], duration if isinstance(duration, float) else None)
             self._registry.on_exit()
@@ -411,10 +441,7 @@ class Sandbox:
 
     def _pids_limit_hits(self) -> int:
         """Forks the box's pids limit refused so far (one file read where the box can)."""
-        if self._box is None:
-            return 0
-        cheap = getattr(self._box, "pids_limit_hits", None)
-        return int(cheap()) if callable(cheap) else self._box.stats().pids_limit_hits
+        return self._box.pids_limit_hits() if self._box is not None else 0
 
     def process(self, pid: int) -> Process:
         """The handle of a tracked process (ProcessNotFound if unknown)."""

@@ -61,6 +61,15 @@ class FakeBox:
     def oom_kills(self) -> int:
         return 0
 
+    def pids_limit_hits(self) -> int:
+        return 0
+
+    def observe_counters(self, counters: object) -> None:
+        pass
+
+    def stop(self) -> None:
+        self._sock.close()
+
     def describe(self) -> dict[str, Any]:
         return {"backend": "fake"}
 

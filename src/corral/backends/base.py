@@ -1,21 +1,34 @@
-"""The backend protocol: start a box that runs the guest agent, and tear it down completely.
+"""The box model every backend shares: the complete :class:`Box` and :class:`Backend`
+protocols, and :class:`BoxBase` / :class:`BackendBase` holding what all of them do alike.
 
 A backend knows nothing about processes, PTYs or files: all of that goes through the guest
 agent over the channel socket a backend hands back. This is what lets the OCI and microVM
-backends reuse every feature: they only need to start ``agent.py`` with the channel on a
-known fd (or a virtio-serial port bridged to a socket).
+backends reuse every feature: they only need to start the agent with the channel on a known
+fd (or a virtio-serial port bridged to a socket).
+
+What a backend adds is one folder (``bwrap/``, ``oci/``, ``microvm/``) with a ``box.py``
+holding its ``Backend`` (registered in :mod:`corral.backends`) and its ``BoxBase`` subclass.
+It builds on :mod:`.layout` (policy -> mounts), :mod:`.users` (uid maps) and :mod:`.host`
+(cgroups, seccomp, idmapped mounts, state directories), never on another backend's folder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 import signal
 import socket
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from corral.backends.host.state import orphaned_boxes, state_root
+from corral.backends.users import BOX_UID
 from corral.policy import Policy
 
 if TYPE_CHECKING:
@@ -72,8 +85,55 @@ class BoxStats:
     cpu_seconds: float | None = None
 
 
+def agent_config(spec: BoxSpec, *, uid: int = BOX_UID, gid: int = BOX_UID) -> dict[str, Any]:
+    """The part of the guest agent's start-up config every backend sends alike: who commands
+    run as and what ``info`` reports. Each backend adds where its channel is (``fd`` or
+    ``device``) and how the network's forwarders reach the host."""
+    return {
+        "uid": uid,
+        "gid": gid,
+        "info": {"sandbox_id": spec.sandbox_id, "workdir": spec.policy.workdir},
+    }
+
+
+def sweep_boxes(backend: str, kill: Callable[[Path, dict[str, Any]], object]) -> list[str]:
+    """Remove the state of ``backend``'s boxes whose owner died: ``kill(dir, owner)`` ends
+    what the box still runs (from what its ``owner.json`` recorded), then the network's
+    leftovers and the state directory go. Blocking: backends run it in a thread."""
+    from corral.net import sweep as sweep_network  # the network layer imports host helpers
+
+    removed: list[str] = []
+    for entry, owner in orphaned_boxes(backend):
+        with contextlib.suppress(Exception):
+            kill(entry, owner)
+        sweep_network(entry / "net")  # pasta of a full-mode box, if any
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
+
+
+def kill_if_named(pid: int, comm_prefix: str) -> None:
+    """SIGKILL ``pid`` if it still runs a program named ``comm_prefix...`` (a recorded pid
+    may have been reused by an unrelated process since its owner died)."""
+    if pid <= 0:
+        return
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return
+    if comm.startswith(comm_prefix):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 class BoxBase:
-    """What every backend's box holds: its spec, the host end of the channel, its warnings."""
+    """What every backend's box holds and does alike: its spec, the host end of the channel,
+    its warnings, ``describe()`` and the ``close()`` sequence. A backend's box overrides
+    :meth:`stats` (and the cheap counters), :meth:`stop`, :meth:`_teardown` and
+    :meth:`_facts`."""
+
+    backend: ClassVar[str] = ""
+    """The backend's name, as ``describe()`` reports it."""
 
     heartbeat_timeout = 30.0
     """Seconds the agent may take to answer a heartbeat before the box is declared hung."""
@@ -92,6 +152,57 @@ class BoxBase:
     def warnings(self) -> tuple[str, ...]:
         """Limits the host could not enforce (for example a missing cgroup controller)."""
         return self._warnings
+
+    def stats(self) -> BoxStats:
+        return BoxStats()
+
+    def oom_kills(self) -> int:
+        return self.stats().oom_kills
+
+    def pids_limit_hits(self) -> int:
+        return self.stats().pids_limit_hits
+
+    def observe_counters(self, counters: object) -> None:
+        """Counters the agent reports with a command's exit: ignored where the host reads
+        the box's cgroup itself."""
+
+    def stop(self) -> None:
+        """SIGKILL every process of the box now, without waiting (``close`` still cleans up)."""
+
+    def describe(self) -> dict[str, Any]:
+        limits = self._spec.policy.limits
+        return {
+            "backend": self.backend,
+            "sandbox_id": self._spec.sandbox_id,
+            **self._facts(),
+            "memory_limit_bytes": limits.memory_bytes,
+            "cpu_quota": limits.cpu_quota,
+            "max_pids": limits.max_pids,
+            "unenforced": list(self._warnings),
+        }
+
+    def _facts(self) -> dict[str, Any]:
+        """Backend-specific facts for :meth:`describe` (runtime, accelerator, ...)."""
+        return {}
+
+    async def diagnose(self) -> str:
+        return ""
+
+    async def close(self) -> None:
+        """Close the channel, let the backend end the box (:meth:`_teardown`), then remove
+        its state directory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._channel.close()
+        try:
+            await self._teardown()
+        finally:
+            shutil.rmtree(self._spec.state_dir, ignore_errors=True)
+
+    async def _teardown(self) -> None:
+        """Kill everything in the box and release what the backend holds for it."""
 
 
 class CgroupAccounting:
@@ -143,6 +254,22 @@ class Box(Protocol):
         """``stats().oom_kills`` alone, cheaply: read before and after every command."""
         ...
 
+    def pids_limit_hits(self) -> int:
+        """``stats().pids_limit_hits`` alone, cheaply: read before and after every command."""
+        ...
+
+    def observe_counters(self, counters: object) -> None:
+        """The box's cgroup counters as the agent reported them with a command's exit (the
+        ``box`` field): a box whose cgroup the host cannot read (a VM's) keeps them for
+        :meth:`stats`; the others ignore them. Untrusted input: validate."""
+        ...
+
+    def stop(self) -> None:
+        """SIGKILL every process of the box now, without waiting; once this returns no
+        process of the box runs user code again (``close`` still cleans up). The warm pool
+        uses it to hand a workspace back before the slower teardown."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """Backend-specific facts for ``info()`` (backend name, isolation, limits)."""
         ...
@@ -161,9 +288,50 @@ class Backend(Protocol):
 
     @classmethod
     def for_policy(cls, policy: Policy) -> Backend:
-        """A backend configured for ``policy`` (BackendUnavailable when it cannot run here)."""
+        """A backend configured for ``policy`` (BackendUnavailable when it cannot run here).
+        Cheap and without side effects: the orphan sweep and any build waits for
+        :meth:`start`."""
         ...
 
     async def start(self, spec: BoxSpec) -> Box:
         """Start a box whose guest agent is connected to ``Box.channel``."""
         ...
+
+
+SWEEP_EVERY = 60.0
+"""Seconds between two orphan sweeps of one backend in one process."""
+
+_sweep_lock = threading.Lock()
+_last_sweep: dict[tuple[str, str], float] = {}
+
+
+class BackendBase:
+    """What every backend does alike: sweep the boxes of dead owners before it starts a box
+    (once per process, then at most every :data:`SWEEP_EVERY` seconds), in a thread."""
+
+    name: str = ""
+
+    def sweep_key(self) -> str:
+        """What one sweep covers (a backend sweeping per runtime says which)."""
+        return self.name
+
+    def sweep_orphans(self) -> list[str]:
+        """Remove what boxes of dead owners left behind. Blocking: see :meth:`prepare`."""
+        return []
+
+    async def prepare(self) -> None:
+        """Run the orphan sweep if it is due, off the event loop. Every ``start`` awaits it
+        first; concurrent first starts share one sweep."""
+        key = (self.sweep_key(), str(state_root()))
+        last = _last_sweep.get(key)
+        if last is not None and time.monotonic() - last < SWEEP_EVERY:
+            return
+        await asyncio.to_thread(self._sweep_if_due, key)
+
+    def _sweep_if_due(self, key: tuple[str, str]) -> None:
+        with _sweep_lock:
+            last = _last_sweep.get(key)
+            if last is not None and time.monotonic() - last < SWEEP_EVERY:
+                return  # another start swept meanwhile
+            self.sweep_orphans()
+            _last_sweep[key] = time.monotonic()

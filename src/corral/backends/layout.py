@@ -112,11 +112,10 @@ class Symlink:
     dest: str
 
 
-def root_entries(
-    policy: Policy, python: str, passwd_file: Path, host: HostView
-) -> list[Bind | Symlink]:
-    """The box's root: each top-level host entry read-only (``inherit_readable``), or only
-    what sh, python3 and node need, with corral's own /etc/passwd."""
+def root_entries(policy: Policy, python: str, host: HostView) -> list[Bind | Symlink]:
+    """The host side of the box's root: each top-level host entry read-only
+    (``inherit_readable``), or only what sh, python3 and node need (then the box gets its
+    own /etc/passwd too: :func:`passwd_binds`)."""
     entries: list[Bind | Symlink] = []
     if policy.filesystem.inherit_readable:
         for name in sorted(host.listdir("/")):
@@ -134,12 +133,19 @@ def root_entries(
         elif host.isdir(link):
             entries.append(Bind(link, link))
     entries += [Bind(p, p) for p in MINIMAL_RO_DIRS + MINIMAL_RO_FILES if host.lexists(p)]
-    entries.append(Bind(str(passwd_file), "/etc/passwd"))
     if not python.startswith("/usr/"):
         # An interpreter outside /usr (pyenv, a venv's base) must be visible too.
         prefix = str(Path(python).resolve().parent.parent)
         entries.append(Bind(prefix, prefix))
     return entries
+
+
+def passwd_binds(policy: Policy, passwd_file: Path) -> list[Bind]:
+    """corral's /etc/passwd (:func:`corral.backends.users.passwd_text`) on a minimal root;
+    nothing when the root inherits the host's /etc."""
+    if policy.filesystem.inherit_readable:
+        return []
+    return [Bind(str(passwd_file), "/etc/passwd")]
 
 
 def policy_binds(

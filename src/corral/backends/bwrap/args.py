@@ -22,6 +22,7 @@ from corral.backends.layout import (
     Bind,
     HostView,
     Symlink,
+    passwd_binds,
     policy_binds,
     root_entries,
 )
@@ -84,7 +85,8 @@ def _root_args(policy: Policy, inp: BwrapInputs, host: HostView) -> list[str]:
     each top-level host entry bound read-only on it; ``--remount-ro /`` seals it at the end."""
     # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
     args = [] if policy.filesystem.inherit_readable else ["--perms", "0755", "--dir", "/etc"]
-    for entry in root_entries(policy, inp.python, inp.passwd_file, host):
+    roots = root_entries(policy, inp.python, host) + passwd_binds(policy, inp.passwd_file)
+    for entry in roots:
         args += _render(entry)
     return args
 

@@ -12,7 +12,8 @@ of the box ever runs outside its cgroup or with bwrap's own uid map)::
     5. release --userns-block-fd: bwrap builds the mounts and execs the guest agent
 
 A state directory per box records the owner's pid; boxes whose owner died (SIGKILL) are swept
-at the next start: bwrap is killed, the cgroup and the state directory removed.
+by the first start of a process (in a thread): bwrap is killed, the cgroup and the state
+directory removed.
 """
 
 from __future__ import annotations
@@ -22,22 +23,29 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
-from corral.backends.base import AGENT_DIR, BoxBase, BoxSpec, CgroupAccounting, kill_child
+from corral.backends.base import (
+    AGENT_DIR,
+    BackendBase,
+    BoxBase,
+    BoxSpec,
+    CgroupAccounting,
+    agent_config,
+    kill_child,
+    kill_if_named,
+    sweep_boxes,
+)
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.host import cgroups, idmap, seccomp, staging
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import find_python
-from corral.backends.host.state import BOX_PREFIX, orphaned_boxes, state_root
+from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
-from corral.backends.users import BOX_UID, HOST_UID_BASE, id_map
+from corral.backends.users import HOST_UID_BASE, id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
-from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
 START_TIMEOUT = 10.0
@@ -46,15 +54,9 @@ START_TIMEOUT = 10.0
 def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
     """Remove what boxes of dead owners left behind (after a SIGKILL of the host process)."""
     boxes = state_root() / "boxes"
-    removed: list[str] = []
-    for entry, owner in orphaned_boxes("bwrap"):
-        sweep_network(entry / "net")  # pasta of a full-mode box, if any
-        bwrap_pid = int(owner.get("bwrap_pid", 0) or 0)
-        if bwrap_pid and _is_bwrap(bwrap_pid):
-            with contextlib.suppress(OSError):
-                os.kill(bwrap_pid, signal.SIGKILL)
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry.name)
+    removed = sweep_boxes(
+        "bwrap", lambda _, owner: kill_if_named(int(owner.get("bwrap_pid", 0) or 0), "bwrap")
+    )
     # Workspaces a dead pool had bound into its boxes (mounts in the host's namespace).
     staging.sweep_staging()
     # A box's cgroup whose state directory is gone belongs to nobody. Only box names are
@@ -64,13 +66,6 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
             lambda name: not name.startswith(BOX_PREFIX) or (boxes / name).exists(), support
         )
     return removed
-
-
-def _is_bwrap(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == "bwrap"
-    except OSError:
-        return False
 
 
 async def _bwrap_stderr(proc: asyncio.subprocess.Process) -> str:
@@ -110,19 +105,15 @@ def _setup_box_ids(spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int
 
     A handful of small writes to procfs and the state dir: cheaper than a thread hop.
     """
-    owner = {
-        "backend": "bwrap",
-        "host_pid": os.getpid(),
-        "bwrap_pid": bwrap_pid,
-        "created": time.time(),
-    }
-    (spec.state_dir / "owner.json").write_text(json.dumps(owner))
+    write_owner(spec.state_dir, "bwrap", bwrap_pid=bwrap_pid)
     Path(f"/proc/{child}/uid_map").write_text(id_map(uid))
     Path(f"/proc/{child}/setgroups").write_text("deny")
     Path(f"/proc/{child}/gid_map").write_text(id_map(gid))
 
 
-class BwrapBox(BoxBase, CgroupAccounting):
+class BwrapBox(CgroupAccounting, BoxBase):
+    backend = "bwrap"
+
     def __init__(
         self,
         spec: BoxSpec,
@@ -137,53 +128,32 @@ class BwrapBox(BoxBase, CgroupAccounting):
         self._cgroup = cgroup
         self._shared = shared
 
-    def describe(self) -> dict[str, Any]:
-        limits = self._spec.policy.limits
-        return {
-            "backend": "bwrap",
-            "sandbox_id": self._spec.sandbox_id,
-            "memory_limit_bytes": limits.memory_bytes,
-            "cpu_quota": limits.cpu_quota,
-            "max_pids": limits.max_pids,
-            "unenforced": list(self._warnings),
-        }
-
     async def diagnose(self) -> str:
         """What bwrap said, when the box died before its agent was ready."""
         return await _bwrap_stderr(self._proc)
 
     def stop(self) -> None:
-        """SIGKILL every process of the box now, without waiting (``close`` still cleans up).
-
-        Once this returns no process of the box runs user code again: the warm pool uses it
-        to hand a workspace back before the slower teardown."""
         if self._cgroup is not None:
             with contextlib.suppress(Exception):
                 self._cgroup.kill_all(wait=False)
         kill_child(self._proc)
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._channel.close()
+    async def _teardown(self) -> None:
         if self._cgroup is not None:
             with contextlib.suppress(Exception):
-                self._cgroup.kill_all()
+                await self._cgroup.kill_all_async()
         kill_child(self._proc)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await self._proc.wait()
         if self._cgroup is not None:
             with contextlib.suppress(Exception):
-                self._cgroup.remove()
+                await self._cgroup.remove_async()
         if self._shared is not None:
             self._shared.release()  # unmounted before anything is deleted
-        shutil.rmtree(self._spec.state_dir, ignore_errors=True)
 
 
-class BwrapBackend:
+class BwrapBackend(BackendBase):
     name = "bwrap"
 
     @classmethod
@@ -203,12 +173,14 @@ class BwrapBackend:
                 "run corral as root (or use a rootless backend when available)"
             )
         self.cgroup_support = cgroups.detect()
-        # Cheap (a few directory listings), and catches any owner that crashed since.
-        sweep_orphans(self.cgroup_support)
         self.python = find_python()
+
+    def sweep_orphans(self) -> list[str]:
+        return sweep_orphans(self.cgroup_support)
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
         policy = spec.policy
+        await self.prepare()
         problem = unplaceable_mount(policy)
         if problem is not None:
             raise PolicyError(problem)
@@ -221,15 +193,10 @@ class BwrapBackend:
         os.write(sec_w, seccomp.build_filter(policy.security.preset))
         os.close(sec_w)
         shared = idmap.share_paths(spec)
-        agent_config = {
-            "fd": guest_end.fileno(),
-            "uid": BOX_UID,
-            "gid": BOX_UID,
-            "info": {"sandbox_id": spec.sandbox_id, "workdir": policy.workdir},
-        }
+        config = {**agent_config(spec), "fd": guest_end.fileno()}
         net = spec.network
         if net is not None:
-            agent_config["forwarders"] = net.forwarders()
+            config["forwarders"] = net.forwarders()
         inputs = bwrap_args.BwrapInputs(
             workspace=shared.workspace,
             agent_dir=AGENT_DIR,
@@ -238,7 +205,7 @@ class BwrapBackend:
             masked_dir=masked_dir,
             passwd_file=passwd,
             fds=bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r),
-            agent_args=(json.dumps(agent_config, separators=(",", ":")),),
+            agent_args=(json.dumps(config, separators=(",", ":")),),
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             sources=shared.sources,
         )

@@ -17,6 +17,7 @@ until it has been moved in.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import math
@@ -24,12 +25,13 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+from corral.backends.host import mountinfo
 from corral.errors import BackendError, BackendUnavailable
 
 __all__ = [
@@ -158,42 +160,7 @@ class CgroupStats:
 # --------------------------------------------------------------------------- detection
 
 
-@dataclass(frozen=True, slots=True)
-class _Mount:
-    mount_point: str
-    fstype: str
-    options: frozenset[str]  # per-mount options ("ro"/"rw", ...)
-    super_options: frozenset[str]  # per-superblock options (v1: the controller names)
-
-
-def _unescape(field_: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field_)
-
-
-def _parse_mountinfo(text: str) -> list[_Mount]:
-    mounts = []
-    for line in text.splitlines():
-        # Format: id parent maj:min root mount_point options [optional...] - fstype src super
-        left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
-        lf = left.split()
-        rf = right.split()
-        if len(lf) < 6 or len(rf) < 3:
-            continue
-        mounts.append(
-            _Mount(
-                mount_point=_unescape(lf[4]),
-                fstype=rf[0],
-                options=frozenset(lf[5].split(",")),
-                super_options=frozenset(rf[2].split(",")),
-            )
-        )
-    return mounts
-
-
-def _writable(path: str, mount: _Mount) -> str | None:
+def _writable(path: str, mount: mountinfo.Mount) -> str | None:
     """None if we may create groups under ``path``, else why not."""
     if "ro" in mount.options:
         return f"{mount.mount_point} is mounted read-only (common inside containers)"
@@ -202,7 +169,7 @@ def _writable(path: str, mount: _Mount) -> str | None:
     return None
 
 
-def _support_v1(v1_mounts: Mapping[str, _Mount]) -> CgroupSupport:
+def _support_v1(v1_mounts: Mapping[str, mountinfo.Mount]) -> CgroupSupport:
     usable: dict[str, str] = {}
     problems: list[str] = []
     for c, m in v1_mounts.items():
@@ -228,14 +195,13 @@ def _support_v1(v1_mounts: Mapping[str, _Mount]) -> CgroupSupport:
 def detect(mountinfo_path: str = "/proc/self/mountinfo") -> CgroupSupport:
     """Find which cgroup version and controllers this process can use."""
     try:
-        with open(mountinfo_path, encoding="utf-8", errors="surrogateescape") as f:
-            mounts = _parse_mountinfo(f.read())
+        mounts = mountinfo.read(mountinfo_path)
     except OSError as e:
         return CgroupSupport("none", frozenset(), "", f"cannot read {mountinfo_path}: {e}")
 
     # v1: each hierarchy's superblock options name its controllers. The first mount of a
     # hierarchy wins (later ones are usually bind mounts of the same thing).
-    v1_mounts: dict[str, _Mount] = {}
+    v1_mounts: dict[str, mountinfo.Mount] = {}
     for m in mounts:
         if m.fstype == "cgroup":
             for c in _V1_WANTED:
@@ -323,17 +289,14 @@ def _read_key(path: Path, key: str) -> int | None:
     return None
 
 
-class _Backoff:
+def _backoff() -> Iterator[float]:
     """Pauses between polls of a dying group: 0.1 ms doubling to 5 ms. Killed tasks leave
     within a millisecond or so, but a namespace teardown can take several; cgroup v1 has no
     event to wait on."""
-
-    def __init__(self) -> None:
-        self.delay = 0.0001
-
-    def __call__(self) -> None:
-        time.sleep(self.delay)
-        self.delay = min(self.delay * 2, 0.005)
+    delay = 0.0001
+    while True:
+        yield delay
+        delay = min(delay * 2, 0.005)
 
 
 def _read_pids(path: Path) -> set[int]:
@@ -572,23 +535,35 @@ class Cgroup:
         """SIGKILL every process in the group; returns once it is empty (``wait``), or once
         every process has the signal pending: none of them runs user code again.
 
+        Blocking (it polls with ``time.sleep``): from a coroutine use :meth:`kill_all_async`.
         Raises BackendError if processes survive for several seconds (e.g. stuck in
         uninterruptible I/O).
         """
+        for pause in self._kill_steps(wait):
+            time.sleep(pause)
+
+    async def kill_all_async(self, *, wait: bool = True) -> None:
+        """:meth:`kill_all` for the event loop: its polls wait with ``asyncio.sleep``."""
+        for pause in self._kill_steps(wait):
+            await asyncio.sleep(pause)
+
+    def _kill_steps(self, wait: bool) -> Iterator[float]:
+        """The kill as steps (sans I/O of its own waiting): each yielded value is how long
+        the driver pauses before the next poll."""
         d2 = self._dirs.get("")
         if d2 is not None and (d2 / "cgroup.kill").exists():
             # The kernel kills the whole group atomically, racing forks included.
             with contextlib.suppress(FileNotFoundError):
                 _write(d2 / "cgroup.kill", "1")
             if wait:
-                self._wait_empty()
+                yield from self._wait_empty()
             return
         deadline = time.monotonic() + _KILL_DEADLINE_S
-        pause = _Backoff()
+        pauses = _backoff()
         while self.pids():
             # Frozen tasks cannot fork, so one pass over cgroup.procs gets them all; the
             # kill is delivered once they thaw. Without a freezer we loop until forks stop.
-            frozen = self._freeze(True)
+            frozen = yield from self._freeze(True)
             try:
                 for pid in self.pids():
                     with contextlib.suppress(ProcessLookupError):
@@ -596,7 +571,7 @@ class Cgroup:
             finally:
                 # Never leave the group frozen (or half frozen): SIGKILL is only acted on
                 # once thawed.
-                self._freeze(False)
+                yield from self._freeze(False)
             if time.monotonic() > deadline:
                 raise BackendError(
                     f"processes {self.pids()} in {self!r} survived SIGKILL for "
@@ -604,17 +579,17 @@ class Cgroup:
                 )
             if not wait and frozen:
                 return  # all were frozen, so none forked: each has its SIGKILL pending
-            pause()
+            yield next(pauses)
 
-    def _wait_empty(self) -> None:
+    def _wait_empty(self) -> Iterator[float]:
         deadline = time.monotonic() + _KILL_DEADLINE_S
-        pause = _Backoff()
+        pauses = _backoff()
         while self.pids():
             if time.monotonic() > deadline:
                 raise BackendError(f"processes {self.pids()} in {self!r} survived cgroup.kill")
-            pause()
+            yield next(pauses)
 
-    def _freeze(self, frozen: bool) -> bool:
+    def _freeze(self, frozen: bool) -> Generator[float, None, bool]:
         """Freeze/thaw the group; False if there is no way to (no freezer)."""
         d2 = self._dirs.get("")
         if d2 is not None:
@@ -632,11 +607,11 @@ class Cgroup:
             # v1 freezing is asynchronous (FREEZING until every task has stopped); a task
             # still running could fork after we listed the pids.
             deadline = time.monotonic() + _FREEZE_DEADLINE_S
-            pause = _Backoff()
+            pauses = _backoff()
             while (_read(path) or "").strip() != "FROZEN":
                 if time.monotonic() > deadline:
                     return False  # not every task stopped: the caller must not rely on it
-                pause()
+                yield next(pauses)
         return True
 
     # ---- accounting
@@ -680,11 +655,22 @@ class Cgroup:
     # ---- teardown
 
     def remove(self) -> None:
-        """Kill everything inside, then delete the group's directories. Idempotent."""
+        """Kill everything inside, then delete the group's directories. Idempotent.
+
+        Blocking: from a coroutine use :meth:`remove_async`."""
+        for pause in self._remove_steps():
+            time.sleep(pause)
+
+    async def remove_async(self) -> None:
+        """:meth:`remove` for the event loop: its polls wait with ``asyncio.sleep``."""
+        for pause in self._remove_steps():
+            await asyncio.sleep(pause)
+
+    def _remove_steps(self) -> Iterator[float]:
         dirs = [d for d in self._unique_dirs() if d.exists()]
         if not dirs:
             return
-        self.kill_all()
+        yield from self._kill_steps(True)
         for d in dirs:
             try:
                 d.rmdir()
@@ -693,7 +679,7 @@ class Cgroup:
             except OSError as e:
                 if e.errno == errno.EBUSY:
                     # A process slipped in after kill_all (someone else's add): retry once.
-                    self.kill_all()
+                    yield from self._kill_steps(True)
                     try:
                         d.rmdir()
                     except FileNotFoundError:

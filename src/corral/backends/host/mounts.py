@@ -7,6 +7,8 @@ import ctypes.util
 import functools
 import os
 
+from corral.backends.host import mountinfo
+
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_REMOUNT = 0x20
@@ -65,23 +67,7 @@ def umount(target: str) -> None:
 
 def is_mountpoint(path: str) -> bool:
     """From /proc/self/mountinfo: ``os.path.ismount`` misses binds within one filesystem."""
-    target = os.path.realpath(path)
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split(" ", 5)
-                if len(fields) > 4 and _unescape(fields[4]) == target:
-                    return True
-    except OSError:
-        return False
-    return False
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
+    return os.path.realpath(path) in mountinfo.mount_points()
 
 
 def umount_all(target: str, limit: int = 16) -> None:

@@ -67,3 +67,10 @@ def orphaned_boxes(backend: str) -> Iterator[tuple[Path, dict[str, Any]]]:
         if pid_alive(int(owner.get("host_pid", 0) or 0)):
             continue
         yield entry, owner
+
+
+def write_owner(state_dir: Path, backend: str, **facts: object) -> None:
+    """Record who owns a box (this process) and what the sweep needs to end it, in
+    ``owner.json``: :func:`orphaned_boxes` reads it back once the owner is dead."""
+    owner = {"backend": backend, "host_pid": os.getpid(), **facts, "created": time.time()}
+    (state_dir / "owner.json").write_text(json.dumps(owner))

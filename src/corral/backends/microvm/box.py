@@ -23,7 +23,9 @@ Start-up sequence::
        and moves into that root; its ``ready`` frame ends the start
 
 A box's state directory records ``"backend": "microvm"`` and qemu's pid; boxes whose owner
-died are killed and removed by the next :class:`MicroVmBackend`.
+died are killed and removed by the first start of a process (in a thread). The initramfs is
+built (or found in the cache) at the first start too, in a thread: constructing a backend
+only checks that the pieces exist.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import time
 from collections.abc import Awaitable
@@ -42,10 +43,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from corral.backends.base import BoxBase, BoxSpec, BoxStats
+from corral.backends.base import (
+    BackendBase,
+    BoxBase,
+    BoxSpec,
+    BoxStats,
+    agent_config,
+    kill_child,
+    kill_if_named,
+    sweep_boxes,
+)
 from corral.backends.host import seccomp
 from corral.backends.host.python import find_python
-from corral.backends.host.state import cache_root, orphaned_boxes
+from corral.backends.host.state import cache_root, write_owner
 from corral.backends.layout import HostView, Symlink, expand, guest_path, root_entries
 from corral.backends.microvm import initramfs, vmsnap
 from corral.backends.users import BOX_UID, passwd_text
@@ -179,10 +189,8 @@ def boot_plan(spec: BoxSpec) -> tuple[initramfs.BootPlan, list[HostShare]]:
         host_shares.append(HostShare(f"m{n}", source, ro))
         shares.append(initramfs.Share(f"m{n}", guest, ro))
     config = {
+        **agent_config(spec, uid=uid, gid=gid),
         "device": "/dev/corral",
-        "uid": uid,
-        "gid": gid,
-        "info": {"sandbox_id": spec.sandbox_id, "workdir": policy.workdir},
         # The same filter as the other backends, installed by the agent on itself (and so
         # inherited by every command): the guest kernel is one more layer, not the only one.
         "seccomp": f"{initramfs.GUEST_AGENT_DIR}/seccomp.bpf",
@@ -210,14 +218,14 @@ def boot_plan(spec: BoxSpec) -> tuple[initramfs.BootPlan, list[HostShare]]:
 
 
 def minimal_root(policy: Policy, host: HostView) -> tuple[tuple[str, str], ...]:
-    """The entries of bwrap's minimal root (its own /etc/passwd aside), for the VM's tmpfs
-    root: the same layout on every backend."""
+    """The host entries of the shared minimal root (:func:`layout.root_entries`), for the
+    VM's tmpfs root: the same layout on every backend (the guest writes its /etc/passwd)."""
     entries: list[tuple[str, str]] = []
-    for entry in root_entries(policy, find_python(), Path("/nonexistent"), host):
+    for entry in root_entries(policy, find_python(), host):
         if isinstance(entry, Symlink):
             entries.append(("->" + entry.target, entry.dest))
-        elif entry.dest != "/etc/passwd":  # resolved here: a host symlink such as
-            entries.append((os.path.realpath(entry.source), entry.dest))  # /etc/localtime
+        else:  # resolved here: a host symlink such as /etc/localtime
+            entries.append((os.path.realpath(entry.source), entry.dest))
     return tuple(entries)
 
 
@@ -269,23 +277,37 @@ def kvm_usable() -> bool:
 _probed: dict[str, Boot] = {}
 
 
-async def probe(qemu: str, kernel: initramfs.Kernel, base: Path, accel: str) -> Boot:
-    """The first (accel, machine, kernel file) that boots the raw initramfs; cached per host
-    and inputs. The extracted kernel is tried before the bzImage (it boots seconds faster)."""
+def _probe_inputs(qemu: str, kernel: initramfs.Kernel, accel: str) -> tuple[str, list[Path]]:
+    """The probe's cache key and the kernel files to try (blocking: the first call extracts
+    the kernel's ELF, see :func:`initramfs.boot_image`)."""
     qemu_path = shutil.which(qemu) or qemu
     images = list(dict.fromkeys([initramfs.boot_image(kernel), kernel.image]))
     key = (
         f"{accel}:{qemu_path}:{os.stat(qemu_path).st_mtime_ns}:{kernel.version}:{kvm_usable()}"
         f":{','.join(map(str, images))}"
     )
+    return key, images
+
+
+def _saved_probe(key: str) -> Boot | None:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        saved = json.loads((cache_root() / "microvm" / "probe.json").read_text())
+        if saved["key"] == key:
+            return Boot(str(saved["accel"]), str(saved["machine"]), Path(saved["image"]))
+    return None
+
+
+async def probe(qemu: str, kernel: initramfs.Kernel, base: Path, accel: str) -> Boot:
+    """The first (accel, machine, kernel file) that boots the raw initramfs; cached per host
+    and inputs. The extracted kernel is tried before the bzImage (it boots seconds faster)."""
+    key, images = await asyncio.to_thread(_probe_inputs, qemu, kernel, accel)
     if key in _probed:
         return _probed[key]
+    saved = await asyncio.to_thread(_saved_probe, key)
+    if saved is not None:
+        _probed[key] = saved
+        return saved
     cache = cache_root() / "microvm" / "probe.json"
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        saved = json.loads(cache.read_text())
-        if saved["key"] == key:
-            _probed[key] = Boot(str(saved["accel"]), str(saved["machine"]), Path(saved["image"]))
-            return _probed[key]
     accels = {"auto": ["kvm", "tcg"] if kvm_usable() else ["tcg"], "kvm": ["kvm"], "tcg": ["tcg"]}
     tried: list[str] = []
     for acc in accels[accel]:
@@ -309,24 +331,12 @@ async def probe(qemu: str, kernel: initramfs.Kernel, base: Path, accel: str) -> 
 # ---- orphans -------------------------------------------------------------------------------
 
 
-def _is_qemu(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip().startswith("qemu-system")
-    except OSError:
-        return False
-
-
 def sweep_orphans() -> list[str]:
     """Kill the VMs of dead owners and remove their state directories."""
-    removed: list[str] = []
-    for entry, owner in orphaned_boxes("microvm"):
-        qemu_pid = int(owner.get("qemu_pid", 0) or 0)
-        if qemu_pid and _is_qemu(qemu_pid):
-            with contextlib.suppress(OSError):
-                os.kill(qemu_pid, signal.SIGKILL)
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry.name)
-    return removed
+    return sweep_boxes(
+        "microvm",
+        lambda _, owner: kill_if_named(int(owner.get("qemu_pid", 0) or 0), "qemu-system"),
+    )
 
 
 # ---- the box -------------------------------------------------------------------------------
@@ -341,6 +351,7 @@ class BootStalled(BackendError):
 
 
 class MicroVmBox(BoxBase):
+    backend = "microvm"
     _net_sock: socket.socket | None = None
     _netlink: vmlink.VmLink | None = None
 
@@ -411,24 +422,22 @@ class MicroVmBox(BoxBase):
             cpu_seconds=(int(fields[11]) + int(fields[12])) / tick,
         )
 
-    def describe(self) -> dict[str, Any]:
+    def _facts(self) -> dict[str, Any]:
         vm = self._spec.policy.vm
         return {
-            "backend": "microvm",
-            "sandbox_id": self._spec.sandbox_id,
             "accel": self._boot.accel,
             "machine": self._boot.machine,
             "vm_cpus": vm.cpus,
             "vm_memory_mb": vm.memory_mb,
-            "memory_limit_bytes": self._spec.policy.limits.memory_bytes,
-            "cpu_quota": self._spec.policy.limits.cpu_quota,
-            "max_pids": self._spec.policy.limits.max_pids,
             "kernel_image": str(self._kernel.image),
             "boot": self.boot_how,
             "snapshot": None if self._snapshot is None else str(self._snapshot),
             "qemu_pid": self._proc.pid,
-            "unenforced": list(self._warnings),
         }
+
+    def stop(self) -> None:
+        """Kill the VM: nothing of the guest runs once qemu is gone."""
+        kill_child(self._proc)
 
     async def diagnose(self) -> str:
         """qemu's error output and the end of the guest console."""
@@ -457,12 +466,7 @@ class MicroVmBox(BoxBase):
             self._netlink = vmlink.VmLink(net.unix_forwarders(), net.audit)
             self._netlink.start(*await asyncio.open_connection(sock=sock))
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._channel.close()
+    async def _teardown(self) -> None:
         if self._netlink is not None:
             await self._netlink.close()  # ends every forwarded connection
         if self._net_sock is not None:
@@ -477,10 +481,21 @@ class MicroVmBox(BoxBase):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5):
                     await self._proc.wait()
-        shutil.rmtree(self._spec.state_dir, ignore_errors=True)
 
 
-class MicroVmBackend:
+_bases: dict[tuple[str, str], Path] = {}
+
+
+def _base_archive(kernel: initramfs.Kernel, python: str) -> Path:
+    """:func:`initramfs.base_archive`, once per process (it hashes every input file)."""
+    key = (str(kernel.image), python)
+    base = _bases.get(key)
+    if base is None or not base.exists():
+        base = _bases[key] = initramfs.base_archive(kernel, python)
+    return base
+
+
+class MicroVmBackend(BackendBase):
     name = "microvm"
 
     @classmethod
@@ -509,15 +524,36 @@ class MicroVmBackend:
             raise BackendUnavailable("vm.accel is 'kvm' but /dev/kvm is missing or not usable")
         try:
             self.kernel = initramfs.find_kernel(policy.vm.kernel)
-            self.python = find_python()
-            self.base = initramfs.base_archive(self.kernel, self.python)
+            initramfs.check_busybox()
         except initramfs.KernelNotFound as exc:
             raise BackendUnavailable(str(exc)) from None
+        self.python = find_python()
         self.qemu = qemu
         self.accel = policy.vm.accel
-        sweep_orphans()
+        self._base: Path | None = None
+
+    def sweep_orphans(self) -> list[str]:
+        return sweep_orphans()
+
+    @property
+    def base(self) -> Path:
+        """The base initramfs, once :meth:`prepare` has built or found it."""
+        if self._base is None:
+            raise BackendError("the microVM backend is not prepared: await prepare() first")
+        return self._base
+
+    async def prepare(self) -> None:
+        """The orphan sweep, then the base initramfs (built once, cached on disk): both in
+        threads, never on the event loop."""
+        await super().prepare()
+        if self._base is None:
+            try:
+                self._base = await asyncio.to_thread(_base_archive, self.kernel, self.python)
+            except initramfs.KernelNotFound as exc:
+                raise BackendUnavailable(str(exc)) from None
 
     async def boot_mode(self) -> Boot:
+        await self.prepare()
         return await probe(self.qemu, self.kernel, self.base, self.accel)
 
     async def start(self, spec: BoxSpec) -> MicroVmBox:
@@ -613,13 +649,7 @@ class MicroVmBackend:
                 stderr=asyncio.subprocess.PIPE,
                 start_new_session=True,
             )
-            owner = {
-                "backend": "microvm",
-                "host_pid": os.getpid(),
-                "qemu_pid": proc.pid,
-                "created": time.time(),
-            }
-            (spec.state_dir / "owner.json").write_text(json.dumps(owner))
+            write_owner(spec.state_dir, "microvm", qemu_pid=proc.pid)
             what = "qemu failed to start the microVM"
             channel, _ = await _until(proc, loop.sock_accept(listener), CONNECT_TIMEOUT, what)
             accepted.append(channel)

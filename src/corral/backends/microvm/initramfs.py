@@ -289,13 +289,19 @@ def compiled_agent(python: str, sources: list[Path]) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).glob("*.pyc"))}
 
 
-def base_archive(kernel: Kernel, python: str) -> Path:
-    """The cached base initramfs for ``kernel`` (built on first use or when inputs changed),
-    with ``python`` (the host's interpreter, the agent's in the guest) and the agent."""
+def check_busybox() -> None:
+    """KernelNotFound (naming the fix) when the static busybox the initramfs needs is missing."""
     if not BUSYBOX.exists():
         raise KernelNotFound(
             "the microVM initramfs needs a static busybox; `apt-get install busybox-static`"
         )
+
+
+def base_archive(kernel: Kernel, python: str) -> Path:
+    """The cached base initramfs for ``kernel`` (built on first use or when inputs changed),
+    with ``python`` (the host's interpreter, the agent's in the guest) and the agent.
+    Blocking (it may run the interpreter and compress files): call it in a thread."""
+    check_busybox()
     modules = module_order(kernel.modules_dir)
     cache = cache_root() / "microvm"
     fingerprint = _fingerprint(kernel, modules, python)

@@ -39,22 +39,27 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral.backends.base import AGENT_DIR, BoxBase, BoxSpec, CgroupAccounting
-from corral.backends.host import cgroups, idmap, mounts, staging
+from corral.backends.base import (
+    AGENT_DIR,
+    BackendBase,
+    BoxBase,
+    BoxSpec,
+    CgroupAccounting,
+    agent_config,
+    sweep_boxes,
+)
+from corral.backends.host import cgroups, idmap, mountinfo, mounts, staging
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import find_python
-from corral.backends.host.state import BOX_PREFIX, orphaned_boxes, state_root
+from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
 from corral.backends.oci import config as oci_config
-from corral.backends.users import BOX_UID
 from corral.errors import BackendError, BackendUnavailable, PolicyError
-from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
 RUNTIMES = ("crun", "runc", "runsc")
@@ -64,20 +69,18 @@ _PACKAGES = {"runc": "runc", "crun": "crun", "runsc": "runsc (gVisor, from gviso
 _CLONE_NEWNS = 0x00020000
 
 
-def hybrid_cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+def hybrid_cgroup2_mount(path: str = mountinfo.PATH) -> str | None:
     """The cgroup2 mount point of a hybrid (v1 + v2) host, or None on a pure v1/v2 host."""
     try:
-        lines = Path(mountinfo).read_text().splitlines()
+        found = mountinfo.read(path)
     except OSError:
         return None
     v1 = v2 = None
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        fstype = right.split(" ", 1)[0]
-        if fstype == "cgroup":
-            v1 = left.split()[4]
-        elif fstype == "cgroup2":
-            v2 = left.split()[4]
+    for mount in found:
+        if mount.fstype == "cgroup":
+            v1 = mount.mount_point
+        elif mount.fstype == "cgroup2":
+            v2 = mount.mount_point
     return v2 if v1 and v2 else None
 
 
@@ -177,16 +180,15 @@ def sweep_orphans(runtimes: list[Runtime]) -> list[str]:
     """Delete containers (and their cgroups and state dirs) whose owner process is dead."""
     boxes = state_root() / "boxes"
     by_name = {r.name: r for r in runtimes}
-    removed: list[str] = []
-    for entry, owner in orphaned_boxes("oci"):
+
+    def kill(entry: Path, owner: dict[str, Any]) -> None:
         runtime = by_name.get(str(owner.get("runtime")))
         if runtime is not None:
             _delete_container(runtime, entry.name)
         _kill_cgroup(entry.name)
         _remove_cgroup_dirs(entry.name)
-        sweep_network(entry / "net")  # pasta of a full-mode box, if any
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry.name)
+
+    removed = sweep_boxes("oci", kill)
     # A container whose state dir is gone (removed by hand, or a crash between the two
     # removals of close()) belongs to nobody either.
     for runtime in runtimes:
@@ -221,14 +223,6 @@ def _open_cgroup(box_id: str, support: cgroups.CgroupSupport) -> cgroups.Cgroup 
     return cgroups.Cgroup(box_id, support.version, dirs, cgroups.CgroupLimits(), support)
 
 
-def _host_mounts() -> tuple[str, ...]:
-    try:
-        text = Path("/proc/self/mountinfo").read_text()
-    except OSError:
-        return ()
-    return tuple(line.split()[4] for line in text.splitlines() if len(line.split()) > 4)
-
-
 def _write_bundle(bundle: Path, result: oci_config.OciBundle) -> None:
     rootfs = bundle / "rootfs"
     rootfs.mkdir(mode=0o755)
@@ -243,7 +237,9 @@ def _write_bundle(bundle: Path, result: oci_config.OciBundle) -> None:
     (bundle / "config.json").write_text(json.dumps(result.config, separators=(",", ":")))
 
 
-class OciBox(BoxBase, CgroupAccounting):
+class OciBox(CgroupAccounting, BoxBase):
+    backend = "oci"
+
     def __init__(
         self,
         spec: BoxSpec,
@@ -266,18 +262,8 @@ class OciBox(BoxBase, CgroupAccounting):
         except BackendError:
             return None
 
-    def describe(self) -> dict[str, Any]:
-        limits = self._spec.policy.limits
-        return {
-            "backend": "oci",
-            "runtime": self._runtime.name,
-            "runtime_path": self._runtime.path,
-            "sandbox_id": self._spec.sandbox_id,
-            "memory_limit_bytes": limits.memory_bytes,
-            "cpu_quota": limits.cpu_quota,
-            "max_pids": limits.max_pids,
-            "unenforced": list(self._warnings),
-        }
+    def _facts(self) -> dict[str, Any]:
+        return {"runtime": self._runtime.name, "runtime_path": self._runtime.path}
 
     async def diagnose(self) -> str:
         """What the runtime or the agent wrote to stderr before the box failed."""
@@ -286,19 +272,18 @@ class OciBox(BoxBase, CgroupAccounting):
         except OSError:
             return ""
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._channel.close()
+    def stop(self) -> None:
+        if self._cgroup is not None:
+            with contextlib.suppress(Exception):
+                self._cgroup.kill_all(wait=False)
+
+    async def _teardown(self) -> None:
         await _delete(self._runtime, self._spec.sandbox_id)
         if self._cgroup is not None:
             with contextlib.suppress(Exception):
-                self._cgroup.remove()
+                await self._cgroup.remove_async()
         if self._shared is not None:
             self._shared.release()
-        shutil.rmtree(self._spec.state_dir, ignore_errors=True)
 
 
 async def _delete(runtime: Runtime, box_id: str) -> str:
@@ -361,7 +346,7 @@ def _read_pid(path: Path) -> int:
         raise BackendError(f"the OCI runtime wrote no usable pid file {path}: {exc}") from None
 
 
-class OciBackend:
+class OciBackend(BackendBase):
     name = "oci"
 
     @classmethod
@@ -380,24 +365,21 @@ class OciBackend:
         self.runtime = runtime
         self.cgroup_support = cgroups.detect()
         self.python = find_python()
-        # Cheap (a directory listing and a few small reads) unless there is something to
-        # delete, and catches every container whose owner crashed since.
-        sweep_orphans([runtime])
+
+    def sweep_key(self) -> str:
+        return f"oci/{self.runtime.name}"
+
+    def sweep_orphans(self) -> list[str]:
+        return sweep_orphans([self.runtime])
 
     async def start(self, spec: BoxSpec) -> OciBox:
         runtime = self.runtime
+        await self.prepare()
         problem = unplaceable_mount(spec.policy)
         if problem is not None:
             raise PolicyError(problem)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
-        owner = {
-            "backend": "oci",
-            "runtime": runtime.name,
-            "runtime_root": str(runtime.root),
-            "host_pid": os.getpid(),
-            "created": time.time(),
-        }
-        (spec.state_dir / "owner.json").write_text(json.dumps(owner))
+        write_owner(spec.state_dir, "oci", runtime=runtime.name, runtime_root=str(runtime.root))
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cgroup: cgroups.Cgroup | None = None
         shared: idmap.SharedPaths | None = None
@@ -431,15 +413,10 @@ class OciBackend:
         self, spec: BoxSpec, shared: idmap.SharedPaths, netns: str | None = None
     ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
-        agent_config = {
-            "fd": 0,
-            "uid": BOX_UID,
-            "gid": BOX_UID,
-            "info": {"sandbox_id": spec.sandbox_id, "workdir": spec.policy.workdir},
-        }
+        config = {**agent_config(spec), "fd": 0}
         net = spec.network
         if net is not None:
-            agent_config["forwarders"] = net.forwarders()
+            config["forwarders"] = net.forwarders()
         support = self.cgroup_support
         facts = oci_config.CgroupFacts(
             version=support.version,
@@ -456,10 +433,10 @@ class OciBackend:
             masked_file=masked_file,
             masked_dir=masked_dir,
             passwd_file=passwd,
-            agent_args=(json.dumps(agent_config, separators=(",", ":")),),
+            agent_args=(json.dumps(config, separators=(",", ":")),),
             cgroups=facts,
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
-            host_mounts=_host_mounts(),
+            host_mounts=mountinfo.mount_points(),
             sources=shared.sources,
             netns_path=netns,
         )

@@ -39,6 +39,7 @@ from corral.backends.layout import (
     Bind,
     HostView,
     Symlink,
+    passwd_binds,
     policy_binds,
     root_entries,
 )
@@ -236,7 +237,7 @@ def _mount_points(
 def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> OciBundle:
     """Translate a policy into the OCI bundle (config.json and root dir) of one box."""
     host = host or HostView()
-    roots = root_entries(policy, inp.python, inp.passwd_file, host)
+    roots = root_entries(policy, inp.python, host) + passwd_binds(policy, inp.passwd_file)
     # The runtime mounts its own /proc, /dev and /sys (bwrap binds the host's /sys).
     root_binds = [e for e in roots if isinstance(e, Bind) and e.dest not in _OWN_MOUNTS]
     if inp.netns_path is not None:
