@@ -1,0 +1,450 @@
+"""The docs are code: every fenced block of README.md and docs/*.md runs or is checked here.
+
+A reader copies these blocks as they are, so a block that stops working is a failing test,
+named after its file, section and position (``README.md::python-quickstart::1``).
+
+What each fence's language means here:
+
+- ``python``: run as a program (top-level ``await`` allowed, as in ``python -m asyncio``), in a
+  subprocess, with a fresh temporary directory as the working directory (so
+  ``workspace="."`` is that directory), against real boxes, with a time limit.
+- ``sh``/``bash``/``console``: every command is checked. ``corral run|doctor|sessions|audit``
+  commands run for real (the venv's ``corral`` first on ``PATH``); the others (``shell``,
+  ``attach``, ``mcp``, which wait for a person or a client) go through corral's real argument
+  parser. ``make TARGET`` must name a target of the Makefile; ``source``/``python FILE`` must
+  name a file of the repository. A trailing ``# exits N`` says the exit status to expect.
+  Any other program fails the test until a rule here says how to check it.
+- ``toml``: a policy file: it loads, and a box starts with it and runs a command.
+- ``json``: parses. ``text``: a figure, not checked. A fence without a language fails.
+
+An HTML comment on the line right before a fence changes that:
+
+- ``<!-- doc-test: continue -->`` (python): the block continues the previous python block of
+  the same section; they run as one program (one test, named after the first block).
+- ``<!-- doc-test: synopsis -->`` (shell): usage syntax (``[--opt VALUE]``, ``a|b``): each
+  subcommand, option and listed choice must exist in corral's parser.
+- ``<!-- doc-test: attach TEXT -->`` (python): a person joins the block's shell session. When
+  the program prints ``corral attach ID``, the test runs that command on a terminal of its own,
+  waits for the session's screen, types TEXT and Enter, waits for the answer, and detaches
+  with Ctrl-] (the hand-off of docs/interactive.md, played for real).
+- ``<!-- doc-test: skip REASON -->``: not run; the test is skipped, showing REASON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import shlex
+import subprocess
+import sys
+import textwrap
+import time
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from corral import Policy, SyncSandbox
+from corral.cli import make_parser
+from scripted_model import ScriptedModel
+
+pytestmark = pytest.mark.needs_bwrap
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+VENV_BIN = Path(sys.executable).parent
+BLOCK_TIMEOUT = 60.0
+"""Seconds one block (a python program or a shell command) may take."""
+
+PYTHON = {"python", "py"}
+SHELL = {"sh", "bash", "shell", "console"}
+CHECKED = PYTHON | SHELL | {"toml", "json", "text"}
+MARKER = re.compile(r"<!--\s*doc-test:\s*(continue|synopsis|skip|attach)\b\s*(.*?)\s*-->")
+
+RUN_FOR_REAL = {"run", "doctor", "sessions", "audit"}
+"""corral subcommands a doc's command runs for real; the others wait for a person or a client
+(``shell``, ``attach``: a terminal; ``mcp``: an MCP client), so they are parsed only."""
+
+
+@dataclass
+class Block:
+    path: Path
+    section: str
+    index: int
+    """1-based position among the blocks of its section."""
+    line: int
+    lang: str
+    text: str
+    marker: str = ""
+    reason: str = ""
+    parts: list[Block] = field(default_factory=list)
+    """For a python block continued by later ones: itself and its continuations, in order."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}::{self.section}::{self.index}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", heading.lower()).strip("-") or "top"
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    """The fenced blocks of one markdown file, with their section and doc-test marker."""
+    blocks: list[Block] = []
+    section, counts = "top", dict[str, int]()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            section = _slug(line.lstrip("#"))
+        fence = re.match(r"^(\s*)(`{3,})\s*([\w+-]*)", line)
+        if not fence:
+            i += 1
+            continue
+        indent, ticks, lang = fence.groups()
+        body: list[str] = []
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(ticks):
+            body.append(lines[j].removeprefix(indent))
+            j += 1
+        prev = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        mark = MARKER.search(prev)
+        counts[section] = counts.get(section, 0) + 1
+        blocks.append(
+            Block(
+                path,
+                section,
+                counts[section],
+                i + 1,
+                lang.lower(),
+                "\n".join(body) + "\n",
+                mark.group(1) if mark else "",
+                mark.group(2) if mark else "",
+            )
+        )
+        i = j + 1
+    return blocks
+
+
+def collect() -> list[Block]:
+    """Every block to test; continued python blocks folded into the block they continue."""
+    tests: list[Block] = []
+    for path in DOCS:
+        last_python: Block | None = None
+        for block in parse_blocks(path):
+            if block.marker == "continue":
+                assert block.lang in PYTHON, f"{block.where}: only python blocks continue"
+                assert last_python is not None and last_python.section == block.section, (
+                    f"{block.where}: 'continue' needs a python block before it in its section"
+                )
+                last_python.parts.append(block)
+                continue
+            if block.lang in PYTHON:
+                block.parts = [block]
+                last_python = block
+            tests.append(block)
+    return tests
+
+
+BLOCKS = collect()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    return ws
+
+
+@pytest.fixture(scope="module")
+def model_url() -> Iterator[str]:
+    """An OpenAI-compatible chat API on 127.0.0.1 playing a model (``tests/scripted_model.py``)."""
+    with ScriptedModel() as model:
+        yield model.base_url
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "PATH": path, **extra}
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_doc_block(block: Block, workdir: Path, model_url: str) -> None:
+    if block.marker == "skip":
+        assert block.reason, f"{block.where}: a skip needs a reason"
+        pytest.skip(f"{block.where}: {block.reason}")
+    assert block.lang in CHECKED, (
+        f"{block.where}: fence language {block.lang!r} is not checked; use one of "
+        f"{sorted(CHECKED)} (``text`` for a figure)"
+    )
+    if block.lang in PYTHON:
+        run_python(block, workdir, model_url)
+    elif block.lang in SHELL:
+        for argv, comment in shell_commands(block):
+            check_command(block, argv, comment, workdir)
+    elif block.lang == "toml":
+        check_policy_toml(block, workdir)
+    elif block.lang == "json":
+        json.loads(block.text)
+
+
+# ---- python -----------------------------------------------------------------------------------
+
+RUNNER = textwrap.dedent(
+    """
+    import ast, asyncio, sys, types
+    path = sys.argv[1]
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    code = compile(source, path, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    sys.modules["__main__"] = main
+    result = eval(code, main.__dict__)
+    if result is not None:
+        asyncio.run(result)
+    """
+)
+
+
+def run_python(block: Block, workdir: Path, model_url: str) -> None:
+    program = "\n".join(part.text for part in block.parts)
+    script = workdir.parent / "doc_block.py"
+    script.write_text(program, encoding="utf-8")
+    # The SDK examples' model is the scripted one; nothing leaves the machine.
+    env = _env(OPENAI_BASE_URL=model_url, OPENAI_API_KEY="doc-test", NO_PROXY="127.0.0.1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, str(script)],
+        cwd=workdir,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        if block.marker == "attach":
+            play_person(block, proc, env)
+        # An approver that asks on stdin gets a yes.
+        out, err = proc.communicate("y\n" if proc.stdin else None, timeout=BLOCK_TIMEOUT)
+    except BaseException:
+        proc.kill()
+        out, err = proc.communicate()
+        print(out, err, sep="\n--- stderr\n")
+        raise
+    print(out, end="")  # shown by ``pytest -rP`` (and with a failure)
+    assert proc.returncode == 0, (
+        f"{block.where}: exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
+    )
+
+
+def _read_until(fd: int, pattern: str, seen: bytearray, deadline: float) -> None:
+    while pattern.encode() not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {pattern!r} within {BLOCK_TIMEOUT} s; got {bytes(seen)[-500:]!r}"
+        if select.select([fd], [], [], left)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the other end closed
+                chunk = b""
+            assert chunk, f"closed before {pattern!r}; got {bytes(seen)[-500:]!r}"
+            seen += chunk
+
+
+def play_person(block: Block, proc: subprocess.Popen[str], env: dict[str, str]) -> None:
+    """Attach to the session the program names, answer its prompt, detach (see the marker)."""
+    deadline = time.monotonic() + BLOCK_TIMEOUT
+    assert proc.stdout is not None and proc.stdin is not None
+    lines = []
+    for line in proc.stdout:  # bounded: the program exits (EOF) or the test times out
+        lines.append(line)
+        found = re.search(r"corral attach (\S+)", line)
+        if found:
+            break
+    else:
+        pytest.fail(f"{block.where}: the program never printed `corral attach ID`: {lines}")
+    primary, secondary = pty.openpty()
+    person = subprocess.Popen(
+        ["corral", "attach", found.group(1)],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(secondary)
+    try:
+        seen = bytearray()
+        _read_until(primary, "Enter a value:", seen, deadline)  # the screen, replayed
+        os.write(primary, block.reason.encode() + b"\r")
+        _read_until(primary, "Apply complete!", seen, deadline)
+        os.write(primary, b"\x1d")  # Ctrl-]: detach
+        assert person.wait(timeout=max(deadline - time.monotonic(), 1)) == 0
+    finally:
+        if person.poll() is None:
+            person.kill()
+            person.wait()
+        os.close(primary)
+    print("".join(lines), end="")
+
+
+# ---- shell --------------------------------------------------------------------------------------
+
+SEPARATORS = {"|", "||", "&&", ";"}
+
+
+def shell_commands(block: Block) -> Iterator[tuple[list[str], str]]:
+    """Each simple command of a shell block, with the comment on its line."""
+    text = block.text.replace("\\\n", " ")
+    if block.marker == "synopsis":
+        text = re.sub(r"\n[ \t]+", " ", text)  # an indented line continues the one above
+    for raw in text.splitlines():
+        line = raw.strip()
+        if block.lang == "console":
+            if not line.startswith("$ "):
+                continue  # output, not a command
+            line = line[2:]
+        code, _, comment = line.partition(" #")
+        if line.startswith("#"):
+            code, comment = "", line
+        tokens = shlex.split(code, comments=True)
+        while tokens:
+            cut = next((i for i, t in enumerate(tokens) if t in SEPARATORS), len(tokens))
+            if cut:
+                yield tokens[:cut], comment.strip()
+            tokens = tokens[cut + 1 :]
+
+
+def makefile_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    return set(re.findall(r"^([A-Za-z][\w.-]*)\s*:(?!=)", text, flags=re.MULTILINE))
+
+
+def check_command(block: Block, argv: list[str], comment: str, workdir: Path) -> None:
+    program = Path(argv[0]).name
+    if program == "make":
+        missing = set(argv[1:]) - makefile_targets()
+        assert not missing, f"{block.where}: no Makefile target {sorted(missing)}"
+    elif program == "corral":
+        check_corral(block, argv[1:], comment, workdir)
+    elif program in {"source", "."} or re.fullmatch(r"python3?(\.\d+)?", program):
+        path = ROOT / argv[1]
+        assert path.exists(), f"{block.where}: {argv[1]} does not exist in the repository"
+    elif "--" in argv and argv[argv.index("--") + 1 :][:1] == ["corral"]:
+        # Another program starting corral (``claude mcp add NAME -- corral mcp ...``).
+        check_command(block, argv[argv.index("--") + 1 :], comment, workdir)
+    else:
+        pytest.fail(f"{block.where}: no rule to check {argv[0]!r}: add one in {__file__}")
+
+
+def _subparsers() -> dict[str, object]:
+    import argparse
+
+    parser = make_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("corral's parser has no subcommands")
+
+
+def check_corral(block: Block, args: list[str], comment: str, workdir: Path) -> None:
+    if block.marker == "synopsis":
+        check_synopsis(block, args)
+        return
+    parser = make_parser()
+    try:
+        parser.parse_args(args)
+    except SystemExit as exc:
+        pytest.fail(f"{block.where}: `corral {shlex.join(args)}` does not parse (exit {exc})")
+    sub = next((a for a in args if not a.startswith("-")), "")
+    if sub not in RUN_FOR_REAL:
+        return
+    expected = re.search(r"exits? (\d+)", comment)
+    r = subprocess.run(
+        ["corral", *args],
+        cwd=workdir,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT,
+    )
+    want = int(expected.group(1)) if expected else 0
+    assert r.returncode == want, (
+        f"{block.where}: `corral {shlex.join(args)}` exited {r.returncode}, not {want}\n"
+        f"--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
+    )
+
+
+def check_synopsis(block: Block, args: list[str]) -> None:
+    """``run [--memory 512M] [--network none|allowlist] -- CMD``: names and choices exist."""
+    import argparse
+
+    words = [w.strip("[]").removesuffix("...") for w in args]
+    words = [w for w in words if w]
+    sub = words[0] if words else ""
+    subparsers = _subparsers()
+    assert sub in subparsers, f"{block.where}: `corral {sub}` is not a corral command"
+    parser = subparsers[sub]
+    assert isinstance(parser, argparse.ArgumentParser)
+    options = {opt: a for a in parser._actions for opt in a.option_strings}
+    for i, word in enumerate(words[1:], start=1):
+        if word == "--" or not word.startswith("-"):
+            continue
+        assert word in options, f"{block.where}: `corral {sub}` has no option {word}"
+        action = options[word]
+        value = words[i + 1] if i + 1 < len(words) else ""
+        if action.choices is not None and "|" in value:
+            unknown = set(value.split("|")) - {str(c) for c in action.choices}
+            assert not unknown, f"{block.where}: {word} does not accept {sorted(unknown)}"
+
+
+# ---- toml and json -------------------------------------------------------------------------------
+
+
+def check_policy_toml(block: Block, workdir: Path) -> None:
+    data = tomllib.loads(block.text)  # a syntax error fails here, naming the line
+    assert isinstance(data, dict)
+    policy_file = workdir.parent / "corral.toml"
+    policy_file.write_text(block.text, encoding="utf-8")
+    policy = Policy.load(policy_file)
+    with SyncSandbox(policy, workspace=workdir) as sb:
+        r = sb.run(["true"])
+    assert r.exit_code == 0, f"{block.where}: a box with this policy ran `true`: {r}"
+
+
+# ---- the parser itself ---------------------------------------------------------------------------
+
+
+def test_every_doc_has_blocks_and_ids_are_unique() -> None:
+    ids = [b.id for b in BLOCKS]
+    assert len(ids) == len(set(ids))
+    assert {b.path for b in BLOCKS} == set(DOCS)
+
+
+def test_parser_reads_markers_sections_and_continuations(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text(
+        "# T\n## Use it\n```python\na = 1\n```\n<!-- doc-test: continue -->\n"
+        "```python\nprint(a)\n```\n<!-- doc-test: skip needs a GPU -->\n```sh\nnvidia-smi\n```\n",
+        encoding="utf-8",
+    )
+    blocks = parse_blocks(doc)
+    assert [(b.section, b.index, b.lang, b.marker) for b in blocks] == [
+        ("use-it", 1, "python", ""),
+        ("use-it", 2, "python", "continue"),
+        ("use-it", 3, "sh", "skip"),
+    ]
+    assert blocks[2].reason == "needs a GPU"
+    assert blocks[1].text == "print(a)\n"
