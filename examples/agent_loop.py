@@ -6,7 +6,8 @@ Run it from the repository root::
 
 It starts ``python -m corral mcp`` (what ``corral mcp`` runs) as a subprocess, connects
 with the official MCP client, and prints every tool call and its result, as a model would see
-them. Scenario 1 needs a rustup toolchain in ~/.cargo and ~/.rustup (shared read-only into the
+them. Each scenario checks the results it needs; the script exits 1 naming the first
+that was wrong (``tests/test_examples.py`` runs it). Scenario 1 needs a rustup toolchain in ~/.cargo and ~/.rustup (shared read-only into the
 box by the ``rust`` preset); without one it is skipped.
 """
 
@@ -35,6 +36,27 @@ printf '  Enter a value: '
 read answer
 [ "$answer" = yes ] && echo 'Apply complete! Resources: 1 added, 0 changed, 0 destroyed.'
 """
+# A tool that prints its version and asks a question (scenario 4), and a test run (scenario 5).
+# They are files run by name, so what the agent matches is their output: a pattern that matched
+# the command line typed into the terminal would be matching the terminal's echo of it.
+FAKE_TOOL = """\
+echo "mytool version 1.7"
+read reply
+echo "got: $reply"
+"""
+FAKE_TESTS = """\
+passed=$((40 + 7))
+echo "tests: $passed passed"
+"""
+
+
+class ScenarioFailed(Exception):
+    """A tool result was not what the scenario needs (the demo exits 1 saying which)."""
+
+
+def need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ScenarioFailed(what)
 
 
 class ScriptedAgent:
@@ -53,9 +75,10 @@ class ScriptedAgent:
         print("\n=== 1. oneshot: cargo check, fix, check again")
         check = {"command": "cargo", "args": ["check", "--message-format=json"], "timeout_secs": 60}
         first = await self.tool("run_command", check)
-        if first.get("exit_code") != 0:
-            await self.tool("vfs_write", {"path": "src/main.rs", "content": FIXED_MAIN})
-            await self.tool("run_command", check)
+        need(first.get("exit_code") == 101, "cargo check reports the type error")
+        await self.tool("vfs_write", {"path": "src/main.rs", "content": FIXED_MAIN})
+        second = await self.tool("run_command", check)
+        need(second.get("exit_code") == 0, "cargo check passes after the fix")
 
     async def scenario_2_background(self) -> None:
         print("\n=== 2. background job, polled")
@@ -64,8 +87,10 @@ class ScriptedAgent:
         pid = started["pid"]
         await self.tool("wait_for_process", {"pid": pid, "timeout_ms": 200})
         await self.tool("read_process_output", {"pid": pid, "stream": "stderr"})
-        await self.tool("wait_for_process", {"pid": pid, "timeout_ms": 10_000})
-        await self.tool("read_process_output", {"pid": pid, "stream": "stderr"})
+        done = await self.tool("wait_for_process", {"pid": pid, "timeout_ms": 10_000})
+        need(done.get("status") == "exited", "the background job exits within 10 s")
+        out = await self.tool("read_process_output", {"pid": pid, "stream": "stderr"})
+        need("Summary" in str(out), "the job's whole stderr is readable")
 
     async def scenario_3_confirmation(self) -> str:
         print("\n=== 3. a CLI asks for confirmation: find the prompt, hand it to the user")
@@ -73,18 +98,19 @@ class ScriptedAgent:
         session = (await self.tool("open_shell", {"shell": "/bin/sh"}))["session_id"]
         await self.tool("shell_write", {"session_id": session, "input": "sh terraform.sh\n"})
         prompt = {"session_id": session, "pattern": "Enter a value:", "timeout_secs": 30}
-        await self.tool("shell_expect", prompt)
+        need((await self.tool("shell_expect", prompt)).get("matched") is True, "the prompt")
         print("\n(agent to user: the plan adds 1 resource; type `yes` in the terminal to apply)")
         # Here the human types into the terminal (`corral attach`); the script plays them.
         await self.tool("shell_write", {"session_id": session, "input": "yes\n"})
         done = {"session_id": session, "pattern": "Apply complete!", "timeout_secs": 30}
-        await self.tool("shell_expect", done)
+        applied = await self.tool("shell_expect", done)
+        need(applied.get("matched") is True, "the apply completes after `yes`")
         return str(session)
 
     async def scenario_4_cases(self, session: str) -> None:
         print("\n=== 4. several possible outcomes: shell_expect_cases with respond")
-        line = 'echo mytool version 1.7; read reply; echo "got: $reply"\n'
-        await self.tool("shell_write", {"session_id": session, "input": line})
+        await self.tool("vfs_write", {"path": "mytool.sh", "content": FAKE_TOOL})
+        await self.tool("shell_write", {"session_id": session, "input": "sh mytool.sh\n"})
         cases = [
             {"pattern": "password:", "tag": "needs_user", "label": "Password prompt"},
             {
@@ -99,15 +125,20 @@ class ScriptedAgent:
                 "respond": "Detected version $1\n",
             },
         ]
-        await self.tool("shell_expect_cases", {"session_id": session, "cases": cases})
-        await self.tool("shell_expect", {"session_id": session, "pattern": "got: .*"})
+        found = await self.tool("shell_expect_cases", {"session_id": session, "cases": cases})
+        need(found.get("tag") == "ok", "the version line matches the 'ok' case")
+        need(found.get("captures", [])[1:] == ["1.7"], "the version is captured")
+        # The tool read the automatic response: "got: " is printed by the tool, never typed.
+        got = {"session_id": session, "pattern": r"got: Detected version 1\.7"}
+        need((await self.tool("shell_expect", got)).get("matched") is True, "the tool got it")
 
     async def scenario_5_batch(self, session: str) -> None:
         print("\n=== 5. a scripted flow in one call: shell_batch")
+        await self.tool("vfs_write", {"path": "run_tests.sh", "content": FAKE_TESTS})
         steps = [
             {"type": "send", "input": "ls\n"},
             {"type": "expect", "pattern": r"terraform\.sh", "timeout_secs": 5},
-            {"type": "send", "input": "echo tests: 47 passed\n"},
+            {"type": "send", "input": "sh run_tests.sh\n"},
             {
                 "type": "expect_cases",
                 "cases": [
@@ -116,7 +147,10 @@ class ScriptedAgent:
                 ],
             },
         ]
-        await self.tool("shell_batch", {"session_id": session, "steps": steps, "timeout_secs": 30})
+        batch = {"session_id": session, "steps": steps, "timeout_secs": 30}
+        result = await self.tool("shell_batch", batch)
+        need(result.get("completed") == len(steps), "every step of the batch succeeds")
+        need(result["steps"][-1].get("tag") == "ok", "the test run passed")
 
 
 async def main() -> int:
@@ -133,14 +167,19 @@ async def main() -> int:
             agent = ScriptedAgent(client)
             tools = (await client.list_tools()).tools
             print(f"connected: {len(tools)} tools: {', '.join(t.name for t in tools)}")
-            if has_rust:
-                await agent.scenario_1_compile()
-            else:
-                print("\n=== 1. skipped: no rustup toolchain in ~/.cargo")
-            await agent.scenario_2_background()
-            session = await agent.scenario_3_confirmation()
-            await agent.scenario_4_cases(session)
-            await agent.scenario_5_batch(session)
+            try:
+                if has_rust:
+                    await agent.scenario_1_compile()
+                else:
+                    print("\n=== 1. skipped: no rustup toolchain in ~/.cargo")
+                await agent.scenario_2_background()
+                session = await agent.scenario_3_confirmation()
+                await agent.scenario_4_cases(session)
+                await agent.scenario_5_batch(session)
+            except ScenarioFailed as exc:
+                print(f"\nFAILED: {exc}")
+                return 1
+    print("\nall scenarios passed")
     return 0
 
 
