@@ -6,9 +6,10 @@ Run it from the repository root::
 
 It starts ``python -m corral mcp`` (what ``corral mcp`` runs) as a subprocess, connects
 with the official MCP client, and prints every tool call and its result, as a model would see
-them. Each scenario checks the results it needs; the script exits 1 naming the first
-that was wrong (``tests/test_examples.py`` runs it). Scenario 1 needs a rustup toolchain in ~/.cargo and ~/.rustup (shared read-only into the
-box by the ``rust`` preset); without one it is skipped.
+them. Each scenario checks the results it needs; the script exits 1 naming the first that
+was wrong (``tests/test_examples.py`` runs it). Scenario 1 needs a rustup toolchain in ~/.cargo
+and ~/.rustup (shared read-only into the box by the ``rust`` preset); without one it is
+skipped.
 """
 
 from __future__ import annotations
