@@ -27,6 +27,7 @@ from pathlib import Path
 from corral import Policy, Sandbox
 from corral.backends.microvm import box as microvm
 from corral.backends.microvm import initramfs
+from corral.policy import vm_memory_mb
 
 
 def p50_ms(samples: list[float]) -> float:
@@ -50,7 +51,7 @@ async def main(runs: int, execs: int) -> int:
         for i in range(runs):
             elapsed = await microvm.raw_boot(
                 backend.qemu, boot, backend.base, 120,
-                cpus=policy.vm.cpus, memory_mb=policy.vm.memory_mb,
+                cpus=policy.vm.cpus, memory_mb=vm_memory_mb(policy),
             )  # fmt: skip
             if elapsed is None:
                 print(f"raw boot never printed {initramfs.RAW_MARKER!r}", file=sys.stderr)

@@ -24,7 +24,9 @@ from corral.backends.host.state import state_root
 from corral.backends.microvm import initramfs
 from corral.errors import SandboxBroken
 
-POLICY = Policy(backend="microvm", vm={"cpus": 2, "memory_mb": 384})
+POLICY = Policy(
+    backend="microvm", vm={"cpus": 2, "memory_mb": 384}, limits={"memory_bytes": 256 << 20}
+)
 SKIP = unavailable_reason(POLICY)
 PROMPT = r"\$ $"
 
@@ -202,7 +204,8 @@ async def test_restored_vms_share_no_randomness_and_keep_the_hosts_time(tmp_path
 
 
 async def test_a_damaged_snapshot_is_replaced_and_snapshots_can_be_off(tmp_path: Path) -> None:
-    policy = Policy(backend="microvm", vm={"memory_mb": 320})  # a shape of its own
+    # A shape of its own: a VM of 320 MiB (the limit plus the guest's 128 MiB).
+    policy = Policy(backend="microvm", limits={"memory_bytes": 192 << 20})
     async with Sandbox(policy, workspace=tmp_path) as sb:
         saved = Path((await sb.info())["snapshot"])
     assert saved.is_file()

@@ -24,7 +24,8 @@ from corral.net import StaticResolver
 from loopback_http import LoopbackHttp, echo_path
 
 VM = {"cpus": 2, "memory_mb": 384}  # the shape of tests/test_microvm.py: one saved VM for both
-SKIP = unavailable_reason(Policy(backend="microvm", vm=VM))
+LIMITS = {"memory_bytes": 256 << 20}  # what a VM of 384 MiB holds beside the guest itself
+SKIP = unavailable_reason(Policy(backend="microvm", vm=VM, limits=LIMITS))
 NAMES = StaticResolver({"allowed.test": "127.0.0.1"})
 BIG = 3 << 20
 
@@ -63,7 +64,7 @@ async def allowlist_vm(
     tmp_path_factory: pytest.TempPathFactory, audit_log: Path
 ) -> AsyncIterator[Sandbox]:
     network = {"mode": "allowlist", "allow_hosts": ["allowed.test"], "allow_private": ["127.0.0.1"]}
-    policy = Policy(backend="microvm", vm=VM, network=network, audit_log=audit_log)
+    policy = Policy(backend="microvm", vm=VM, limits=LIMITS, network=network, audit_log=audit_log)
     sb = Sandbox(policy, workspace=tmp_path_factory.mktemp("ws-allow"), resolver=NAMES)
     await sb.start()
     yield sb
@@ -74,7 +75,9 @@ async def allowlist_vm(
 async def ports_vm(
     tmp_path_factory: pytest.TempPathFactory, server: LoopbackHttp
 ) -> AsyncIterator[Sandbox]:
-    policy = Policy(backend="microvm", vm=VM, network={"mode": "ports", "ports": [server.port]})
+    policy = Policy(
+        backend="microvm", vm=VM, limits=LIMITS, network={"mode": "ports", "ports": [server.port]}
+    )
     sb = Sandbox(policy, workspace=tmp_path_factory.mktemp("ws-ports"))
     await sb.start()
     yield sb

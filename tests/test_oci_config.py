@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from corral import Policy
 from corral.backends.host import seccomp
 from corral.backends.layout import HostView, Symlink
-from corral.backends.oci.config import CgroupFacts, OciBundle, OciInputs, oci_bundle
+from corral.backends.limits import Capabilities, plan_limits
+from corral.backends.oci.config import OciBundle, OciInputs, oci_bundle
 from corral.backends.users import HOST_UID_BASE
 
 HOST_TOP = [
@@ -186,21 +187,23 @@ def test_limits_become_resources_in_an_explicit_cgroup() -> None:
     assert res["devices"] == [{"allow": False, "access": "rwm"}]
 
 
-def test_limits_the_host_cannot_enforce_are_reported_not_sent() -> None:
-    facts = CgroupFacts(version="v1", controllers=frozenset({"memory"}), swap_limit=False)
+def test_limits_the_host_cannot_enforce_are_not_sent() -> None:
+    caps = Capabilities("cgroup v1", controllers=frozenset({"memory"}), swap="uncapped")
     policy = Policy.from_dict({"limits": {"cpu_quota": 1.0}})
-    b = bundle(policy, cgroups=facts)
+    b = bundle(policy, limits=plan_limits(policy.limits, caps))
     res = b.config["linux"]["resources"]
     assert res["memory"] == {"limit": 1 << 30}  # no swap cap without memsw
     assert "pids" not in res and "cpu" not in res
-    assert set(b.unenforced) == {
-        "max_pids limit not enforced",
-        "cpu_quota limit not enforced",
-        "swap limit not enforced",
-    }
-    none = bundle(cgroups=CgroupFacts(version="none", controllers=frozenset()))
-    assert "memory" not in none.config["linux"]["resources"]
-    assert "memory_bytes limit not enforced" in none.unenforced
+    none = Capabilities("none", controllers=frozenset(), swap="inactive")
+    res = bundle(policy, limits=plan_limits(policy.limits, none)).config["linux"]["resources"]
+    assert res == {"devices": [{"allow": False, "access": "rwm"}]}
+
+
+def test_resources_are_the_plans_numbers() -> None:
+    policy = Policy.from_dict({"limits": {"memory_bytes": 100_000_001, "cpu_quota": 0.29}})
+    res = bundle(policy).config["linux"]["resources"]
+    assert res["memory"]["limit"] == 100_000_001 // 4096 * 4096  # whole pages
+    assert res["cpu"] == {"quota": 29_000, "period": 100_000}  # not int(0.29 * 1e5) = 28999
 
 
 def test_mount_points_outside_host_binds_are_made_in_the_root_dir() -> None:

@@ -13,7 +13,15 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from corral.errors import PolicyError
 
@@ -32,6 +40,32 @@ def parse_size(value: object) -> object:
 
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+
+# The smallest limits a box can start with, checked here so that no backend discovers them at
+# start. Measured on bwrap, runc and crun (``bench``-style loops over the values): an idle box
+# (the guest agent) uses about 8 MiB, 8 MiB starts it and runs ``true``, a Python one-liner
+# needs 12 MiB; below that the OOM killer takes the agent itself.
+MIN_MEMORY_BYTES = 16 << 20
+CPU_PERIOD_US = 100_000
+"""The CFS period every backend uses: ``cpu_quota`` cores = quota/period."""
+MIN_CPU_QUOTA = 0.01
+"""The kernel refuses a CFS quota below 1 ms per period: 1 ms / 100 ms = 0.01 cores."""
+MAX_CPU_QUOTA = 4096.0
+MIN_PIDS = 4
+"""The guest agent plus a shell running a two-command pipeline (measured: with 3, the
+shell's second fork fails)."""
+VM_GUEST_MEMORY_MB = 128
+"""What a microVM's own kernel, initramfs and guest agent take of its RAM, beside the box's
+memory limit: VM RAM is the limit plus this (see :func:`vm_memory_mb`)."""
+VM_DEFAULT_MEMORY_MB = 512
+"""VM RAM when the box has no memory limit and ``vm.memory_mb`` is not given."""
+VM_MEMORY_STEP_MB = 64
+"""Derived VM RAM is rounded up to this step, so nearby limits share one saved VM."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g} MiB"
+
 
 RlimitName = Literal["nofile", "fsize", "core", "nproc", "as", "cpu", "stack", "data", "memlock"]
 
@@ -120,7 +154,9 @@ class VmPolicy(_Model):
     """Settings of the microVM backend (ignored by the others)."""
 
     cpus: int = Field(default=1, gt=0, le=64)
-    memory_mb: int = Field(default=512, ge=64)
+    memory_mb: int | None = Field(default=None, ge=64)
+    """RAM of the VM in MiB; default: the box's memory limit plus what the guest itself
+    takes (``VM_GUEST_MEMORY_MB``), so the limit, not the VM's size, is what a box meets."""
     accel: Literal["auto", "kvm", "tcg"] = "auto"
     """``auto`` tries KVM and falls back to software emulation (TCG)."""
     kernel: Path | None = None
@@ -131,16 +167,56 @@ class VmPolicy(_Model):
 
 
 class Limits(_Model):
+    """Resource limits of a box. Every backend enforces the same values (see ``info()``:
+    ``memory_limit_bytes``, ``cpu_quota``, ``max_pids``, ``rlimits``) or reports which it
+    cannot enforce on this host; values a box cannot start with are refused here."""
+
     memory_bytes: Size | None = 1 << 30
-    """Memory cap of the whole box (cgroup); exceeding it OOM-kills inside the box."""
-    cpu_quota: float | None = Field(default=None, gt=0)
-    """CPU cap in cores (0.5 = half a core)."""
-    max_pids: int | None = Field(default=256, gt=0)
-    """Maximum number of processes and threads in the box."""
-    exec_timeout_secs: float | None = Field(default=None, gt=0)
+    """Memory cap of the whole box (cgroup); exceeding it OOM-kills inside the box. At least
+    16 MiB; the kernel counts it in pages (rounded down to 4 KiB)."""
+    cpu_quota: float | None = Field(default=None, allow_inf_nan=False)
+    """CPU cap in cores (0.5 = half a core), 0.01 to 4096, in steps of 0.00001 (1 us of a
+    100 ms period)."""
+    max_pids: int | None = 256
+    """Maximum number of processes and threads in the box, its guest agent included; at
+    least 4."""
+    exec_timeout_secs: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Default timeout of ``run`` when the call gives none."""
-    rlimits: dict[RlimitName, int] = Field(default_factory=lambda: _no_core_dumps())
+    rlimits: dict[RlimitName, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=lambda: _no_core_dumps()
+    )
     """Per-process rlimits applied to every command (``nofile``, ``fsize``, ``core``, ...)."""
+
+    @field_validator("memory_bytes")
+    @classmethod
+    def _memory_fits_a_box(cls, value: int | None) -> int | None:
+        if value is not None and value < MIN_MEMORY_BYTES:
+            raise ValueError(
+                f"{value} bytes is below the minimum a box can start with "
+                f"({_mib(MIN_MEMORY_BYTES)}: its guest agent alone uses about 8 MiB)"
+            )
+        return value
+
+    @field_validator("cpu_quota")
+    @classmethod
+    def _quota_the_kernel_takes(cls, value: float | None) -> float | None:
+        if value is not None and not MIN_CPU_QUOTA <= value <= MAX_CPU_QUOTA:
+            raise ValueError(
+                f"{value} cores is outside {MIN_CPU_QUOTA}..{MAX_CPU_QUOTA:g} (the kernel's "
+                f"smallest CPU quota is 1 ms per {CPU_PERIOD_US // 1000} ms period)"
+            )
+        return value
+
+    @field_validator("max_pids")
+    @classmethod
+    def _pids_for_a_command(cls, value: int | None) -> int | None:
+        if value is not None and value < MIN_PIDS:
+            raise ValueError(
+                f"{value} is below the minimum a box can run a command with ({MIN_PIDS}: "
+                "the guest agent, a shell and a two-command pipeline)"
+            )
+        return value
+
     output_bytes: Size = 1 << 20
     """Captured output per stream; beyond it the head and the tail are kept."""
 
@@ -194,6 +270,9 @@ class Policy(_Model):
             raise ValueError(f"runtime {self.runtime!r} needs backend 'oci'")
         if not self.workdir.startswith("/"):
             raise ValueError(f"workdir must be an absolute path inside the box: {self.workdir!r}")
+        problem = vm_memory_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @classmethod
@@ -220,11 +299,43 @@ class Policy(_Model):
             raise PolicyError(f"{p}: {exc.message}") from None
 
 
+def vm_memory_mb(policy: Policy) -> int:
+    """RAM of a microVM box in MiB: ``vm.memory_mb``, or derived from the memory limit (the
+    limit plus the guest's own :data:`VM_GUEST_MEMORY_MB`, rounded up to 64 MiB)."""
+    if policy.vm.memory_mb is not None:
+        return policy.vm.memory_mb
+    limit = policy.limits.memory_bytes
+    if limit is None:
+        return VM_DEFAULT_MEMORY_MB
+    wanted = -(-limit // (1 << 20)) + VM_GUEST_MEMORY_MB
+    return -(-wanted // VM_MEMORY_STEP_MB) * VM_MEMORY_STEP_MB
+
+
+def vm_memory_problem(policy: Policy) -> str | None:
+    """Why a microVM's RAM cannot hold the box's memory limit (a limit the VM's size would
+    silently override), or None."""
+    limit = policy.limits.memory_bytes
+    if policy.backend != "microvm" or limit is None or policy.vm.memory_mb is None:
+        return None
+    room = (policy.vm.memory_mb - VM_GUEST_MEMORY_MB) << 20
+    if limit <= room:
+        return None
+    return (
+        f"limits.memory_bytes: {_mib(limit)} does not fit in the VM: vm.memory_mb "
+        f"{policy.vm.memory_mb} leaves {_mib(max(room, 0))} once the guest's own "
+        f"{VM_GUEST_MEMORY_MB} MiB are taken; lower the limit, raise vm.memory_mb, or leave "
+        "vm.memory_mb unset to size the VM from the limit"
+    )
+
+
 def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
-        where = ".".join(str(x) for x in err["loc"]) or "policy"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a rule across fields: its message names them
+            parts.append(msg)
+            continue
+        where = ".".join(str(x) for x in err["loc"])
         if err["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see corral.Policy for the fields)"
         parts.append(f"{where}: {msg} (got {err.get('input')!r})")

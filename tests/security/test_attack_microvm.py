@@ -21,7 +21,9 @@ from security import test_attack_filesystem as fs
 from security import test_attack_privilege as priv
 from security import test_attack_processes as procs
 
-POLICY = Policy(backend="microvm", vm={"cpus": 2, "memory_mb": 384})
+POLICY = Policy(
+    backend="microvm", vm={"cpus": 2, "memory_mb": 384}, limits={"memory_bytes": 256 << 20}
+)
 SKIP = unavailable_reason(POLICY)
 
 pytestmark = [

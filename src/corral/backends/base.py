@@ -33,6 +33,7 @@ from corral.policy import Policy
 
 if TYPE_CHECKING:
     from corral.backends.host.cgroups import Cgroup
+    from corral.backends.limits import LimitPlan
     from corral.net import BoxNetwork
 
 AGENT_DIR = Path(__file__).resolve().parent.parent / "agent"
@@ -138,10 +139,17 @@ class BoxBase:
     heartbeat_timeout = 30.0
     """Seconds the agent may take to answer a heartbeat before the box is declared hung."""
 
-    def __init__(self, spec: BoxSpec, channel: socket.socket, warnings: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        spec: BoxSpec,
+        channel: socket.socket,
+        warnings: tuple[str, ...],
+        limits: LimitPlan,
+    ) -> None:
         self._spec = spec
         self._channel = channel
         self._warnings = warnings
+        self._limits = limits
         self._closed = False
 
     @property
@@ -170,14 +178,11 @@ class BoxBase:
         """SIGKILL every process of the box now, without waiting (``close`` still cleans up)."""
 
     def describe(self) -> dict[str, Any]:
-        limits = self._spec.policy.limits
         return {
             "backend": self.backend,
             "sandbox_id": self._spec.sandbox_id,
             **self._facts(),
-            "memory_limit_bytes": limits.memory_bytes,
-            "cpu_quota": limits.cpu_quota,
-            "max_pids": limits.max_pids,
+            **self._limits.describe(),  # the effective limits, as planned and applied
             "unenforced": list(self._warnings),
         }
 

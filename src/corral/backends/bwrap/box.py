@@ -44,6 +44,7 @@ from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
+from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.users import HOST_UID_BASE, id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
@@ -121,9 +122,10 @@ class BwrapBox(CgroupAccounting, BoxBase):
         channel: socket.socket,
         cgroup: cgroups.Cgroup | None,
         warnings: tuple[str, ...],
+        limits: LimitPlan,
         shared: idmap.SharedPaths | None = None,
     ) -> None:
-        super().__init__(spec, channel, warnings)
+        super().__init__(spec, channel, warnings, limits)
         self._proc = proc
         self._cgroup = cgroup
         self._shared = shared
@@ -173,6 +175,8 @@ class BwrapBackend(BackendBase):
                 "run corral as root (or use a rootless backend when available)"
             )
         self.cgroup_support = cgroups.detect()
+        # bwrap's own init (pid 1 of the box) sits in the box's cgroup beside the agent.
+        self.limit_caps = cgroups.limit_capabilities(self.cgroup_support, own_pids=1)
         self.python = find_python()
 
     def sweep_orphans(self) -> list[str]:
@@ -184,6 +188,7 @@ class BwrapBackend(BackendBase):
         problem = unplaceable_mount(policy)
         if problem is not None:
             raise PolicyError(problem)
+        limits = plan_limits(policy.limits, self.limit_caps)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         masked_file, masked_dir, passwd = shared_files()
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -215,7 +220,7 @@ class BwrapBackend(BackendBase):
         warnings: list[str] = []
         proc: asyncio.subprocess.Process | None = None
         try:
-            cgroup, warnings = self._make_cgroup(spec)
+            cgroup, warnings = self._make_cgroup(spec, limits)
             if shared.warning:
                 warnings.append(shared.warning)
             proc = await asyncio.create_subprocess_exec(
@@ -262,16 +267,16 @@ class BwrapBackend(BackendBase):
                     with contextlib.suppress(OSError):
                         os.close(fd)
         host_end.setblocking(False)
-        return BwrapBox(spec, proc, host_end, cgroup, tuple(warnings), shared)
+        return BwrapBox(spec, proc, host_end, cgroup, tuple(warnings), limits, shared)
 
-    def _make_cgroup(self, spec: BoxSpec) -> tuple[cgroups.Cgroup | None, list[str]]:
-        limits = spec.policy.limits
+    def _make_cgroup(
+        self, spec: BoxSpec, plan: LimitPlan
+    ) -> tuple[cgroups.Cgroup | None, list[str]]:
+        warnings = list(plan.warnings)
+        if plan.mechanism == "none":
+            return None, warnings
         wanted = cgroups.CgroupLimits(
-            memory_bytes=limits.memory_bytes,
-            cpu_quota=limits.cpu_quota,
-            max_pids=limits.max_pids,
+            memory_bytes=plan.memory_bytes, cpu_quota=plan.cpu_quota, max_pids=plan.pids_max
         )
-        if self.cgroup_support.version == "none":
-            return None, [f"no resource limits: {self.cgroup_support.reason}"]
         group = cgroups.Cgroup.create(spec.sandbox_id, wanted, self.cgroup_support)
-        return group, [f"{name} limit not enforced" for name in sorted(group.unenforced)]
+        return group, warnings + cgroups.late_unenforced(group, plan)

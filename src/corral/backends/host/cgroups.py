@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from corral.backends.host import mountinfo
+from corral.backends.limits import Capabilities, LimitPlan, Mechanism, Swap
 from corral.errors import BackendError, BackendUnavailable
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "CgroupStats",
     "CgroupSupport",
     "detect",
+    "limit_capabilities",
     "sweep_orphans",
 ]
 
@@ -97,7 +99,7 @@ class CgroupLimits:
         if q is not None:
             if isinstance(q, bool) or not isinstance(q, int | float) or not math.isfinite(q):
                 raise BackendError(f"cpu quota must be a finite number of cores, got {q!r}")
-            if int(q * CFS_PERIOD_US) < _MIN_QUOTA_US:
+            if round(q * CFS_PERIOD_US) < _MIN_QUOTA_US:
                 raise BackendError(
                     f"cpu quota {q} cores is too small; it must be at least "
                     f"{_MIN_QUOTA_US / CFS_PERIOD_US} cores"
@@ -314,6 +316,30 @@ def _check_name(name: str) -> None:
         )
 
 
+def limit_capabilities(support: CgroupSupport, own_pids: int = 0) -> Capabilities:
+    """What a box's cgroup on this host can enforce, for the limits planner."""
+    if support.version == "none":
+        return Capabilities("none", frozenset(), "inactive", own_pids, reason=support.reason)
+    if support.version == "v1":
+        mount = support.mounts.get("memory")
+        capped = mount is not None and Path(mount, "memory.memsw.limit_in_bytes").exists()
+    else:  # the file exists in any group once the kernel accounts swap
+        capped = next(Path(support.root).glob("*/memory.swap.max"), None) is not None
+    swap: Swap = "capped" if capped else "uncapped" if _swap_active() else "inactive"
+    controllers = support.controllers & {"memory", "cpu", "pids"}
+    mechanism: Mechanism = "cgroup v1" if support.version == "v1" else "cgroup v2"
+    return Capabilities(mechanism, controllers, swap, own_pids)
+
+
+def late_unenforced(group: Cgroup, plan: LimitPlan) -> list[str]:
+    """Limits the plan expected to hold but the group could not take (a v2 controller the
+    parent refused to delegate), named as the planner names them."""
+    return [
+        f"limits.{name} not enforced: its controller could not be enabled for {group.name}"
+        for name in sorted(group.unenforced - {"swap"} - plan.unenforced)
+    ]
+
+
 def _swap_active() -> bool:
     text = _read(Path("/proc/swaps"))
     return bool(text and len(text.strip().splitlines()) > 1)
@@ -427,7 +453,7 @@ class Cgroup:
                 unenforced.add("cpu_quota")
             else:
                 self._set(d / "cpu.cfs_period_us", str(CFS_PERIOD_US))
-                self._set(d / "cpu.cfs_quota_us", str(int(limits.cpu_quota * CFS_PERIOD_US)))
+                self._set(d / "cpu.cfs_quota_us", str(round(limits.cpu_quota * CFS_PERIOD_US)))
         return frozenset(unenforced)
 
     @classmethod
@@ -479,7 +505,7 @@ class Cgroup:
             if "cpu" not in enabled:
                 unenforced.add("cpu_quota")
             else:
-                quota = int(limits.cpu_quota * CFS_PERIOD_US)
+                quota = round(limits.cpu_quota * CFS_PERIOD_US)
                 self._set(d / "cpu.max", f"{quota} {CFS_PERIOD_US}")
         return frozenset(unenforced)
 

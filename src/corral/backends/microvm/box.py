@@ -57,11 +57,12 @@ from corral.backends.host import seccomp
 from corral.backends.host.python import find_python
 from corral.backends.host.state import cache_root, write_owner
 from corral.backends.layout import HostView, Symlink, expand, guest_path, root_entries
+from corral.backends.limits import Capabilities, LimitPlan, plan_limits
 from corral.backends.microvm import initramfs, vmsnap
 from corral.backends.users import BOX_UID, passwd_text
 from corral.errors import BackendError, BackendUnavailable
 from corral.net import vmlink
-from corral.policy import Policy
+from corral.policy import Policy, vm_memory_mb
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
@@ -171,7 +172,18 @@ def guest_ids(workspace: Path) -> tuple[int, int, bool]:
     return st.st_uid, st.st_gid, False
 
 
-def boot_plan(spec: BoxSpec) -> tuple[initramfs.BootPlan, list[HostShare]]:
+def limit_plan(policy: Policy) -> LimitPlan:
+    """The box's limits, held by the guest kernel's cgroup, in a VM sized for them."""
+    caps = Capabilities(
+        "guest cgroup v2",
+        swap="inactive",  # the guest has no swap
+        vm_memory_mb=vm_memory_mb(policy),
+        vm_cpus=policy.vm.cpus,
+    )
+    return plan_limits(policy.limits, caps)
+
+
+def boot_plan(spec: BoxSpec, limits: LimitPlan) -> tuple[initramfs.BootPlan, list[HostShare]]:
     """The guest's mounts and the qemu shares they come from (pure but for a stat)."""
     policy = spec.policy
     fs = policy.filesystem
@@ -210,9 +222,9 @@ def boot_plan(spec: BoxSpec) -> tuple[initramfs.BootPlan, list[HostShare]]:
         deny_write=tuple(guest_path(p, policy, host) for p in fs.deny_write),
         minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
         passwd=passwd_text(uid, gid),
-        memory_max=policy.limits.memory_bytes,
-        pids_max=policy.limits.max_pids,
-        cpu_max=policy.limits.cpu_quota,
+        memory_max=limits.memory_bytes,
+        pids_max=limits.pids_max,
+        cpu_max_us=limits.cpu_quota_us,
     )
     return plan, host_shares
 
@@ -365,8 +377,9 @@ class MicroVmBox(BoxBase):
         warnings: tuple[str, ...],
         how: str,
         snapshot: Path | None,
+        limits: LimitPlan,
     ) -> None:
-        super().__init__(spec, channel, warnings)
+        super().__init__(spec, channel, warnings, limits)
         self._proc = proc
         self._boot = boot
         self._kernel = kernel
@@ -428,7 +441,7 @@ class MicroVmBox(BoxBase):
             "accel": self._boot.accel,
             "machine": self._boot.machine,
             "vm_cpus": vm.cpus,
-            "vm_memory_mb": vm.memory_mb,
+            "vm_memory_mb": vm_memory_mb(self._spec.policy),
             "kernel_image": str(self._kernel.image),
             "boot": self.boot_how,
             "snapshot": None if self._snapshot is None else str(self._snapshot),
@@ -558,9 +571,10 @@ class MicroVmBackend(BackendBase):
 
     async def start(self, spec: BoxSpec) -> MicroVmBox:
         """Restore the saved VM of this shape when there is one, else boot (and save it)."""
-        boot = await self.boot_mode()
         policy = spec.policy
-        plan, shares = boot_plan(spec)
+        limits = limit_plan(policy)  # a refusal comes before anything starts
+        boot = await self.boot_mode()
+        plan, shares = boot_plan(spec, limits)
         plan = replace(plan, seccomp=seccomp.build_filter(policy.security.preset))
         devices = box_devices(boot, spec.state_dir / "chan.sock", shares)
         shape = vmsnap.Shape(
@@ -570,7 +584,7 @@ class MicroVmBackend(BackendBase):
             accel=boot.accel,
             machine=boot.machine,
             cpus=policy.vm.cpus,
-            memory_mb=policy.vm.memory_mb,
+            memory_mb=vm_memory_mb(policy),
             shares=len(shares),
             # The device layout without per-box paths, and the kernel's command line (in the
             # saved memory too).
@@ -580,24 +594,28 @@ class MicroVmBackend(BackendBase):
         notes: list[str] = []
         if snapshot is not None and snapshot.exists():
             try:
-                return await self._boot(spec, boot, plan, devices, restore=snapshot)
+                return await self._boot(spec, boot, plan, limits, devices, restore=snapshot)
             except BackendError as exc:  # a stale or damaged file: boot, and save a new one
                 vmsnap.discard(snapshot)
                 notes.append(f"the saved VM did not restore ({exc.message}); booted instead")
         try:
             try:
-                return await self._boot(spec, boot, plan, devices, save=snapshot, notes=notes)
+                return await self._boot(
+                    spec, boot, plan, limits, devices, save=snapshot, notes=notes
+                )
             except BootStalled as exc:  # rare under TCG on a loaded host: one more try
                 notes.append(f"the first boot stalled ({exc.message}); booted again")
-                return await self._boot(spec, boot, plan, devices, save=snapshot, notes=notes)
+                return await self._boot(
+                    spec, boot, plan, limits, devices, save=snapshot, notes=notes
+                )
         except _Saved:
             assert snapshot is not None
         try:
-            box = await self._boot(spec, boot, plan, devices, restore=snapshot, notes=notes)
+            box = await self._boot(spec, boot, plan, limits, devices, restore=snapshot, notes=notes)
         except BackendError as exc:
             vmsnap.discard(snapshot)
             notes.append(f"the VM just saved did not restore ({exc.message}); booted instead")
-            return await self._boot(spec, boot, plan, devices, notes=notes)
+            return await self._boot(spec, boot, plan, limits, devices, notes=notes)
         box.boot_how = "booted, saved and restored"
         return box
 
@@ -606,6 +624,7 @@ class MicroVmBackend(BackendBase):
         spec: BoxSpec,
         boot: Boot,
         plan: initramfs.BootPlan,
+        limits: LimitPlan,
         devices: list[str],
         *,
         restore: Path | None = None,
@@ -622,7 +641,7 @@ class MicroVmBackend(BackendBase):
             boot,
             initrd=self.base,
             cpus=policy.vm.cpus,
-            memory_mb=policy.vm.memory_mb,
+            memory_mb=vm_memory_mb(policy),
             serial=f"file:{spec.state_dir / 'console.log'}",
         )
         argv += devices
@@ -694,9 +713,10 @@ class MicroVmBackend(BackendBase):
             net_listener.close()
             sock_path.unlink(missing_ok=True)
             net_path.unlink(missing_ok=True)
-        # Nothing of the policy is left unenforced (the guest's cgroup holds the limits): the
-        # warnings are how the VM started, when it did not go as planned.
-        box = MicroVmBox(spec, proc, channel, boot, self.kernel, tuple(notes), how, restore)
+        # The guest's cgroup holds the limits: the warnings are the plan's (a CPU quota above
+        # the VM's CPUs) and how the VM started, when it did not go as planned.
+        warnings = (*limits.warnings, *notes)
+        box = MicroVmBox(spec, proc, channel, boot, self.kernel, warnings, how, restore, limits)
         await box.attach_network(net_sock)
         return box
 

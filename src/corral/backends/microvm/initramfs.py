@@ -36,6 +36,7 @@ from corral.agent import protocol
 from corral.backends.base import AGENT_DIR
 from corral.backends.host.state import cache_root
 from corral.backends.microvm import vmpython, vmsnap
+from corral.policy import CPU_PERIOD_US
 
 RAW_MARKER = "corral-raw-boot-marker"
 SNAPSHOT_MARKER = protocol.VM_SNAPSHOT_MARKER.decode().strip()
@@ -382,7 +383,8 @@ class BootPlan:
     passwd: str = ""
     memory_max: int | None = None
     pids_max: int | None = None
-    cpu_max: float | None = None
+    cpu_max_us: int | None = None
+    """Microseconds of CPU per 100 ms period (``cpu.max``)."""
     """The box's limits, enforced by the guest kernel's cgroup (v2) :data:`GUEST_CGROUP`,
     which holds the agent and so every command (as the box's cgroup does on the host)."""
 
@@ -471,8 +473,8 @@ def boot_script(plan: BootPlan) -> str:
         lines += [f"echo {plan.memory_max} > {cgroup}/memory.max"]
     if plan.pids_max is not None:
         lines += [f"echo {plan.pids_max} > {cgroup}/pids.max"]
-    if plan.cpu_max is not None:
-        lines += [f"echo '{max(1000, int(plan.cpu_max * 100_000))} 100000' > {cgroup}/cpu.max"]
+    if plan.cpu_max_us is not None:  # as planned: backends.limits refuses what the kernel would
+        lines += [f"echo '{plan.cpu_max_us} {CPU_PERIOD_US}' > {cgroup}/cpu.max"]
     lines += [
         f"echo 1 > {cgroup}/cgroup.procs",  # the agent, PID 1: every command is born in it
         f"hostname {q(plan.hostname)}",

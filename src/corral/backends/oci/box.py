@@ -58,6 +58,7 @@ from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
+from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
@@ -247,9 +248,10 @@ class OciBox(CgroupAccounting, BoxBase):
         channel: socket.socket,
         cgroup: cgroups.Cgroup | None,
         warnings: tuple[str, ...],
+        limits: LimitPlan,
         shared: idmap.SharedPaths | None = None,
     ) -> None:
-        super().__init__(spec, channel, warnings)
+        super().__init__(spec, channel, warnings, limits)
         self._runtime = runtime
         self._cgroup = cgroup
         self._shared = shared
@@ -364,6 +366,7 @@ class OciBackend(BackendBase):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.cgroup_support = cgroups.detect()
+        self.limit_caps = cgroups.limit_capabilities(self.cgroup_support)
         self.python = find_python()
 
     def sweep_key(self) -> str:
@@ -378,6 +381,7 @@ class OciBackend(BackendBase):
         problem = unplaceable_mount(spec.policy)
         if problem is not None:
             raise PolicyError(problem)
+        limits = plan_limits(spec.policy.limits, self.limit_caps)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         write_owner(spec.state_dir, "oci", runtime=runtime.name, runtime_root=str(runtime.root))
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -388,7 +392,7 @@ class OciBackend(BackendBase):
             # full mode: the box joins a namespace corral made and fenced (by path: the
             # runtime's init is not dumpable, so pasta could not attach to it by pid).
             netns = await spec.network.make_netns() if spec.network is not None else None
-            result = self._bundle(spec, shared, netns)
+            result = self._bundle(spec, shared, limits, netns)
             bundle = spec.state_dir / "bundle"
             bundle.mkdir()
             _write_bundle(bundle, result)
@@ -406,23 +410,21 @@ class OciBackend(BackendBase):
         finally:
             guest_end.close()
         host_end.setblocking(False)
-        warnings = result.unenforced + ((shared.warning,) if shared.warning else ())
-        return OciBox(spec, runtime, host_end, cgroup, warnings, shared)
+        warnings = limits.warnings + ((shared.warning,) if shared.warning else ())
+        return OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared)
 
     def _bundle(
-        self, spec: BoxSpec, shared: idmap.SharedPaths, netns: str | None = None
+        self,
+        spec: BoxSpec,
+        shared: idmap.SharedPaths,
+        limits: LimitPlan,
+        netns: str | None = None,
     ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
         config = {**agent_config(spec), "fd": 0}
         net = spec.network
         if net is not None:
             config["forwarders"] = net.forwarders()
-        support = self.cgroup_support
-        facts = oci_config.CgroupFacts(
-            version=support.version,
-            controllers=support.controllers,
-            swap_limit=_swap_limit_file(support),
-        )
         inputs = oci_config.OciInputs(
             sandbox_id=spec.sandbox_id,
             workspace=shared.workspace,
@@ -434,20 +436,10 @@ class OciBackend(BackendBase):
             masked_dir=masked_dir,
             passwd_file=passwd,
             agent_args=(json.dumps(config, separators=(",", ":")),),
-            cgroups=facts,
+            limits=limits,
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             host_mounts=mountinfo.mount_points(),
             sources=shared.sources,
             netns_path=netns,
         )
         return oci_config.oci_bundle(spec.policy, inputs)
-
-
-def _swap_limit_file(support: cgroups.CgroupSupport) -> bool:
-    """Whether the runtime can cap swap (OCI ``memory.swap``): the file must exist."""
-    if support.version == "v1":
-        mount = support.mounts.get("memory")
-        return mount is not None and Path(mount, "memory.memsw.limit_in_bytes").exists()
-    if support.version == "v2":
-        return next(Path(support.root).glob("*/memory.swap.max"), None) is not None
-    return False

@@ -28,10 +28,10 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from corral.backends.host import seccomp
-from corral.backends.host.cgroups import CFS_PERIOD_US, PARENT
+from corral.backends.host.cgroups import PARENT
 from corral.backends.layout import (
     GUEST_AGENT_DIR,
     PROC_READ_ONLY,
@@ -43,6 +43,7 @@ from corral.backends.layout import (
     policy_binds,
     root_entries,
 )
+from corral.backends.limits import Capabilities, LimitPlan, plan_limits
 from corral.backends.users import GUEST_HOME, id_ranges
 from corral.policy import Policy
 
@@ -66,16 +67,6 @@ _OWN_MOUNTS = ("/proc", "/dev", "/sys", "/tmp", "/run", "/home")
 
 
 @dataclass(frozen=True, slots=True)
-class CgroupFacts:
-    """What the host's cgroups can enforce (from :func:`cgroups.detect`)."""
-
-    version: Literal["v1", "v2", "none"] = "v1"
-    controllers: frozenset[str] = frozenset({"memory", "pids", "cpu"})
-    swap_limit: bool = True
-    """The swap (v1: memory.memsw) limit file exists, so swap cannot extend the cap."""
-
-
-@dataclass(frozen=True, slots=True)
 class OciInputs:
     sandbox_id: str
     workspace: Path
@@ -87,7 +78,9 @@ class OciInputs:
     masked_dir: Path
     passwd_file: Path
     agent_args: tuple[str, ...]
-    cgroups: CgroupFacts = CgroupFacts()
+    limits: LimitPlan | None = None
+    """The box's limits (:func:`corral.backends.limits.plan_limits`); None: the policy's,
+    planned as on a host with every controller."""
     extra_binds: tuple[Bind, ...] = ()
     """Binds a backend-neutral part asks for (the network directory of ``corral.net``)."""
     netns_path: str | None = None
@@ -109,8 +102,6 @@ class OciBundle:
     files: tuple[str, ...]
     """Guest paths to create as empty files (mount points of files)."""
     symlinks: tuple[Symlink, ...]
-    unenforced: tuple[str, ...] = field(default=())
-    """Limits of the policy the host cannot enforce (for the box's warnings)."""
 
 
 def _bind(entry: Bind, host: HostView) -> dict[str, Any]:
@@ -178,33 +169,21 @@ def _system_mounts(policy: Policy, own_netns: bool = True) -> list[dict[str, Any
     ]
 
 
-def _resources(policy: Policy, facts: CgroupFacts) -> tuple[dict[str, Any], list[str]]:
-    """``linux.resources`` for the limits the host can enforce, and those it cannot."""
-    limits = policy.limits
+def _resources(plan: LimitPlan) -> dict[str, Any]:
+    """``linux.resources``: the planned limits the host's cgroups enforce, as planned."""
     res: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
-    unenforced: list[str] = []
-    if facts.version == "none":
-        wanted = [n for n in ("memory_bytes", "cpu_quota", "max_pids") if getattr(limits, n)]
-        return res, [f"{n} limit not enforced" for n in wanted]
-    if limits.memory_bytes is not None:
-        if "memory" in facts.controllers:
-            res["memory"] = {"limit": limits.memory_bytes}
-            if facts.swap_limit:
-                # OCI's swap is memory + swap: equal to the limit means no swap at all.
-                res["memory"]["swap"] = limits.memory_bytes
-        else:
-            unenforced.append("memory_bytes limit not enforced")
-    if limits.max_pids is not None:
-        if "pids" in facts.controllers:
-            res["pids"] = {"limit": limits.max_pids}
-        else:
-            unenforced.append("max_pids limit not enforced")
-    if limits.cpu_quota is not None:
-        if "cpu" in facts.controllers:
-            res["cpu"] = {"quota": int(limits.cpu_quota * CFS_PERIOD_US), "period": CFS_PERIOD_US}
-        else:
-            unenforced.append("cpu_quota limit not enforced")
-    return res, unenforced
+    if plan.mechanism == "none":
+        return res
+    if plan.memory_bytes is not None and "memory_bytes" not in plan.unenforced:
+        res["memory"] = {"limit": plan.memory_bytes}
+        if plan.swap_capped:
+            # OCI's swap is memory + swap: equal to the limit means no swap at all.
+            res["memory"]["swap"] = plan.memory_bytes
+    if plan.pids_max is not None and "max_pids" not in plan.unenforced:
+        res["pids"] = {"limit": plan.pids_max}
+    if plan.cpu_quota_us is not None and "cpu_quota" not in plan.unenforced:
+        res["cpu"] = {"quota": plan.cpu_quota_us, "period": plan.cpu_period_us}
+    return res
 
 
 def _mount_points(
@@ -252,9 +231,7 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     mounts = _system_mounts(policy, inp.netns_path is None) + [_bind(b, host) for b in binds]
     host_roots = {b.dest for b in root_binds}
     dirs, files = _mount_points(mounts, host_roots, host)
-    resources, unenforced = _resources(policy, inp.cgroups)
-    if policy.limits.memory_bytes is not None and not inp.cgroups.swap_limit:
-        unenforced.append("swap limit not enforced")
+    limits = inp.limits or plan_limits(policy.limits, Capabilities("cgroup v1"))
     namespaces: list[dict[str, str]] = [
         {"type": t} for t in ("user", "pid", "ipc", "uts", "mount", "cgroup")
     ]
@@ -292,7 +269,7 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(PROC_READ_ONLY),
             "seccomp": seccomp.oci_seccomp(policy.security.preset),
-            "resources": resources,
+            "resources": _resources(limits),
             "cgroupsPath": f"/{PARENT}/{inp.sandbox_id}",
         },
     }
@@ -301,7 +278,6 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         dirs=tuple(dirs),
         files=tuple(files),
         symlinks=tuple(e for e in roots if isinstance(e, Symlink)),
-        unenforced=tuple(unenforced),
     )
 
 
