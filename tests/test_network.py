@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from loopback_http import LoopbackHttp
 pytestmark = pytest.mark.needs_bwrap
 
 BACKEND = os.environ.get("CORRAL_TEST_BACKENDS", "bwrap").split(",")[0]
-NAMES = StaticResolver({"allowed.test": "127.0.0.1", "api.wild.test": "127.0.0.1"})
+NAMES = StaticResolver(
+    {"allowed.test": "127.0.0.1", "api.wild.test": "127.0.0.1", "lan.wild.test": "10.9.9.9"}
+)
 
 
 @pytest.fixture
@@ -126,6 +129,52 @@ async def test_a_host_not_on_the_list_is_refused_clearly_and_audited(
     assert denials == [("denied.test", "http"), ("wild.test", "http"), ("denied.test", "connect")]
 
 
+async def test_refusals_are_on_the_result_and_in_pips_own_error(allowlist_box: Sandbox) -> None:
+    r = await allowlist_box.run(
+        "python3 -m pip download --no-cache-dir --no-deps -d /tmp/dl "
+        "--index-url https://denied.test/simple nothing",
+        timeout=60,
+    )
+    reason = "corral: denied.test:443 is not in network.allow_hosts; allow it with --allow-host"
+    # pip shows the status line of a refused CONNECT: the reason is in it
+    assert f"Tunnel connection failed: 403 {reason} denied.test" in r.stderr, r.stderr
+    # a refusal is final: pip is told to retry once, not for 12 s with backoff
+    assert r.stderr.count("Retrying") <= 1 and r.duration < 10, (r.duration, r.stderr)
+    assert r.network_refusals
+    assert {(x.host, x.port, x.protocol, x.status) for x in r.network_refusals} == {
+        ("denied.test", 443, "connect", 403)
+    }
+    assert r.network_refusals[0].reason == f"{reason} denied.test"
+    # the next command starts with a clean slate
+    assert (await allowlist_box.run("true")).network_refusals == ()
+
+
+async def test_a_name_on_a_private_address_says_which_and_how_to_allow_it(
+    allowlist_box: Sandbox,
+) -> None:
+    r = await allowlist_box.run("curl -sS https://lan.wild.test/", timeout=20)
+    assert r.exit_code == 56  # curl: "CONNECT tunnel failed, response 403"
+    (refusal,) = r.network_refusals
+    assert refusal.reason == (
+        "corral: lan.wild.test resolves to 10.9.9.9, a private address; allow it with "
+        'network.allow_private = ["10.9.9.9"] or --allow-private 10.9.9.9'
+    )
+    plain = await allowlist_box.run("curl -sS http://lan.wild.test/", timeout=20)
+    assert "network.allow_private" in plain.stdout  # the body of the 403
+
+
+def test_corral_run_prints_the_refusals_after_the_command(workspace: Path) -> None:
+    argv = [sys.executable, "-m", "corral.cli", "run", "--workspace", str(workspace)]
+    argv += ["--allow-host", "allowed.test", "--", "curl", "-sS", "https://denied.test/"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 56
+    assert r.stderr.splitlines()[-2:] == [
+        "curl: (56) CONNECT tunnel failed, response 403",
+        "corral: network refused: denied.test:443 is not in network.allow_hosts; allow it with "
+        "--allow-host denied.test",
+    ]
+
+
 async def test_a_direct_connection_ignoring_the_proxy_fails(
     allowlist_box: Sandbox, host_server: LoopbackHttp
 ) -> None:
@@ -189,7 +238,7 @@ async def test_the_proxy_closes_with_the_sandbox(tmp_path: Path, workspace: Path
     sb = Sandbox(policy, workspace=workspace, resolver=NAMES)
     await sb.start()
     assert sb._network is not None
-    sock = sb._network.host_dir / "proxy.sock"
+    sock = sb._network.guest_dir / "proxy.sock"
     assert sock.exists()
     await sb.aclose()
     assert not sb._network.host_dir.exists()

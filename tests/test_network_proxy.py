@@ -208,13 +208,19 @@ async def test_connect_tunnels_to_a_wildcard_host(
 async def test_host_not_on_the_list_gets_403_naming_the_field_and_is_audited(
     proxy_socket: Path, audit_path: Path
 ) -> None:
-    for request in (
-        b"CONNECT evil.test:443 HTTP/1.1\r\n\r\n",
-        b"GET http://wild.test/ HTTP/1.1\r\n\r\n",  # *.wild.test does not cover wild.test
+    for request, name in (
+        (b"CONNECT evil.test:443 HTTP/1.1\r\n\r\n", b"evil.test:443"),
+        (b"GET http://wild.test/ HTTP/1.1\r\n\r\n", b"wild.test:80"),  # not *.wild.test
     ):
         reply = await exchange(proxy_socket, request)
-        assert reply.startswith(b"HTTP/1.1 403 Forbidden")
-        assert b"network.allow_hosts" in reply and b"--allow-host" in reply
+        # the reason phrase says it all: clients that never show a body show the status line
+        status_line, _, rest = reply.partition(b"\r\n")
+        assert status_line == (
+            b"HTTP/1.1 403 corral: " + name + b" is not in network.allow_hosts; allow it with "
+            b"--allow-host " + name.split(b":")[0]
+        )
+        assert b"\r\nX-Corral-Refusal: corral: " + name in reply
+        assert b"network.allow_hosts in the policy" in rest
     denied = [r for r in read_records(audit_path) if r["kind"] == "network"]
     assert [(r["action"], r["host"]) for r in denied] == [
         ("deny", "evil.test"),
@@ -330,3 +336,150 @@ def test_cli_network_options() -> None:
         _cli("--network", "none", "--allow-host", "a.test")
     with pytest.raises(PolicyError, match="needs --network allowlist"):
         _cli("--network", "full", "--allow-host", "a.test")
+
+
+# ---- what reaches the upstream server -----------------------------------------------------
+
+
+class RecordingUpstream:
+    """Reads one request (head and Content-Length body), answers, then records every byte
+    that still arrives until the proxy closes the connection."""
+
+    def __init__(self) -> None:
+        self.received = b""
+        self.done = asyncio.Event()
+        self.port = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> RecordingUpstream:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
+            writer.write_eof()  # answered; keep reading to see what else the proxy sends
+            self.received = head + body + await reader.read()  # until the proxy closes
+        finally:
+            writer.close()
+            self.done.set()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[RecordingUpstream]:
+    up = await RecordingUpstream().start()
+    yield up
+    await up.close()
+
+
+async def test_the_host_header_is_the_urls_and_hop_by_hop_headers_are_dropped(
+    proxy_socket: Path, recorder: RecordingUpstream
+) -> None:
+    request = (
+        f"GET http://allowed.test:{recorder.port}/v HTTP/1.1\r\n"
+        "Host: secret.internal\r\n"  # another virtual host on the allowed address
+        "Connection: keep-alive, X-Private\r\nX-Private: token\r\nKeep-Alive: 5\r\n"
+        "Proxy-Authorization: Basic Zm9v\r\nProxy-Foo: bar\r\nUpgrade: websocket\r\n"
+        "TE: trailers\r\nUser-Agent: t\r\n\r\n"
+    )
+    reply = await exchange(proxy_socket, request.encode())
+    assert reply.startswith(b"HTTP/1.1 200 OK")
+    async with asyncio.timeout(10):
+        await recorder.done.wait()
+    assert (
+        recorder.received
+        == (
+            f"GET /v HTTP/1.1\r\nHost: allowed.test:{recorder.port}\r\nUser-Agent: t\r\n"
+            "Connection: close\r\n\r\n"
+        ).encode()
+    )
+
+
+@pytest.mark.parametrize(
+    ("framing", "body"),
+    [
+        ("Content-Length: 5", b"hello"),
+        ("Transfer-Encoding: chunked", b"5;x=1\r\nhello\r\n0\r\nT: 1\r\n\r\n"),
+    ],
+)
+async def test_nothing_after_the_request_body_reaches_upstream(
+    proxy_socket: Path, recorder: RecordingUpstream, framing: str, body: bytes
+) -> None:
+    first = (
+        f"POST http://allowed.test:{recorder.port}/a HTTP/1.1\r\nHost: allowed.test\r\n"
+        f"{framing}\r\n\r\n"
+    ).encode() + body
+    smuggled = b"GET /admin HTTP/1.1\r\nHost: secret.internal\r\n\r\n"
+    reply = await exchange(proxy_socket, first + smuggled)
+    assert reply.startswith(b"HTTP/1.1 200 OK")
+    async with asyncio.timeout(10):
+        await recorder.done.wait()
+    assert recorder.received.endswith(body)
+    assert b"secret.internal" not in recorder.received
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        "Content-Length: 5\r\nTransfer-Encoding: chunked",
+        "Transfer-Encoding: gzip, chunked",
+        "Content-Length: 5\r\nContent-Length: 6",
+        "Content-Length: -1",
+    ],
+)
+async def test_ambiguous_request_bodies_are_refused(
+    proxy_socket: Path, recorder: RecordingUpstream, headers: str
+) -> None:
+    request = f"POST http://allowed.test:{recorder.port}/ HTTP/1.1\r\n{headers}\r\n\r\nhello"
+    reply = await exchange(proxy_socket, request.encode())
+    assert reply.startswith(b"HTTP/1.1 400")
+    assert not recorder.done.is_set()
+
+
+async def test_a_private_address_refusal_names_the_address_and_the_fix(
+    proxy_socket: Path,
+) -> None:
+    reply = await exchange(proxy_socket, b"CONNECT private.test:443 HTTP/1.1\r\n\r\n")
+    status_line = reply.partition(b"\r\n")[0].decode()
+    assert status_line == (
+        "HTTP/1.1 403 corral: private.test resolves to 10.9.9.9, a private address; allow it "
+        'with network.allow_private = ["10.9.9.9"] or --allow-private 10.9.9.9'
+    )
+
+
+async def test_refusals_are_kept_for_the_caller(tmp_path: Path) -> None:
+    proxy = EgressProxy(
+        HostAllowlist(["private.test"]),
+        AddressScreen([]),
+        StaticResolver({"private.test": "10.1.1.1"}),
+    )
+    path = tmp_path / "p.sock"
+    await proxy.serve(path)
+    try:
+        await exchange(path, b"CONNECT denied.test:443 HTTP/1.1\r\n\r\n")
+        mark = proxy.refusal_count
+        await exchange(path, b"GET http://private.test:8080/ HTTP/1.1\r\n\r\n")
+        (refusal,) = proxy.refusals_since(mark)
+        assert (refusal.host, refusal.port, refusal.protocol, refusal.status) == (
+            "private.test",
+            8080,
+            "http",
+            403,
+        )
+        assert "--allow-private 10.1.1.1" in refusal.reason
+        assert [r.host for r in proxy.refusals_since(0)] == ["denied.test", "private.test"]
+        assert proxy.refusals_since(proxy.refusal_count) == ()
+    finally:
+        await proxy.close()

@@ -9,6 +9,20 @@ ProcessStatus = Literal["running", "exited"]
 
 
 @dataclass(frozen=True, slots=True)
+class NetworkRefusal:
+    """A connection the box's network policy refused (or could not make) while a command ran:
+    the host and port the program asked for, how (``connect``, ``http``, ``socks5``), the
+    HTTP status the proxy answered with (403: the policy; 502/504: resolving or connecting
+    failed) and one line saying why and how to allow it."""
+
+    host: str
+    port: int
+    protocol: str
+    status: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class CommandResult:
     """The outcome of ``Sandbox.run``. A non-zero exit is a result, not an error."""
 
@@ -26,6 +40,9 @@ class CommandResult:
     """True when the box's memory limit killed a process while this command ran."""
     pids_limited: bool = False
     """True when the box's process limit refused a fork while this command ran."""
+    network_refusals: tuple[NetworkRefusal, ...] = ()
+    """Connections the network policy refused while this command ran (programs often show
+    only "403"; this says which host and how to allow it)."""
 
     @property
     def ok(self) -> bool:

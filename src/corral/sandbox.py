@@ -413,6 +413,7 @@ class Sandbox:
         timeout = timeout if timeout is not None else self.policy.limits.exec_timeout_secs
         oom_before = self._oom_kills()
         pids_before = self._pids_limit_hits()
+        refusals_before = self._network.refusal_count if self._network is not None else 0
         proc = await self.spawn(cmd, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits)
         waited = await proc.wait(timeout)
         if waited.status == "timeout":
@@ -430,6 +431,9 @@ class Sandbox:
             pid=proc.pid,
             oom_killed=self._oom_kills() > oom_before,
             pids_limited=self._pids_limit_hits() > pids_before,
+            network_refusals=(
+                self._network.refusals_since(refusals_before) if self._network is not None else ()
+            ),
         )
         if check and not result.ok:
             why = "timed out" if result.timed_out else f"exited with status {result.exit_code}"

@@ -8,6 +8,9 @@ import contextlib
 import os
 import secrets
 import socket
+import stat
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,6 +19,8 @@ import pytest
 
 from corral import Policy, Sandbox
 from corral.errors import SandboxError
+from corral.net import StaticResolver
+from loopback_http import LoopbackHttp
 from security.helpers import box_py
 
 pytestmark = [pytest.mark.attack("network"), pytest.mark.needs_bwrap]
@@ -279,3 +284,106 @@ async def test_allowlist_mode_refuses_other_hosts(
         status = await box_py(sb, code)
         assert " 200" not in status, status
     assert tcp_server.hits == 0
+
+
+# ---- the egress proxy: virtual hosts, other local users -----------------------------------
+
+
+def _allowlist(policy: Policy, ports: tuple[int, ...] = ()) -> Policy:
+    network = policy.network.model_copy(
+        update={
+            "mode": "allowlist",
+            "allow_hosts": ("allowed.test",),
+            "allow_private": ("127.0.0.1",),
+            "ports": ports,
+        }
+    )
+    return policy.model_copy(update={"network": network})
+
+
+def _host_of(head: bytes) -> bytes:
+    """The body of the vhost server: which Host the request named."""
+    for line in head.split(b"\r\n")[1:]:
+        if line.lower().startswith(b"host:"):
+            return b"vhost " + line.split(b":", 1)[1].strip() + b"\n"
+    return b"vhost none\n"
+
+
+async def test_an_allowed_address_does_not_open_its_other_virtual_hosts(
+    box_policy: Policy, workspace: Path
+) -> None:
+    vhosts = await LoopbackHttp(_host_of).start()
+    port = vhosts.port
+    names = StaticResolver({"allowed.test": "127.0.0.1"})
+    try:
+        async with Sandbox(_allowlist(box_policy), workspace=workspace, resolver=names) as sb:
+            r = await sb.run(
+                f"curl -sS -H 'Host: secret.test' http://allowed.test:{port}/", timeout=20
+            )
+            assert r.stdout == f"vhost allowed.test:{port}\n", (r.stdout, r.stderr)
+            # By hand: a forged Host, then a second request smuggled after the first.
+            code = (
+                "import os, socket\n"
+                "s = socket.create_connection(('127.0.0.1', int(os.environ['CORRAL_PROXY']"
+                ".rsplit(':', 1)[1])), timeout=10)\n"
+                f"s.sendall(b'GET http://allowed.test:{port}/ HTTP/1.1\\r\\nHost: secret.test"
+                "\\r\\nContent-Length: 0\\r\\n\\r\\n"
+                "GET / HTTP/1.1\\r\\nHost: secret.test\\r\\n\\r\\n')\n"
+                "data = b''\n"
+                "while chunk := s.recv(65536):\n"
+                "    data += chunk\n"
+                "res = data.decode(errors='replace')"
+            )
+            reply = await box_py(sb, code)
+            assert reply.endswith(f"vhost allowed.test:{port}\n"), reply
+        assert vhosts.heads, "the allowed host was never reached"
+        assert not [h for h in vhosts.heads if b"secret.test" in h], vhosts.heads
+    finally:
+        await vhosts.close()
+
+
+def _connect_as_nobody(paths: list[str]) -> list[str]:
+    """Try every unix socket as uid/gid 65534 (another local user); errno names or OK."""
+    code = (
+        "import errno, socket, sys\n"
+        "for p in sys.argv[1:]:\n"
+        "    s = socket.socket(socket.AF_UNIX)\n"
+        "    try:\n"
+        "        s.connect(p); print('CONNECTED')\n"
+        "    except OSError as e:\n"
+        "        print(errno.errorcode.get(e.errno, str(e)))\n"
+    )
+    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    proc = subprocess.run(
+        [*argv, sys.executable, "-I", "-c", code, *paths],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return proc.stdout.split()
+
+
+async def test_another_local_user_cannot_reach_the_boxs_network_sockets(
+    box_policy: Policy, workspace: Path
+) -> None:
+    exposed = HostServer(socket.AF_INET, ("127.0.0.1", 0))
+    names = StaticResolver({"allowed.test": "127.0.0.1"})
+    policy = _allowlist(box_policy, ports=(exposed.port,))
+    try:
+        async with Sandbox(policy, workspace=workspace, resolver=names) as sb:
+            assert sb._network is not None
+            net = sb._network
+            sockets = sorted(str(p) for p in net.guest_dir.iterdir() if p.is_socket())
+            assert len(sockets) == 2, sockets  # the proxy and the port relay
+            assert _connect_as_nobody(sockets) == ["EACCES", "EACCES"]
+            # not by the mode alone: the directory above the sockets is closed too
+            assert stat.S_IMODE(net.host_dir.stat().st_mode) == 0o700
+            for path in sockets:
+                assert stat.S_IMODE(os.stat(path).st_mode) & 0o007 == 0, path
+            # ... while the box itself still gets through
+            r = await sb.run("curl -sS -o /dev/null -w '%{http_code}' http://denied.test/")
+            assert r.stdout == "403", r.stderr
+        assert exposed.hits == 0
+    finally:
+        exposed.close()

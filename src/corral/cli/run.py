@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from corral.cli.options import EXIT_USAGE, add_sandbox_options, build_policy
-from corral.net.cli import add_network_options
+from corral.net.cli import add_network_options, refusal_lines
 from corral.policy import parse_size
 
 __all__ = ["cmd_run", "register"]
@@ -66,6 +66,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"corral: timed out after {args.timeout:g} s", file=sys.stderr)
             if result.oom_killed:
                 print("corral: the memory limit killed a process (--memory)", file=sys.stderr)
+            for line in refusal_lines(result.network_refusals):
+                print(line, file=sys.stderr)
         if result.timed_out:
             return 124
         return result.exit_code if result.exit_code >= 0 else 128 - result.exit_code

@@ -12,6 +12,20 @@ A backend wires a :class:`BoxNetwork` in four places and knows nothing else abou
 
 The sandbox creates it (``start()`` before the backend, ``close()`` after it), so the proxy
 lives in the sandbox's event loop and writes to the sandbox's audit log.
+
+Who can reach the sockets. On the host::
+
+    net/        0700, owned by the box's root (host uid HOST_UID_BASE): pasta's files, the
+                namespace handles, resolv.conf
+    net/box/    0755 root, bound read-only at /run/corral-net: the sockets, the node preload
+    *.sock      0660, owner the box's root, group the box user's host gid (COMMAND_HOST_ID)
+
+Another local uid stops at ``net/`` (it cannot search it) and could not write to a socket
+anyway. The box reaches ``net/box`` through its bind mount, which does not pass through
+``net/``; bwrap makes that bind as the box's root, hence the owner of ``net/``. The guest
+agent connects as the box's root, or as the box user while a file operation of the agent
+holds the user's ids (glibc changes the ids of every thread of a process): hence the group.
+The microVM's link connects from this process on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +38,9 @@ from typing import Any
 
 from corral.audit import AuditLog
 from corral.backends.host import mounts
+from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE
 from corral.errors import BackendError, PolicyError
+from corral.models import NetworkRefusal
 from corral.net.env import GUEST_NET_DIR, NODE_PRELOAD, proxy_port
 from corral.net.nat import DNS_ADDRESS, Nat, kill_pasta
 from corral.net.ports import PortRelay
@@ -34,9 +50,12 @@ from corral.net.rules import AddressScreen, HostAllowlist
 from corral.policy import NetworkPolicy
 
 PROXY_SOCKET = "proxy.sock"
+GUEST_SUBDIR = "box"
+"""The part of the network directory bound into the box."""
 UNIX_PATH_MAX = 107
-PASTA_RUNAS = 2_000_000
-"""Host uid pasta runs as: the owner of the box's user namespace (bwrap's HOST_UID_BASE)."""
+PASTA_RUNAS = HOST_UID_BASE
+"""Host uid pasta runs as: the owner of the box's user namespace (box root)."""
+SOCKET_MODE = 0o660
 
 
 def port_socket(port: int) -> str:
@@ -54,11 +73,17 @@ class BoxNetwork:
         audit: AuditLog | None = None,
         resolver: Resolver | None = None,
         nat_uid: int = PASTA_RUNAS,
+        box_root: int = HOST_UID_BASE,
+        box_user_gid: int = COMMAND_HOST_ID,
     ) -> None:
         if policy.mode == "none":
             raise PolicyError("BoxNetwork is for network modes other than 'none'")
         self.policy = policy
         self.host_dir = host_dir
+        self.guest_dir = host_dir / GUEST_SUBDIR
+        """What the box sees at :data:`GUEST_NET_DIR`."""
+        self.box_root = box_root
+        self.box_user_gid = box_user_gid
         self.audit = audit
         self.screen = AddressScreen(policy.allow_private)
         self.allowlist = HostAllowlist(policy.allow_hosts)
@@ -103,21 +128,44 @@ class BoxNetwork:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
-        self.host_dir.mkdir(parents=True, exist_ok=True)
-        self.host_dir.chmod(0o755)
+        self.host_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._started = True
+        os.chown(self.host_dir, self.box_root, self.box_root)
+        self.host_dir.chmod(0o700)
+        self.guest_dir.mkdir(mode=0o755, exist_ok=True)
+        self.guest_dir.chmod(0o755)
         if self.proxy is not None:
-            await self.proxy.serve(self._socket_path(PROXY_SOCKET))
-            preload = self.host_dir / NODE_PRELOAD
+            path = self._socket_path(PROXY_SOCKET)
+            await self.proxy.serve(path)
+            self._grant(path)
+            preload = self.guest_dir / NODE_PRELOAD
             shutil.copyfile(Path(__file__).with_name(NODE_PRELOAD), preload)
             preload.chmod(0o644)
         for relay in self.relays:
-            await relay.serve(self._socket_path(port_socket(relay.port)))
+            path = self._socket_path(port_socket(relay.port))
+            await relay.serve(path)
+            self._grant(path)
         if self.nat is not None:
-            (self.host_dir / "resolv.conf").write_text(f"nameserver {DNS_ADDRESS}\n")
+            resolv = self.host_dir / "resolv.conf"
+            resolv.write_text(f"nameserver {DNS_ADDRESS}\n")
+            resolv.chmod(0o644)
+
+    def _grant(self, socket_path: Path) -> None:
+        """Let the box's root and its user (see the module docstring) connect, no one else."""
+        os.chown(socket_path, self.box_root, self.box_user_gid)
+        socket_path.chmod(SOCKET_MODE)
+
+    @property
+    def refusal_count(self) -> int:
+        """Connections refused so far: a mark for :meth:`refusals_since`."""
+        return self.proxy.refusal_count if self.proxy is not None else 0
+
+    def refusals_since(self, mark: int) -> tuple[NetworkRefusal, ...]:
+        """What the egress proxy refused after :attr:`refusal_count` was ``mark``."""
+        return self.proxy.refusals_since(mark) if self.proxy is not None else ()
 
     def _socket_path(self, name: str) -> Path:
-        path = self.host_dir / name
+        path = self.guest_dir / name
         if len(os.fsencode(path)) > UNIX_PATH_MAX:
             raise BackendError(
                 f"socket path {path} is longer than the {UNIX_PATH_MAX} bytes unix sockets "
@@ -140,7 +188,7 @@ class BoxNetwork:
     # ---- what a backend asks for ---------------------------------------------------------
     def binds(self) -> list[tuple[str, str]]:
         """(host path, guest path) pairs to bind read-only into the box."""
-        binds = [(str(self.host_dir), GUEST_NET_DIR)]
+        binds = [(str(self.guest_dir), GUEST_NET_DIR)]
         if self.nat is not None:
             binds.append((str(self.host_dir / "resolv.conf"), "/etc/resolv.conf"))
         return binds
@@ -159,7 +207,7 @@ class BoxNetwork:
     def unix_forwarders(self) -> list[tuple[int, Path]]:
         """``(guest port, host unix socket)`` per forwarder, in :meth:`forwarders` order: for
         a backend that cannot bind sockets into its box (the microVM relays them itself)."""
-        return [(f["port"], self.host_dir / Path(f["unix"]).name) for f in self.forwarders()]
+        return [(f["port"], self.guest_dir / Path(f["unix"]).name) for f in self.forwarders()]
 
     def guest_files(self) -> dict[str, str]:
         """What a box that cannot bind the network directory must be given: the node preload

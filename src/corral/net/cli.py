@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from corral.errors import PolicyError
+from corral.models import NetworkRefusal
 from corral.policy import NetworkPolicy, Policy
 
 MODES = ("none", "allowlist", "ports", "full")
@@ -84,3 +86,13 @@ def apply_network_options(policy: Policy, args: argparse.Namespace) -> Policy:
     except ValueError as exc:
         raise PolicyError(f"invalid network options: {exc}") from None
     return Policy.from_dict({**policy.model_dump(), "network": network.model_dump()})
+
+
+def refusal_lines(refusals: Sequence[NetworkRefusal], limit: int = 10) -> list[str]:
+    """What ``corral run`` prints on stderr after a command whose connections were refused:
+    one line per distinct refusal (its reason names the fix), then how many more."""
+    reasons = list(dict.fromkeys(r.reason.removeprefix("corral: ") for r in refusals))
+    lines = [f"corral: network refused: {reason}" for reason in reasons[:limit]]
+    if len(reasons) > limit:
+        lines.append(f"corral: ... and {len(reasons) - limit} more network refusals")
+    return lines

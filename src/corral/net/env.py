@@ -56,6 +56,10 @@ def command_env(policy: NetworkPolicy) -> dict[str, str]:
             "YARN_HTTP_PROXY": url,
             "YARN_HTTPS_PROXY": url,
             "PIP_PROXY": url,
+            # pip retries a refused CONNECT 5 times with backoff (12-15 s of silence): the
+            # proxy's refusals are final, whatever the status (urllib3 retries every tunnel
+            # failure), so one quick retry is left for real upstream hiccups.
+            "PIP_RETRIES": "1",
             "GIT_CONFIG_COUNT": "1",
             "GIT_CONFIG_KEY_0": "http.proxy",
             "GIT_CONFIG_VALUE_0": url,

@@ -13,7 +13,6 @@ nothing else, and the mechanism is the same for every backend that can bind a di
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 from corral.audit import AuditLog
@@ -30,7 +29,6 @@ class PortRelay(UnixService):
 
     async def serve(self, path: Path) -> None:
         self._server = await asyncio.start_unix_server(self._handle, path=str(path))
-        os.chmod(path, 0o666)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

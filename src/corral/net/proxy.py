@@ -24,13 +24,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import os
 import struct
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from corral.audit import AuditLog
+from corral.models import NetworkRefusal
+from corral.net.http import (
+    OriginRequest,
+    copy_body,
+    http_response,
+    origin_request,
+    parse_request,
+    reason_phrase,
+)
 from corral.net.resolver import ResolveError, Resolver
 from corral.net.rules import (
     AddressScreen,
@@ -45,9 +53,8 @@ MAX_HEAD = 64 * 1024
 RELAY_CHUNK = 256 * 1024
 HEAD_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 10.0
-HOP_BY_HOP = frozenset(
-    {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te", b"trailer"}
-)
+MAX_REFUSALS = 256
+"""Refusals kept for :meth:`EgressProxy.refusals_since` (older ones are dropped)."""
 
 # SOCKS5 reply codes (RFC 1928, section 6).
 SOCKS_OK = 0x00
@@ -62,32 +69,27 @@ SOCKS_BAD_ADDRESS = 0x08
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """Why a connection was not made: an HTTP status, a SOCKS5 code and a message."""
+    """Why a connection was not made: an HTTP status, a SOCKS5 code, the full explanation
+    (the HTTP body) and its one-line form (the status line's reason phrase)."""
 
     status: int
     socks: int
     message: str
+    summary: str = ""
+
+    def response(self) -> bytes:
+        return http_response(self.status, self.message, self.summary or self.message)
 
 
-HTTP_REASONS = {
-    400: "Bad Request",
-    403: "Forbidden",
-    431: "Request Header Fields Too Large",
-    502: "Bad Gateway",
-    504: "Gateway Timeout",
-}
-
-
-def http_response(status: int, message: str) -> bytes:
-    body = (message.rstrip("\n") + "\n").encode()
-    head = (
-        f"HTTP/1.1 {status} {HTTP_REASONS.get(status, 'Error')}\r\n"
-        "Content-Type: text/plain; charset=utf-8\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n"
-        "X-Corral-Proxy: refused\r\n\r\n"
+def not_listed(name: str, port: int) -> Refusal:
+    return Refusal(
+        403,
+        SOCKS_NOT_ALLOWED,
+        f"corral: connection to {name}:{port} refused: the host is not in "
+        f"network.allow_hosts. To allow it, add {name!r} (or '{name}:{port}') to "
+        f"network.allow_hosts in the policy, or pass `--allow-host {name}` to `corral run`.",
+        f"corral: {name}:{port} is not in network.allow_hosts; allow it with --allow-host {name}",
     )
-    return head.encode() + body
 
 
 def socks_reply(code: int) -> bytes:
@@ -130,13 +132,22 @@ class EgressProxy(UnixService):
         self.resolver = resolver
         self.audit = audit
         self.connect_timeout = connect_timeout
+        self._refusals: deque[NetworkRefusal] = deque(maxlen=MAX_REFUSALS)
+        self.refusal_count = 0
+        """Refusals so far: a mark for :meth:`refusals_since`."""
         super().__init__()
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def serve(self, path: Path) -> None:
+        """Listen on ``path`` (owned by the caller's ids, not writable by others: the caller
+        grants the box access, :meth:`corral.net.BoxNetwork.start`)."""
         self._server = await asyncio.start_unix_server(self._handle, path=str(path), limit=MAX_HEAD)
-        # Box root and the command user both map to unprivileged host ids: let them connect.
-        os.chmod(path, 0o666)
+
+    def refusals_since(self, mark: int) -> tuple[NetworkRefusal, ...]:
+        """What was refused after ``refusal_count`` was ``mark`` (at most the last
+        :data:`MAX_REFUSALS`)."""
+        wanted = min(self.refusal_count - mark, len(self._refusals))
+        return tuple(self._refusals)[len(self._refusals) - wanted :] if wanted > 0 else ()
 
     # ---- the decision --------------------------------------------------------------------
     def _record(self, action: str, protocol: str, host: str, port: int, **extra: object) -> None:
@@ -148,6 +159,16 @@ class EgressProxy(UnixService):
     def _deny(self, protocol: str, host: str, port: int, refusal: Refusal) -> Refusal:
         action = "deny" if refusal.status in (400, 403) else "error"
         self._record(action, protocol, host, port, reason=refusal.message)
+        self._refusals.append(
+            NetworkRefusal(
+                host=host,
+                port=port,
+                protocol=protocol,
+                status=refusal.status,
+                reason=reason_phrase(refusal.summary or refusal.message),
+            )
+        )
+        self.refusal_count += 1
         return refusal
 
     async def open_upstream(
@@ -159,19 +180,7 @@ class EgressProxy(UnixService):
         except ValueError as exc:
             return self._deny(protocol, host, port, Refusal(400, SOCKS_BAD_ADDRESS, str(exc)))
         if not self.allowlist.allows(name, port):
-            return self._deny(
-                protocol,
-                name,
-                port,
-                Refusal(
-                    403,
-                    SOCKS_NOT_ALLOWED,
-                    f"corral: connection to {name}:{port} refused: the host is not in "
-                    f"network.allow_hosts. To allow it, add {name!r} (or '{name}:{port}') to "
-                    f"network.allow_hosts in the policy, or pass `--allow-host {name}` to "
-                    "`corral run`.",
-                ),
-            )
+            return self._deny(protocol, name, port, not_listed(name, port))
         try:
             addresses = await self._resolve(name, port)
         except (ResolveError, TimeoutError) as exc:
@@ -179,20 +188,30 @@ class EgressProxy(UnixService):
             return self._deny(protocol, name, port, Refusal(502, SOCKS_HOST_UNREACHABLE, message))
         permitted = [a for a in addresses if self.screen.refusal(a) is None]
         if not permitted:
-            first = addresses[0]
-            return self._deny(
-                protocol,
-                name,
-                port,
-                Refusal(
-                    403,
-                    SOCKS_NOT_ALLOWED,
-                    f"corral: connection to {name}:{port} refused: {name} resolves to {first}, "
-                    f"a {self.screen.refusal(first)} address. To allow it, add '{first}' to "
-                    "network.allow_private in the policy.",
-                ),
-            )
+            return self._deny(protocol, name, port, self._private(name, port, addresses))
         return await self._connect(name, port, protocol, permitted)
+
+    def _private(self, name: str, port: int, addresses: list[IPAddress]) -> Refusal:
+        shown = addresses[:4]
+        kinds = sorted({self.screen.refusal(a) or "" for a in shown})
+        listed = ", ".join(f'"{a}"' for a in shown)
+        flags = " ".join(f"--allow-private {a}" for a in shown)
+        where = f"resolves to {shown[0]}" if len(addresses) == 1 else f"resolves only to {listed}"
+        if str(shown[0]) == name:
+            where = "is"
+        summary = (
+            f"corral: {name} {where}, a {'/'.join(kinds)} address; "
+            f"allow it with network.allow_private = [{listed}] or {flags}"
+        )
+        message = (
+            f"corral: connection to {name}:{port} refused: {name} {where}, a "
+            f"{' / '.join(kinds)} address, and private, loopback, link-local and reserved "
+            "addresses are closed unless the policy opens them (a name can point anywhere, "
+            "and some networks resolve public registries to such addresses). If you trust "
+            f"this address, add network.allow_private = [{listed}] to the policy, or pass "
+            f"`{flags}` to `corral run`."
+        )
+        return Refusal(403, SOCKS_NOT_ALLOWED, message, summary)
 
     async def _resolve(self, name: str, port: int) -> list[IPAddress]:
         try:
@@ -235,10 +254,15 @@ class EgressProxy(UnixService):
                 first = await reader.readexactly(1)
                 if first == b"\x05":
                     upstream = await self._socks5(reader, writer)
+                    request = None
                 else:
-                    upstream = await self._http(first, reader, writer)
-            if upstream is not None:
+                    upstream, request = await self._http(first, reader, writer)
+            if upstream is None:
+                pass
+            elif request is None:
                 await relay(reader, writer, *upstream)
+            else:
+                await forward_request(request, reader, writer, *upstream)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass
         finally:
@@ -247,44 +271,44 @@ class EgressProxy(UnixService):
 
     async def _http(
         self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, OriginRequest | None]:
+        """The upstream connection, and the request to forward on it (None: a tunnel)."""
         try:
             head = first + await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:
             writer.write(http_response(431, "corral: request head larger than 64 KiB"))
-            return None
+            return None, None
         except asyncio.IncompleteReadError as exc:
             if exc.partial.strip():
                 writer.write(http_response(400, "corral: incomplete HTTP request"))
-            return None
+            return None, None
         request = parse_request(head)
         if isinstance(request, str):
             writer.write(http_response(400, f"corral: {request}"))
-            return None
+            return None, None
         method, target, headers = request
         if method == "CONNECT":
             try:
                 host, port = split_host_port(target)
             except ValueError as exc:
                 writer.write(http_response(400, f"corral: bad CONNECT target: {exc}"))
-                return None
+                return None, None
             result = await self.open_upstream(host, port, "connect")
             if isinstance(result, Refusal):
-                writer.write(http_response(result.status, result.message))
-                return None
+                writer.write(result.response())
+                return None, None
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            return result
+            return result, None
         forward = origin_request(method, target, headers)
         if isinstance(forward, str):
             writer.write(http_response(400, f"corral: {forward}"))
-            return None
-        host, port, data = forward
-        result = await self.open_upstream(host, port, "http")
+            return None, None
+        result = await self.open_upstream(forward.host, forward.port, "http")
         if isinstance(result, Refusal):
-            writer.write(http_response(result.status, result.message))
-            return None
-        result[1].write(data)
-        return result
+            writer.write(result.response())
+            return None, None
+        result[1].write(forward.head)
+        return result, forward
 
     async def _socks5(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -325,56 +349,6 @@ class EgressProxy(UnixService):
         return result
 
 
-def parse_request(head: bytes) -> tuple[str, str, list[tuple[bytes, bytes]]] | str:
-    """(method, target, headers) of a request head, or what is wrong with it."""
-    lines = head[:-4].split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1.") or not parts[0].isalpha():
-        shown = lines[0][:80].decode("latin-1")
-        return (
-            f"malformed request line {shown!r}: this is an HTTP proxy "
-            "(use CONNECT host:port, an absolute http:// URL, or SOCKS5)"
-        )
-    headers: list[tuple[bytes, bytes]] = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            return f"malformed header line {line[:80].decode('latin-1')!r}"
-        headers.append((name, value.strip()))
-    return parts[0].decode(), parts[1].decode("latin-1"), headers
-
-
-def origin_request(
-    method: str, target: str, headers: list[tuple[bytes, bytes]]
-) -> tuple[str, int, bytes] | str:
-    """The request to send upstream for an absolute-form ``http://`` request, or an error."""
-    try:
-        url = urlsplit(target)
-        port = url.port or 80
-    except ValueError as exc:
-        return f"bad request target {target[:200]!r}: {exc}"
-    if url.scheme == "https":
-        return "https:// URLs go through the proxy with CONNECT (set HTTPS_PROXY)"
-    if url.scheme != "http" or not url.hostname:
-        return (
-            f"request target {target[:200]!r} is not an absolute http:// URL: this is an "
-            "HTTP proxy (use CONNECT host:port, an absolute http:// URL, or SOCKS5)"
-        )
-    path = (url.path or "/") + (f"?{url.query}" if url.query else "")
-    out = [f"{method} {path} HTTP/1.1".encode()]
-    has_host = False
-    for name, value in headers:
-        lower = name.lower()
-        if lower in HOP_BY_HOP:
-            continue
-        has_host = has_host or lower == b"host"
-        out.append(name + b": " + value)
-    if not has_host:
-        out.append(b"Host: " + (url.netloc.rpartition("@")[2]).encode())
-    out.append(b"Connection: close")
-    return url.hostname, port, b"\r\n".join(out) + b"\r\n\r\n"
-
-
 async def _pipe(
     src: asyncio.StreamReader, dst: asyncio.StreamWriter, other: asyncio.StreamWriter
 ) -> None:
@@ -388,6 +362,31 @@ async def _pipe(
         # One side broke: end both, so the other direction does not wait forever.
         dst.close()
         other.close()
+
+
+async def forward_request(
+    request: OriginRequest,
+    client_r: asyncio.StreamReader,
+    client_w: asyncio.StreamWriter,
+    upstream_r: asyncio.StreamReader,
+    upstream_w: asyncio.StreamWriter,
+) -> None:
+    """Send one request's body upstream (its head is sent) and the answer back; whatever the
+    client sends after the body is never forwarded."""
+
+    async def send() -> None:
+        try:
+            await copy_body(request.framing, client_r, upstream_w, RELAY_CHUNK)
+        except (ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            upstream_w.close()  # a broken body ends the exchange
+
+    sender = asyncio.create_task(send())
+    try:
+        await _pipe(upstream_r, client_w, upstream_w)
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        upstream_w.close()
 
 
 async def relay(

@@ -8,7 +8,7 @@ into ``{"error": ...}`` by the toolbox.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from corral import errors
@@ -91,6 +91,8 @@ class Handlers:
         }
         if r.oom_killed:
             out["oom_killed"] = True
+        if r.network_refusals:
+            out["network_refusals"] = [asdict(refusal) for refusal in r.network_refusals]
         return out
 
     async def wait_for_process(self, a: s.WaitForProcessArgs) -> dict[str, Any]:
