@@ -111,7 +111,6 @@ class Sandbox:
         state = "closed" if self._closed else ("running" if self._box else "not started")
         return f"<Sandbox {self.sandbox_id} {state} workspace={self.workspace}>"
 
-    # ---- lifecycle -----------------------------------------------------------------------
     async def __aenter__(self) -> Sandbox:
         if self._box is None or self._closed:  # a pool hands out started sandboxes
             await self.start()
@@ -246,7 +245,6 @@ class Sandbox:
         """Limits of the policy the host could not enforce (empty when all hold)."""
         return self._box.warnings if self._box is not None else ()
 
-    # ---- channel plumbing ----------------------------------------------------------------
     async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
         if self._closed:
             raise errors.SandboxClosed("the sandbox is closed")
@@ -299,7 +297,6 @@ class Sandbox:
             if self.audit.enabled:
                 self._audit_exit(proc)
 
-    # ---- audit ---------------------------------------------------------------------------
     def _audit_exit(self, proc: Process) -> None:
         oom_at_spawn = self._spawn_marks.pop(proc.pid, None)
         stats = self._box.stats() if self._box is not None else BoxStats()
@@ -341,7 +338,6 @@ class Sandbox:
         for proc in self._registry.running():
             proc._lost()
 
-    # ---- processes -----------------------------------------------------------------------
     async def spawn(
         self,
         cmd: Command,
@@ -459,7 +455,6 @@ class Sandbox:
     def registry(self) -> ProcessRegistry:
         return self._registry
 
-    # ---- interactive sessions and streaming (corral.sessions, corral.streaming) --------------
     async def shell(
         self,
         shell: str = "/bin/sh",
@@ -521,7 +516,6 @@ class Sandbox:
 
         return PendingExecStream(start, cmd if isinstance(cmd, str) else shlex.join(argv))
 
-    # ---- information ---------------------------------------------------------------------
     async def info(self) -> dict[str, Any]:
         """Kernel, hostname, cpus, memory of the box, plus its backend and limits."""
         reply, _ = await self._request("info")

@@ -105,7 +105,6 @@ class ExecStream:
         with contextlib.suppress(errors.SandboxError):
             await self.process.kill()
 
-    # ---- events --------------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[ExecEvent]:
         return self
 
@@ -138,7 +137,6 @@ class ExecStream:
         assert self.process.exit_code is not None
         return self.process.exit_code
 
-    # ---- input ---------------------------------------------------------------------------
     async def write(self, data: bytes | str) -> None:
         if not self._stdin_open:
             raise errors.SandboxError(
@@ -163,7 +161,6 @@ class ExecStream:
     async def kill(self) -> bool:
         return await self.process.kill()
 
-    # ---- context manager: never leave the command running behind ------------------------
     async def __aenter__(self) -> ExecStream:
         return self
 

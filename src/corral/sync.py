@@ -13,15 +13,18 @@ here, so the two APIs cannot drift apart.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from corral.models import CommandResult, FileInfo, ProcessInfo, ProcessStats, WaitResult
-from corral.policy import Policy
+from corral.net import Resolver
+from corral.policy import Policy, RlimitName
 from corral.processes import Process
-from corral.sandbox import Command, Sandbox
+from corral.sandbox import Command, Sandbox, StdinArg
 
 T = TypeVar("T")
 
@@ -110,7 +113,11 @@ class SyncSandbox:
     """``Sandbox`` for synchronous code: same arguments, same results."""
 
     def __init__(
-        self, policy: Policy | None = None, *, workspace: Any = None, resolver: Any = None
+        self,
+        policy: Policy | None = None,
+        *,
+        workspace: str | os.PathLike[str] | None = None,
+        resolver: Resolver | None = None,
     ) -> None:
         self._loop = _Loop()
         self._sandbox = Sandbox(policy, workspace=workspace, resolver=resolver)
@@ -134,14 +141,43 @@ class SyncSandbox:
         self.close()
 
     @property
-    def workspace(self) -> Any:
+    def workspace(self) -> Path | None:
         return self._sandbox.workspace
 
-    def run(self, cmd: Command, **kwargs: Any) -> CommandResult:
-        return self._loop.call(self._sandbox.run(cmd, **kwargs))
+    def run(
+        self,
+        cmd: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        rlimits: dict[RlimitName, int] | None = None,
+        check: bool = False,
+    ) -> CommandResult:
+        """``Sandbox.run``, blocking."""
+        run = self._sandbox.run(
+            cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits, check=check
+        )
+        return self._loop.call(run)
 
-    def spawn(self, cmd: Command, **kwargs: Any) -> SyncProcess:
-        return SyncProcess(self._loop.call(self._sandbox.spawn(cmd, **kwargs)), self._loop)
+    def spawn(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: StdinArg = None,
+        rlimits: dict[RlimitName, int] | None = None,
+        pty: bool = False,
+        cols: int = 80,
+        rows: int = 24,
+    ) -> SyncProcess:
+        """``Sandbox.spawn``: the process runs on in the background."""
+        spawn = self._sandbox.spawn(
+            cmd, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits, pty=pty, cols=cols, rows=rows
+        )
+        return SyncProcess(self._loop.call(spawn), self._loop)
 
     def processes(self) -> list[ProcessInfo]:
         return self._sandbox.processes()

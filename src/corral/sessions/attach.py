@@ -256,7 +256,6 @@ async def settle() -> None:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-# ---- the client side of discovery ------------------------------------------------------------
 def _request(path: Path, header: dict[str, Any]) -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(CONNECT_TIMEOUT)

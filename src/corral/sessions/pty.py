@@ -94,7 +94,7 @@ class PtySession:
         cols: int,
         rows: int,
         strip_ansi: bool,
-        on_close: Callable[[PtySession], None],
+        forget: Callable[[PtySession], None],
     ) -> None:
         self.session_id = str(uuid.uuid4())
         self.shell = shell
@@ -102,7 +102,7 @@ class PtySession:
         self.created_at = time.time()
         self.cols, self.rows = cols, rows
         self._request = request
-        self._on_close = on_close
+        self._forget = forget
         self._buffer = ExpectBuffer(strip_ansi=strip_ansi)
         self._tail = bytearray()
         self._watchers: list[Watcher] = []
@@ -127,7 +127,6 @@ class PtySession:
             state = "closed" if self._closed else "running"
         return f"<PtySession {self.session_id} {self.shell!r} pid={self.process.pid} {state}>"
 
-    # ---- state ---------------------------------------------------------------------------
     @property
     def exit_code(self) -> int | None:
         """The shell's exit status once it has exited (``-N`` if killed by signal N)."""
@@ -148,7 +147,6 @@ class PtySession:
         await self._ended.wait()
         return self.exit_code
 
-    # ---- output pump ---------------------------------------------------------------------
     async def _run_pump(self, queue: asyncio.Queue[tuple[str, bytes | int]]) -> None:
         try:
             while True:
@@ -191,7 +189,6 @@ class PtySession:
         self._watchers.clear()
         self._notify_attach()
 
-    # ---- attach support ------------------------------------------------------------------
     def watch(self, watcher: Watcher) -> Callable[[], None]:
         """Call ``watcher`` with every chunk of output (None at the end); returns an undo."""
         if self.closed:
@@ -225,7 +222,6 @@ class PtySession:
             lines = lines[1:][-(max_lines + 1) :]
         return b"\n".join(lines)
 
-    # ---- input and control ---------------------------------------------------------------
     async def write(self, data: str | bytes) -> None:
         """Send keystrokes to the terminal (``"\\n"`` is Enter, ``"\\x03"`` is Ctrl-C)."""
         self._check_open()
@@ -260,7 +256,6 @@ class PtySession:
                 f"{self.exit_code}; open a new shell"
             )
 
-    # ---- reading and expecting -----------------------------------------------------------
     def read(self) -> str:
         """What the shell printed since the last read or match, consumed (never blocks)."""
         if self._reading:
@@ -322,13 +317,12 @@ class PtySession:
 
         return await run_batch(self, steps, timeout)
 
-    # ---- closing -------------------------------------------------------------------------
     async def close(self, grace: float = CLOSE_GRACE) -> int | None:
         """Hang up the terminal (SIGHUP, then SIGKILL after ``grace``). Idempotent."""
         if self._closed:
             return self.exit_code
         self._closed = True
-        self._on_close(self)
+        self._forget(self)
         if not self._ended.is_set():
             with contextlib.suppress(errors.SandboxError):
                 await self.process.signal("SIGHUP", group=False)
@@ -381,7 +375,7 @@ class SessionRegistry:
     ) -> PtySession:
         session = PtySession(
             process, shell, request, cols=cols, rows=rows, strip_ansi=strip_ansi,
-            on_close=self._forget,
+            forget=self._forget,
         )  # fmt: skip
         self._sessions[session.session_id] = session
         return session

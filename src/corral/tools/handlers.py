@@ -74,7 +74,6 @@ class Handlers:
         self.box = ctx
         self.sb = ctx.sandbox
 
-    # ---- processes -----------------------------------------------------------------------
     async def run_command(self, a: s.RunCommandArgs) -> dict[str, Any]:
         cmd: str | list[str] = [a.command, *a.args] if a.args else a.command
         env = self.box.secrets.resolve_env(a.env) if a.env else None
@@ -135,7 +134,6 @@ class Handlers:
         proc = self.box.scope.find_visible(a.pid, a.owner).process
         return (await proc.stats()).to_dict()
 
-    # ---- shells --------------------------------------------------------------------------
     def _session(self, session_id: str) -> PtySession:
         return self.sb.session(session_id)
 
@@ -171,7 +169,6 @@ class Handlers:
         delivered = await self._session(a.session_id).signal(a.signal)
         return {"session_id": a.session_id, "signal": a.signal, "delivered": delivered}
 
-    # ---- files ---------------------------------------------------------------------------
     async def vfs_list(self, a: s.VfsListArgs) -> dict[str, Any]:
         entries = await self.sb.files.list(a.path)
         rows = [{"name": e.name, "type": e.type, "size": e.size} for e in entries]
@@ -196,7 +193,6 @@ class Handlers:
         size = await self.sb.files.write(a.path, a.content, append=a.append)
         return {"path": a.path, "size": size}
 
-    # ---- code and info -------------------------------------------------------------------
     async def sandbox_exec(self, a: s.SandboxExecArgs) -> dict[str, Any]:
         # Resolved here, at process start, and only into the child's environment.
         env = self.box.secrets.resolve(a.secrets) if a.secrets else None
