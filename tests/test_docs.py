@@ -23,10 +23,14 @@ An HTML comment on the line right before a fence changes that:
   the same section; they run as one program (one test, named after the first block).
 - ``<!-- doc-test: synopsis -->`` (shell): usage syntax (``[--opt VALUE]``, ``a|b``): each
   subcommand, option and listed choice must exist in corral's parser.
-- ``<!-- doc-test: attach TEXT -->`` (python): a person joins the block's shell session. When
-  the program prints ``corral attach ID``, the test runs that command on a terminal of its own,
-  waits for the session's screen, types TEXT and Enter, waits for the answer, and detaches
-  with Ctrl-] (the hand-off of docs/interactive.md, played for real).
+- ``<!-- doc-test: attach PROMPT TEXT ANSWER -->`` (python; shell words, so quote spaces): a
+  person joins the block's shell session. When the program prints ``corral attach ID``, the
+  test runs that command on a terminal of its own, waits for PROMPT on the screen, types TEXT
+  and Enter, waits for ANSWER and detaches with Ctrl-] (the hand-off of docs/interactive.md,
+  played for real).
+- ``<!-- doc-test: prints TEXT... -->`` (python; shell words): the program's output contains
+  each TEXT, so an example that runs but no longer does what its comments say fails too.
+  It may stand beside one of the other markers (one marker per line).
 - ``<!-- doc-test: skip REASON -->``: not run; the test is skipped, showing REASON.
 """
 
@@ -64,7 +68,7 @@ BLOCK_TIMEOUT = 60.0
 PYTHON = {"python", "py"}
 SHELL = {"sh", "bash", "shell", "console"}
 CHECKED = PYTHON | SHELL | {"toml", "json", "text"}
-MARKER = re.compile(r"<!--\s*doc-test:\s*(continue|synopsis|skip|attach)\b\s*(.*?)\s*-->")
+MARKER = re.compile(r"<!--\s*doc-test:\s*(continue|synopsis|skip|attach|prints)\b\s*(.*?)\s*-->")
 
 RUN_FOR_REAL = {"run", "doctor", "sessions", "audit"}
 """corral subcommands a doc's command runs for real; the others wait for a person or a client
@@ -82,6 +86,8 @@ class Block:
     text: str
     marker: str = ""
     reason: str = ""
+    prints: list[str] = field(default_factory=list)
+    """Texts the program's output must contain (``prints`` markers)."""
     parts: list[Block] = field(default_factory=list)
     """For a python block continued by later ones: itself and its continuations, in order."""
 
@@ -118,21 +124,18 @@ def parse_blocks(path: Path) -> list[Block]:
         while j < len(lines) and not lines[j].strip().startswith(ticks):
             body.append(lines[j].removeprefix(indent))
             j += 1
-        prev = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
-        mark = MARKER.search(prev)
         counts[section] = counts.get(section, 0) + 1
-        blocks.append(
-            Block(
-                path,
-                section,
-                counts[section],
-                i + 1,
-                lang.lower(),
-                "\n".join(body) + "\n",
-                mark.group(1) if mark else "",
-                mark.group(2) if mark else "",
-            )
-        )
+        block = Block(path, section, counts[section], i + 1, lang.lower(), "\n".join(body) + "\n")
+        k = i - 1
+        while k >= 0 and (not lines[k].strip() or MARKER.search(lines[k])):
+            mark = MARKER.search(lines[k])
+            if mark and mark.group(1) == "prints":
+                block.prints += shlex.split(mark.group(2))
+            elif mark:
+                assert not block.marker, f"{block.where}: one of continue/synopsis/skip/attach"
+                block.marker, block.reason = mark.groups()
+            k -= 1
+        blocks.append(block)
         i = j + 1
     return blocks
 
@@ -234,10 +237,10 @@ def run_python(block: Block, workdir: Path, model_url: str) -> None:
         text=True,
     )
     try:
-        if block.marker == "attach":
-            play_person(block, proc, env)
+        before = play_person(block, proc, env) if block.marker == "attach" else ""
         # An approver that asks on stdin gets a yes.
-        out, err = proc.communicate("y\n" if proc.stdin else None, timeout=BLOCK_TIMEOUT)
+        out, err = proc.communicate("y\n", timeout=BLOCK_TIMEOUT)
+        out = before + out
     except BaseException:
         proc.kill()
         out, err = proc.communicate()
@@ -247,6 +250,8 @@ def run_python(block: Block, workdir: Path, model_url: str) -> None:
     assert proc.returncode == 0, (
         f"{block.where}: exit {proc.returncode}\n--- stdout\n{out}\n--- stderr\n{err}"
     )
+    missing = [text for part in block.parts for text in part.prints if text not in out]
+    assert not missing, f"{block.where}: the output lacks {missing}\n--- stdout\n{out}"
 
 
 def _read_until(fd: int, pattern: str, seen: bytearray, deadline: float) -> None:
@@ -262,9 +267,12 @@ def _read_until(fd: int, pattern: str, seen: bytearray, deadline: float) -> None
             seen += chunk
 
 
-def play_person(block: Block, proc: subprocess.Popen[str], env: dict[str, str]) -> None:
-    """Attach to the session the program names, answer its prompt, detach (see the marker)."""
+def play_person(block: Block, proc: subprocess.Popen[str], env: dict[str, str]) -> str:
+    """Attach to the session the program names, answer its prompt, detach (see the marker).
+
+    Returns what the program printed up to ``corral attach ID``."""
     deadline = time.monotonic() + BLOCK_TIMEOUT
+    prompt, text, answer = shlex.split(block.reason)
     assert proc.stdout is not None and proc.stdin is not None
     lines = []
     for line in proc.stdout:  # bounded: the program exits (EOF) or the test times out
@@ -286,9 +294,9 @@ def play_person(block: Block, proc: subprocess.Popen[str], env: dict[str, str]) 
     os.close(secondary)
     try:
         seen = bytearray()
-        _read_until(primary, "Enter a value:", seen, deadline)  # the screen, replayed
-        os.write(primary, block.reason.encode() + b"\r")
-        _read_until(primary, "Apply complete!", seen, deadline)
+        _read_until(primary, prompt, seen, deadline)  # the screen, replayed
+        os.write(primary, text.encode() + b"\r")
+        _read_until(primary, answer, seen, deadline)
         os.write(primary, b"\x1d")  # Ctrl-]: detach
         assert person.wait(timeout=max(deadline - time.monotonic(), 1)) == 0
     finally:
@@ -296,7 +304,7 @@ def play_person(block: Block, proc: subprocess.Popen[str], env: dict[str, str]) 
             person.kill()
             person.wait()
         os.close(primary)
-    print("".join(lines), end="")
+    return "".join(lines)
 
 
 # ---- shell --------------------------------------------------------------------------------------
@@ -424,6 +432,72 @@ def check_policy_toml(block: Block, workdir: Path) -> None:
     assert r.exit_code == 0, f"{block.where}: a box with this policy ran `true`: {r}"
 
 
+# ---- what the prose names -----------------------------------------------------------------------
+
+
+def inline_spans(path: Path) -> Iterator[tuple[int, str]]:
+    """Inline code spans (`...`) outside fenced blocks, with their line numbers."""
+    in_fence = ""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        fence = re.match(r"^\s*(`{3,})", line)
+        if fence:
+            in_fence = "" if in_fence and fence.group(1).startswith(in_fence) else fence.group(1)
+            continue
+        if not in_fence:
+            for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", line):
+                yield number, span
+
+
+SPANS = [(path, number, span) for path in DOCS for number, span in inline_spans(path)]
+REPO_PATH = re.compile(r"^(src|tests|bench|examples|docs|backends|agent|\.ci)/[\w./*-]*$")
+
+
+def test_files_named_in_the_docs_exist() -> None:
+    """``backends/bwrap/args.py``, ``tests/test_microvm*.py``: a file the prose names exists
+    (in the repository, or for a module path under src/corral/)."""
+    missing = [
+        f"{path.relative_to(ROOT)}:{number}: {span}"
+        for path, number, span in SPANS
+        if REPO_PATH.match(span)
+        and not any(any(base.glob(span.rstrip("/"))) for base in (ROOT, ROOT / "src" / "corral"))
+    ]
+    assert not missing, "the docs name files that do not exist:\n" + "\n".join(missing)
+
+
+def test_python_names_in_the_docs_exist() -> None:
+    """``corral.tools.presets.rust_toolchain(policy)``: every dotted corral name resolves."""
+    import importlib
+
+    missing = []
+    for path, number, span in SPANS:
+        dotted = re.match(r"^corral(\.\w+)+", span)
+        if not dotted:
+            continue
+        parts = dotted.group(0).split(".")
+        obj: object = importlib.import_module("corral")
+        for i, part in enumerate(parts[1:], start=2):
+            try:
+                obj = (
+                    getattr(obj, part)
+                    if hasattr(obj, part)
+                    else importlib.import_module(".".join(parts[:i]))
+                )
+            except ImportError:
+                missing.append(f"{path.relative_to(ROOT)}:{number}: {span}")
+                break
+    assert not missing, "the docs name things corral does not have:\n" + "\n".join(missing)
+
+
+def test_corral_commands_in_the_prose_exist() -> None:
+    """``corral run --backend microvm``, ``corral attach ID [--detach-keys ...]``: each command
+    and option named in the prose exists in corral's parser (``python -m corral`` too)."""
+    for path, number, span in SPANS:
+        words = shlex.split(span.removeprefix("python -m "), posix=True)
+        if len(words) > 1 and words[0] == "corral":
+            block = Block(path, "prose", 0, number, "sh", span, "synopsis")
+            check_synopsis(block, [w for w in words[1:] if w not in {"...", "--"}])
+
+
 # ---- the parser itself ---------------------------------------------------------------------------
 
 
@@ -437,7 +511,8 @@ def test_parser_reads_markers_sections_and_continuations(tmp_path: Path) -> None
     doc = tmp_path / "x.md"
     doc.write_text(
         "# T\n## Use it\n```python\na = 1\n```\n<!-- doc-test: continue -->\n"
-        "```python\nprint(a)\n```\n<!-- doc-test: skip needs a GPU -->\n```sh\nnvidia-smi\n```\n",
+        "```python\nprint(a)\n```\n<!-- doc-test: skip needs a GPU -->\n\n"
+        "<!-- doc-test: prints 'a b' c -->\n```sh\nnvidia-smi\n```\n",
         encoding="utf-8",
     )
     blocks = parse_blocks(doc)
@@ -447,4 +522,5 @@ def test_parser_reads_markers_sections_and_continuations(tmp_path: Path) -> None
         ("use-it", 3, "sh", "skip"),
     ]
     assert blocks[2].reason == "needs a GPU"
+    assert blocks[2].prints == ["a b", "c"]
     assert blocks[1].text == "print(a)\n"
