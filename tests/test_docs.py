@@ -15,7 +15,8 @@ What each fence's language means here:
   name a file of the repository. A trailing ``# exits N`` says the exit status to expect.
   Any other program fails the test until a rule here says how to check it.
 - ``toml``: a policy file: it loads, and a box starts with it and runs a command.
-- ``json``: parses. ``text``: a figure, not checked. A fence without a language fails.
+- ``json``: parses; an MCP client config's ``corral`` arguments go through corral's parser.
+  ``text``: a figure, not checked. A fence without a language fails.
 
 An HTML comment on the line right before a fence changes that:
 
@@ -31,6 +32,9 @@ An HTML comment on the line right before a fence changes that:
 - ``<!-- doc-test: prints TEXT... -->`` (python; shell words): the program's output contains
   each TEXT, so an example that runs but no longer does what its comments say fails too.
   It may stand beside one of the other markers (one marker per line).
+- ``<!-- doc-test: toolbox TOOL ARGUMENTS -->`` (json): the block is what ``Toolbox.call(TOOL,
+  ARGUMENTS)`` returns in a fresh box: the same keys and values, where a string ending in
+  ``...`` stands for any text starting with what precedes it.
 - ``<!-- doc-test: skip REASON -->``: not run; the test is skipped, showing REASON.
 """
 
@@ -68,7 +72,9 @@ BLOCK_TIMEOUT = 60.0
 PYTHON = {"python", "py"}
 SHELL = {"sh", "bash", "shell", "console"}
 CHECKED = PYTHON | SHELL | {"toml", "json", "text"}
-MARKER = re.compile(r"<!--\s*doc-test:\s*(continue|synopsis|skip|attach|prints)\b\s*(.*?)\s*-->")
+MARKER = re.compile(
+    r"<!--\s*doc-test:\s*(continue|synopsis|skip|attach|prints|toolbox)\b\s*(.*?)\s*-->"
+)
 
 RUN_FOR_REAL = {"run", "doctor", "sessions", "audit"}
 """corral subcommands a doc's command runs for real; the others wait for a person or a client
@@ -199,7 +205,7 @@ def test_doc_block(block: Block, workdir: Path, model_url: str) -> None:
     elif block.lang == "toml":
         check_policy_toml(block, workdir)
     elif block.lang == "json":
-        json.loads(block.text)
+        check_json(block, workdir)
 
 
 # ---- python -----------------------------------------------------------------------------------
@@ -496,6 +502,43 @@ def test_corral_commands_in_the_prose_exist() -> None:
         if len(words) > 1 and words[0] == "corral":
             block = Block(path, "prose", 0, number, "sh", span, "synopsis")
             check_synopsis(block, [w for w in words[1:] if w not in {"...", "--"}])
+
+
+def check_json(block: Block, workdir: Path) -> None:
+    doc = json.loads(block.text)
+    for name, server in doc.get("mcpServers", {}).items() if isinstance(doc, dict) else ():
+        if server.get("command") == "corral":
+            args = server.get("args", [])
+            try:
+                make_parser().parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{block.where}: server {name}: `corral {shlex.join(args)}` is wrong")
+    if block.marker == "toolbox":
+        import asyncio
+
+        from corral import Sandbox
+        from corral.tools import Toolbox
+
+        tool, arguments = shlex.split(block.reason)
+
+        async def call() -> object:
+            async with Sandbox(workspace=workdir) as sb:
+                return await Toolbox(sb).call(tool, json.loads(arguments))
+
+        real = json.loads(json.dumps(asyncio.run(call())))
+        assert_like(doc, real, f"{block.where}: ")
+
+
+def assert_like(doc: object, real: object, where: str) -> None:
+    """``real`` is what ``doc`` shows: same keys, same values, ``"text..."`` a prefix."""
+    if isinstance(doc, dict):
+        assert isinstance(real, dict) and doc.keys() == real.keys(), f"{where}{doc} vs {real}"
+        for key, value in doc.items():
+            assert_like(value, real[key], f"{where}{key}.")
+    elif isinstance(doc, str) and doc.endswith("..."):
+        assert isinstance(real, str) and real.startswith(doc[:-3].rstrip()), f"{where}{real!r}"
+    else:
+        assert doc == real, f"{where} the docs say {doc!r}, corral returns {real!r}"
 
 
 # ---- the parser itself ---------------------------------------------------------------------------
