@@ -41,7 +41,7 @@ from corral.backends.base import (
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.host import cgroups, idmap, seccomp, staging
 from corral.backends.host.boxfiles import shared_files
-from corral.backends.host.python import find_python
+from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
@@ -178,6 +178,12 @@ class BwrapBackend(BackendBase):
         # bwrap's own init (pid 1 of the box) sits in the box's cgroup beside the agent.
         self.limit_caps = cgroups.limit_capabilities(self.cgroup_support, own_pids=1)
         self.python = find_python()
+        # bwrap starts as the unprivileged uid box root maps to. setpriv switches to it in
+        # the exec'd process, so Python can vfork: forking this (large) process to call
+        # setuid in the child costs 3-6 ms of every start.
+        setpriv = shutil.which("setpriv", path=SYSTEM_PATH)
+        ids = (f"--reuid={HOST_UID_BASE}", f"--regid={HOST_UID_BASE}", "--clear-groups", "--")
+        self.as_box_root = (setpriv, *ids) if setpriv else ()
 
     def sweep_orphans(self) -> list[str]:
         return sweep_orphans(self.cgroup_support)
@@ -185,6 +191,7 @@ class BwrapBackend(BackendBase):
     async def start(self, spec: BoxSpec) -> BwrapBox:
         policy = spec.policy
         await self.prepare()
+        await ensure_agent_compiled(AGENT_DIR, self.python)
         problem = unplaceable_mount(policy)
         if problem is not None:
             raise PolicyError(problem)
@@ -219,24 +226,16 @@ class BwrapBackend(BackendBase):
         cgroup: cgroups.Cgroup | None = None
         warnings: list[str] = []
         proc: asyncio.subprocess.Process | None = None
+        primed: asyncio.Future[None] | None = None
         try:
             cgroup, warnings = self._make_cgroup(spec, limits)
+            if cgroup is not None:  # the grace period of the move below passes meanwhile
+                primed = asyncio.ensure_future(
+                    asyncio.to_thread(cgroups.prime_migration, self.cgroup_support)
+                )
             if shared.warning:
                 warnings.append(shared.warning)
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=(guest_end.fileno(), info_w, block_r, sec_r),
-                env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
-                # bwrap runs as the unprivileged host uid that box root maps to, so neither
-                # bwrap's own init nor the agent is host root, even for a moment.
-                user=HOST_UID_BASE,
-                group=HOST_UID_BASE,
-                extra_groups=[],
-                start_new_session=True,
-            )
+            proc = await self._spawn(argv, (guest_end.fileno(), info_w, block_r, sec_r))
             os.close(info_w)
             info_w = -1
             info = await _read_info(info_r, proc)
@@ -244,13 +243,18 @@ class BwrapBackend(BackendBase):
             child = int(info["child-pid"])
             if cgroup is not None:
                 # Every process of the box descends from this child; bwrap's outer monitor
-                # only waits, and each cgroup v1 migration costs about a millisecond.
+                # only waits. Once the primed grace period is over, the move takes ~0.1 ms.
+                if primed is not None:
+                    await primed
                 cgroup.add(child)
             _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid)
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence and connect the netns first
             os.write(block_w, b"1")
         except BaseException:
+            if primed is not None and not primed.done():
+                with contextlib.suppress(BaseException):
+                    await primed  # a short write, never an error: no thread outlives start
             if proc is not None and proc.returncode is None:
                 kill_child(proc)
                 await proc.wait()
@@ -268,6 +272,26 @@ class BwrapBackend(BackendBase):
                         os.close(fd)
         host_end.setblocking(False)
         return BwrapBox(spec, proc, host_end, cgroup, tuple(warnings), limits, shared)
+
+    async def _spawn(
+        self, argv: list[str], pass_fds: tuple[int, ...]
+    ) -> asyncio.subprocess.Process:
+        """Start bwrap as the unprivileged host uid that box root maps to, so neither bwrap's
+        own init nor the agent is host root, even for a moment."""
+        drop: dict[str, Any] = {}
+        if not self.as_box_root:  # Python switches users in a forked child: slower, the same
+            drop = {"user": HOST_UID_BASE, "group": HOST_UID_BASE, "extra_groups": []}
+        return await asyncio.create_subprocess_exec(
+            *self.as_box_root,
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            pass_fds=pass_fds,
+            env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+            start_new_session=True,
+            **drop,
+        )
 
     def _make_cgroup(
         self, spec: BoxSpec, plan: LimitPlan

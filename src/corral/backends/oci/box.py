@@ -55,7 +55,7 @@ from corral.backends.base import (
 )
 from corral.backends.host import cgroups, idmap, mountinfo, mounts, staging
 from corral.backends.host.boxfiles import shared_files
-from corral.backends.host.python import find_python
+from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
@@ -378,6 +378,7 @@ class OciBackend(BackendBase):
     async def start(self, spec: BoxSpec) -> OciBox:
         runtime = self.runtime
         await self.prepare()
+        await ensure_agent_compiled(AGENT_DIR, self.python)
         problem = unplaceable_mount(spec.policy)
         if problem is not None:
             raise PolicyError(problem)
