@@ -31,7 +31,7 @@ from pathlib import Path
 from corral.backends.base import BoxSpec
 from corral.backends.host import mounts, staging
 from corral.backends.layout import expand
-from corral.backends.users import COMMAND_HOST_ID
+from corral.backends.users import BOX_UID, COMMAND_HOST_ID, HOST_UID_BASE
 
 _SYS_OPEN_TREE = 428
 _SYS_MOVE_MOUNT = 429
@@ -47,7 +47,7 @@ _MOUNT_ATTR_IDMAP = 0x0010_0000
 
 _lock = threading.Lock()
 _probe_lock = threading.Lock()
-_userns: dict[tuple[int, int], int] = {}
+_userns: dict[tuple[int, int, int], int] = {}
 
 
 def _syscall_for(path: str, nr: int, *args: object) -> int:
@@ -58,13 +58,18 @@ def _syscall_for(path: str, nr: int, *args: object) -> int:
         raise OSError(exc.errno, exc.strerror, path) from None
 
 
-def userns_fd(uid: int, gid: int) -> int:
-    """A user namespace mapping on-disk ``uid``/``gid`` to COMMAND_HOST_ID.
+def userns_fd(uid: int, gid: int, host_id: int = COMMAND_HOST_ID) -> int:
+    """A user namespace mapping on-disk ``uid``/``gid`` to ``host_id`` (who the box user is
+    on the host: COMMAND_HOST_ID, or BOX_UID itself in a box without a user namespace).
 
     Cached for the life of the process, one open fd per workspace owner (bounded by the
-    number of owners, not of boxes): making one costs a short-lived ``unshare`` process."""
+    number of owners, not of boxes): making one costs a short-lived ``unshare`` process.
+
+    With ``host_id`` BOX_UID (a gVisor box) host root is mapped too, onto the unprivileged
+    HOST_UID_BASE on disk: gVisor's file server creates every file as root, then chowns it
+    to its creator (the box user: the owner on disk; the box's root: HOST_UID_BASE)."""
     with _lock:
-        fd = _userns.get((uid, gid))
+        fd = _userns.get((uid, gid, host_id))
         if fd is not None:
             return fd
         proc = subprocess.Popen(
@@ -77,8 +82,9 @@ def userns_fd(uid: int, gid: int) -> int:
             assert proc.stdout is not None and proc.stdin is not None
             if not proc.stdout.readline():
                 raise OSError(f"unshare --user failed (exit {proc.wait()})")
-            Path(f"/proc/{proc.pid}/uid_map").write_text(f"{uid} {COMMAND_HOST_ID} 1\n")
-            Path(f"/proc/{proc.pid}/gid_map").write_text(f"{gid} {COMMAND_HOST_ID} 1\n")
+            root = f"{HOST_UID_BASE} 0 1\n" if host_id == BOX_UID else ""
+            Path(f"/proc/{proc.pid}/uid_map").write_text(f"{uid} {host_id} 1\n{root}")
+            Path(f"/proc/{proc.pid}/gid_map").write_text(f"{gid} {host_id} 1\n{root}")
             fd = os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             if proc.stdin is not None:
@@ -87,15 +93,15 @@ def userns_fd(uid: int, gid: int) -> int:
             proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
-        _userns[(uid, gid)] = fd
+        _userns[(uid, gid, host_id)] = fd
         return fd
 
 
-def mount_idmapped(source: str, target: str) -> None:
+def mount_idmapped(source: str, target: str, host_id: int = COMMAND_HOST_ID) -> None:
     """Mount ``source`` (recursively, nosuid, nodev) at ``target``, its owner's files
-    appearing as COMMAND_HOST_ID's."""
+    appearing as ``host_id``'s."""
     st = os.stat(source)
-    ns_fd = userns_fd(st.st_uid, st.st_gid)
+    ns_fd = userns_fd(st.st_uid, st.st_gid, host_id)
     tree = _syscall_for(
         source,
         _SYS_OPEN_TREE,
@@ -157,14 +163,15 @@ def _probe() -> str | None:
 class IdmappedBinds:
     """The idmapped mount points of one box; ``release`` after the box is gone."""
 
-    def __init__(self, sandbox_id: str) -> None:
+    def __init__(self, sandbox_id: str, host_id: int = COMMAND_HOST_ID) -> None:
         self.sandbox_id = sandbox_id
+        self.host_id = host_id
         self.entries: list[Path] = []
 
     def add(self, source: str | os.PathLike[str]) -> Path:
         entry = staging.new_entry("mnt", f"{self.sandbox_id}.{len(self.entries)}")
         self.entries.append(entry)
-        mount_idmapped(os.fspath(source), str(entry / "ws"))
+        mount_idmapped(os.fspath(source), str(entry / "ws"), self.host_id)
         return entry / "ws"
 
     def release(self) -> None:
@@ -192,22 +199,25 @@ class SharedPaths:
             self.binds.release()
 
 
-def share_paths(spec: BoxSpec, home: str | None = None) -> SharedPaths:
-    """Idmap the workspace, ``allow_write`` paths and ``mounts`` of a box about to start.
+def share_paths(
+    spec: BoxSpec, home: str | None = None, host_id: int = COMMAND_HOST_ID
+) -> SharedPaths:
+    """Idmap the workspace, ``allow_write`` paths and ``mounts`` of a box about to start,
+    their owners' files appearing as ``host_id``'s (who the box user is on the host).
 
     Falls back to mapping the box user to the workspace owner where idmapped mounts are not
     available (the reason becomes a warning of the box)."""
     reason = unsupported_reason()
     if spec.workspace_prepared and reason is None:
-        return SharedPaths(workspace=spec.workspace)
+        return SharedPaths(workspace=spec.workspace, uid=host_id, gid=host_id)
     if reason is not None:
         st = spec.workspace.stat()
         return SharedPaths(spec.workspace, uid=st.st_uid, gid=st.st_gid, warning=reason)
     fs = spec.policy.filesystem
-    binds = IdmappedBinds(spec.sandbox_id)
+    binds = IdmappedBinds(spec.sandbox_id, host_id)
     home = home or os.path.expanduser("~")
     try:
-        shared = SharedPaths(workspace=binds.add(spec.workspace), binds=binds)
+        shared = SharedPaths(binds.add(spec.workspace), uid=host_id, gid=host_id, binds=binds)
         for raw in fs.allow_write:
             path = expand(raw, home)
             if os.path.isdir(path):

@@ -53,13 +53,14 @@ from corral.backends.base import (
     agent_config,
     sweep_boxes,
 )
-from corral.backends.host import cgroups, idmap, mountinfo, mounts, staging
+from corral.backends.host import cgroups, idmap, mountinfo, mounts, seccomp, staging
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
+from corral.backends.users import BOX_UID, COMMAND_HOST_ID
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
 
@@ -112,8 +113,27 @@ class Runtime:
     hidden_mount: str | None = None
     """A mount to hide from the runtime (crun on a hybrid cgroup host)."""
 
+    @property
+    def gvisor(self) -> bool:
+        """runsc: gVisor's kernel runs the box (no user namespace, flags of its own)."""
+        return self.name == "runsc"
+
     def argv(self, *args: str) -> list[str]:
         return [self.path, "--root", str(self.root), *args]
+
+    def run_flags(self, netns: str | None, relays: bool) -> list[str]:
+        """Global flags (before the subcommand) of the call that starts a box.
+
+        runsc: ``--network=none`` (gVisor's own loopback only) unless the box joins corral's
+        namespace (``full`` mode: ``sandbox`` uses the interfaces found in it); the unix
+        sockets of the allowlist proxy and port relays are host sockets, which gVisor lets
+        a box connect to only with ``--host-uds=open``."""
+        if not self.gvisor:
+            return []
+        flags = [f"--network={'none' if netns is None else 'sandbox'}"]
+        if relays:
+            flags.append("--host-uds=open")
+        return flags
 
     def preexec(self) -> Callable[[], None] | None:
         return _hide_mount(self.hidden_mount) if self.hidden_mount else None
@@ -308,11 +328,13 @@ async def _delete(runtime: Runtime, box_id: str) -> str:
     return err.decode(errors="replace").strip() if proc.returncode else ""
 
 
-async def _runtime_step(runtime: Runtime, spec: BoxSpec, channel_fd: int, bundle: Path) -> None:
+async def _runtime_step(
+    runtime: Runtime, spec: BoxSpec, channel_fd: int, bundle: Path, flags: list[str]
+) -> None:
     """``run --detach`` one box, raising the runtime's error."""
     step = "run"
     pid_file = str(spec.state_dir / "init.pid")
-    args = [step, "--detach", "--bundle", str(bundle), "--pid-file", pid_file]
+    args = [*flags, step, "--detach", "--bundle", str(bundle), "--pid-file", pid_file]
     # A runtime started without a terminal hands its stdio to the box's process: the
     # channel is the agent's fd 0, and stderr.log gets the runtime's errors, then the
     # agent's own stderr (diagnose()).
@@ -389,7 +411,9 @@ class OciBackend(BackendBase):
         cgroup: cgroups.Cgroup | None = None
         shared: idmap.SharedPaths | None = None
         try:
-            shared = idmap.share_paths(spec)
+            # No user namespace in a gVisor box: the box user is host uid 1000 to its file
+            # server, so shared paths are idmapped onto 1000 (COMMAND_HOST_ID otherwise).
+            shared = idmap.share_paths(spec, host_id=BOX_UID if runtime.gvisor else COMMAND_HOST_ID)
             # full mode: the box joins a namespace corral made and fenced (by path: the
             # runtime's init is not dumpable, so pasta could not attach to it by pid).
             netns = await spec.network.make_netns() if spec.network is not None else None
@@ -398,7 +422,9 @@ class OciBackend(BackendBase):
             bundle.mkdir()
             _write_bundle(bundle, result)
             runtime.root.mkdir(parents=True, exist_ok=True)
-            await _runtime_step(runtime, spec, guest_end.fileno(), bundle)
+            relays = spec.network is not None and bool(spec.network.forwarders())
+            flags = runtime.run_flags(netns, relays)
+            await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags)
             cgroup = _open_cgroup(spec.sandbox_id, self.cgroup_support)
         except BaseException:
             host_end.close()
@@ -423,6 +449,11 @@ class OciBackend(BackendBase):
     ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
         config = {**agent_config(spec), "fd": 0}
+        seccomp_file = None
+        if self.runtime.gvisor:
+            seccomp_file = spec.state_dir / "seccomp.bpf"
+            seccomp_file.write_bytes(seccomp.build_filter(spec.policy.security.preset, gvisor=True))
+            config["seccomp"] = oci_config.GUEST_SECCOMP
         net = spec.network
         if net is not None:
             config["forwarders"] = net.forwarders()
@@ -442,5 +473,7 @@ class OciBackend(BackendBase):
             host_mounts=mountinfo.mount_points(),
             sources=shared.sources,
             netns_path=netns,
+            seccomp_file=str(seccomp_file) if seccomp_file else None,
+            gvisor=self.runtime.gvisor,
         )
         return oci_config.oci_bundle(spec.policy, inputs)

@@ -62,6 +62,10 @@ MASKED_PATHS = (
     "/proc/scsi",
     "/sys/firmware",
 )
+GUEST_SECCOMP = "/run/corral/seccomp.bpf"
+"""Where a gVisor box's agent finds the compiled filter it installs on itself."""
+NAMESPACES = ("user", "pid", "ipc", "uts", "mount", "cgroup")
+"""Namespaces of a runc or crun box besides the network's (runsc: all but the user's)."""
 # Mounted by the runtime itself, so never bound from the host.
 _OWN_MOUNTS = ("/proc", "/dev", "/sys", "/tmp", "/run", "/home")
 
@@ -90,6 +94,12 @@ class OciInputs:
     """Mount points of the host: those under a read-only bind are made read-only too."""
     sources: Mapping[str, str] = field(default_factory=dict)
     """Idmapped mount points replacing ``allow_write`` and ``mounts`` host paths."""
+    seccomp_file: str | None = None
+    """gVisor: the compiled filter (host path), bound at :data:`GUEST_SECCOMP`."""
+    gvisor: bool = False
+    """runsc: no user namespace (gVisor's own kernel is the wall; box uid 1000 is host uid
+    1000 to its file server, so shared paths are idmapped onto 1000), every mount point made
+    in the root dir (its file server cannot write there), its own sysfs in every mode."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +197,7 @@ def _resources(plan: LimitPlan) -> dict[str, Any]:
 
 
 def _mount_points(
-    mounts: list[dict[str, Any]], host_roots: set[str], host: HostView
+    mounts: list[dict[str, Any]], host_roots: set[str], host: HostView, everywhere: bool = False
 ) -> tuple[list[tuple[str, int]], list[str]]:
     """Directories and files to make in the root dir for the mounts.
 
@@ -195,13 +205,16 @@ def _mount_points(
     unprivileged root, cannot write the root directory. Deeper ones inside the box's own
     mounts are made by the runtime; those inside host binds exist on the host (or fail, as
     with bwrap); any other (a shared mount at ``/data/in``) gets its parents made here.
+    ``everywhere``: inside the box's own mounts too (gVisor's file server makes bind mount
+    points in the root dir, below /run's tmpfs as well, and may not write there).
     """
     dirs: dict[str, int] = {}
     files: dict[str, None] = {}
+    skipped = host_roots if everywhere else host_roots | set(_OWN_MOUNTS)
     for mount in mounts:
         dest = os.path.normpath(mount["destination"])
         parts = dest.strip("/").split("/")
-        if len(parts) > 1 and ("/" + parts[0] in host_roots or "/" + parts[0] in _OWN_MOUNTS):
+        if len(parts) > 1 and "/" + parts[0] in skipped:
             continue
         for i in range(1, len(parts)):
             dirs.setdefault("/" + "/".join(parts[:i]), 0o755)
@@ -219,22 +232,24 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     roots = root_entries(policy, inp.python, host) + passwd_binds(policy, inp.passwd_file)
     # The runtime mounts its own /proc, /dev and /sys (bwrap binds the host's /sys).
     root_binds = [e for e in roots if isinstance(e, Bind) and e.dest not in _OWN_MOUNTS]
-    if inp.netns_path is not None:
+    # gVisor's sysfs is its own kernel's, so it is mounted in every network mode.
+    own_sysfs = inp.netns_path is None or inp.gvisor
+    if not own_sysfs:
         root_binds.append(Bind("/sys", "/sys"))
     binds = [
         *root_binds,
         *_submounts(root_binds, inp.host_mounts),
         Bind(str(inp.agent_dir), GUEST_AGENT_DIR),
         *inp.extra_binds,
+        *([Bind(inp.seccomp_file, GUEST_SECCOMP)] if inp.seccomp_file else []),
         *policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources),
     ]
-    mounts = _system_mounts(policy, inp.netns_path is None) + [_bind(b, host) for b in binds]
+    mounts = _system_mounts(policy, own_sysfs) + [_bind(b, host) for b in binds]
     host_roots = {b.dest for b in root_binds}
-    dirs, files = _mount_points(mounts, host_roots, host)
+    dirs, files = _mount_points(mounts, host_roots, host, everywhere=inp.gvisor)
     limits = inp.limits or plan_limits(policy.limits, Capabilities("cgroup v1"))
-    namespaces: list[dict[str, str]] = [
-        {"type": t} for t in ("user", "pid", "ipc", "uts", "mount", "cgroup")
-    ]
+    kinds = ("pid", "ipc", "uts", "mount", "cgroup") if inp.gvisor else NAMESPACES
+    namespaces: list[dict[str, str]] = [{"type": t} for t in kinds]
     network = {"type": "network"}
     if inp.netns_path is not None:
         network["path"] = inp.netns_path
@@ -264,8 +279,6 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         "mounts": mounts,
         "linux": {
             "namespaces": namespaces,
-            "uidMappings": _mappings(inp.owner_uid),
-            "gidMappings": _mappings(inp.owner_gid),
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(PROC_READ_ONLY),
             "seccomp": seccomp.oci_seccomp(policy.security.preset),
@@ -273,6 +286,13 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
             "cgroupsPath": f"/{PARENT}/{inp.sandbox_id}",
         },
     }
+    if inp.gvisor:
+        # runsc's OCI seccomp turns every errno into EPERM and is off by default: the agent
+        # installs corral's compiled filter on itself instead, which gVisor's kernel enforces.
+        del config["linux"]["seccomp"]
+    else:
+        config["linux"]["uidMappings"] = _mappings(inp.owner_uid)
+        config["linux"]["gidMappings"] = _mappings(inp.owner_gid)
     return OciBundle(
         config=config,
         dirs=tuple(dirs),
