@@ -36,11 +36,12 @@ BACKENDS: dict[str, dict[str, Any]] = {
     "bwrap": {},
     "oci-runc": {"backend": "oci", "runtime": "runc"},
     "oci-crun": {"backend": "oci", "runtime": "crun"},
+    "oci-runsc": {"backend": "oci", "runtime": "runsc"},
     "microvm": {"backend": "microvm"},
 }
 CONTRACT_BACKENDS = [
     name
-    for name in os.environ.get("CORRAL_TEST_BACKENDS", "bwrap,oci-runc,oci-crun").split(",")
+    for name in os.environ.get("CORRAL_TEST_BACKENDS", "bwrap,oci-runc,oci-crun,oci-runsc").split(",")
     if name in BACKENDS
 ]
 

@@ -87,8 +87,10 @@ class Agent:
             self.sock = CharDevice(str(config["device"]))
         else:
             self.sock = socket.socket(fileno=int(config["fd"]))
-        if "seccomp" in config:  # microVM: the host's filter, before any thread starts
+        if "seccomp" in config:  # microVM, gVisor: the host's filter, before any thread starts
             install_seccomp(str(config["seccomp"]))
+        # Variables the backend gives every command (a command's own env overrides them).
+        self.base_env = {str(k): str(v) for k, v in dict(config.get("env") or {}).items()}
         self.sock.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.decoder = protocol.FrameDecoder()
@@ -183,7 +185,7 @@ class Agent:
         import subprocess
 
         argv = [str(a) for a in h["argv"]]
-        env = {str(k): str(v) for k, v in dict(h.get("env") or {}).items()}
+        env = {**self.base_env, **{str(k): str(v) for k, v in dict(h.get("env") or {}).items()}}
         cwd = h.get("cwd") or None
         stdin_mode = h.get("stdin", "null")  # "null" | "data" | "pipe"
         rlimits = {str(k): int(v) for k, v in dict(h.get("rlimits") or {}).items()}

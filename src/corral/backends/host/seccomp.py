@@ -237,7 +237,6 @@ _X86_64: Final[Mapping[str, int]] = {
     "kcmp": 312,
     "finit_module": 313,
     "kexec_file_load": 320,
-    "statx": 332,
     "bpf": 321,
     "userfaultfd": 323,
     **_UNIFIED,
@@ -288,7 +287,6 @@ _AARCH64: Final[Mapping[str, int]] = {
     "finit_module": 273,
     "userfaultfd": 282,
     "bpf": 280,
-    "statx": 291,
     "kexec_file_load": 294,
     **_UNIFIED,
 }
@@ -444,13 +442,6 @@ _BASELINE_ARG_RULES: Final[Mapping[str, tuple[_Rule, ...]]] = {
     "personality": (_Rule((_NoneOf(0, (PER_LINUX, PER_LINUX32, PERSONALITY_QUERY)),)),),
 }
 
-_AT_NO_AUTOMOUNT: Final = 0x800
-# gVisor (runsc) before 2023 fails statx(2) with AT_NO_AUTOMOUNT, which `ls -l` and `stat`
-# pass, with EINVAL; ENOSYS makes glibc's statx() emulate the call with fstatat instead.
-_GVISOR_ARG_RULES: Final[Mapping[str, tuple[_Rule, ...]]] = {
-    "statx": (_Rule((_AnyBit(2, _AT_NO_AUTOMOUNT),), ENOSYS),),
-}
-
 _RESTRICTED_EXTRA_ARG_RULES: Final[Mapping[str, tuple[_Rule, ...]]] = {
     "socket": (
         _Rule((_NoneOf(0, (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)),)),
@@ -593,11 +584,9 @@ def _numbers(arch: _Arch, names: Iterable[str]) -> list[tuple[str, int]]:
 
 
 @functools.cache
-def _compile(profile: str, arch_name: str, gvisor: bool = False) -> bytes:
+def _compile(profile: str, arch_name: str) -> bytes:
     arch = _ARCHES[arch_name]
     deny, arg_rules = _policy(profile)
-    if gvisor:
-        arg_rules = {**arg_rules, **_GVISOR_ARG_RULES}
 
     asm = _Assembler()
     asm.load(_OFF_ARCH)
@@ -636,12 +625,8 @@ def _host_arch() -> str:
     return machine
 
 
-def build_filter(profile: Profile = "baseline", *, gvisor: bool = False) -> bytes:
+def build_filter(profile: Profile = "baseline") -> bytes:
     """The seccomp program for ``profile`` on this machine, ready for ``bwrap --seccomp FD``.
-
-    ``gvisor``: for a box of gVisor's kernel, whose agent installs the filter on itself
-    (runsc's own OCI seccomp turns every errno into EPERM); adds a compatibility rule for
-    ``statx`` (see ``_GVISOR_ARG_RULES``).
 
     The result is a raw array of 8-byte ``struct sock_filter`` in native byte order and is
     computed once per profile (it is asked for on every sandbox start).
@@ -650,7 +635,7 @@ def build_filter(profile: Profile = "baseline", *, gvisor: bool = False) -> byte
     architecture without a syscall table (only x86_64 and aarch64 have one).
     """
     _policy(profile)  # validate before touching the cache: errors are not cached
-    return _compile(profile, _host_arch(), gvisor)
+    return _compile(profile, _host_arch())
 
 
 def denied_syscalls(profile: Profile = "baseline") -> frozenset[str]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -417,7 +418,10 @@ class OciBackend(BackendBase):
             # full mode: the box joins a namespace corral made and fenced (by path: the
             # runtime's init is not dumpable, so pasta could not attach to it by pid).
             netns = await spec.network.make_netns() if spec.network is not None else None
-            result = self._bundle(spec, shared, limits, netns)
+            compat, compat_warning = None, None
+            if runtime.gvisor:
+                compat, compat_warning = await asyncio.to_thread(gvisor_compat_library)
+            result = self._bundle(spec, shared, limits, netns, compat)
             bundle = spec.state_dir / "bundle"
             bundle.mkdir()
             _write_bundle(bundle, result)
@@ -437,7 +441,7 @@ class OciBackend(BackendBase):
         finally:
             guest_end.close()
         host_end.setblocking(False)
-        warnings = limits.warnings + ((shared.warning,) if shared.warning else ())
+        warnings = limits.warnings + tuple(w for w in (shared.warning, compat_warning) if w)
         return OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared)
 
     def _bundle(
@@ -446,14 +450,17 @@ class OciBackend(BackendBase):
         shared: idmap.SharedPaths,
         limits: LimitPlan,
         netns: str | None = None,
+        compat: Path | None = None,
     ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
         config = {**agent_config(spec), "fd": 0}
         seccomp_file = None
         if self.runtime.gvisor:
             seccomp_file = spec.state_dir / "seccomp.bpf"
-            seccomp_file.write_bytes(seccomp.build_filter(spec.policy.security.preset, gvisor=True))
+            seccomp_file.write_bytes(seccomp.build_filter(spec.policy.security.preset))
             config["seccomp"] = oci_config.GUEST_SECCOMP
+            if compat is not None:
+                config["env"] = {"LD_PRELOAD": oci_config.GUEST_COMPAT}
         net = spec.network
         if net is not None:
             config["forwarders"] = net.forwarders()
@@ -474,6 +481,50 @@ class OciBackend(BackendBase):
             sources=shared.sources,
             netns_path=netns,
             seccomp_file=str(seccomp_file) if seccomp_file else None,
+            compat_library=str(compat) if compat else None,
             gvisor=self.runtime.gvisor,
         )
         return oci_config.oci_bundle(spec.policy, inputs)
+
+
+_COMPAT_SOURCE = Path(__file__).with_name("gvisor_compat.c")
+
+
+def gvisor_compat_library() -> tuple[Path | None, str | None]:
+    """The compatibility library preloaded into a gVisor box's commands (see
+    ``gvisor_compat.c``), compiled once per source version under the state root; or None and
+    why (a warning of the box) when there is no C compiler."""
+    source = _COMPAT_SOURCE.read_bytes()
+    target = state_root() / "shared" / f"gvisor-compat-{hashlib.sha256(source).hexdigest()[:12]}.so"
+    if target.exists():
+        return target, None
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    why = "`ls -l` and `stat` fail with EINVAL under runsc releases before 2023"
+    if compiler is None:
+        return None, f"{why}: no C compiler (cc) to build corral's compatibility library"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    try:
+        subprocess.run(
+            [compiler, "-shared", "-fPIC", "-O2", "-o", str(partial), str(_COMPAT_SOURCE)],
+            capture_output=True,
+            timeout=60,
+            check=True,
+            env={"PATH": SYSTEM_PATH},
+        )
+        partial.chmod(0o644)
+        partial.rename(target)  # atomic: concurrent first starts both compile, one wins
+    except (OSError, subprocess.SubprocessError) as exc:
+        partial.unlink(missing_ok=True)
+        return None, f"{why}: building corral's compatibility library failed ({exc})"
+    return target, None
+
+
+def _swap_limit_file(support: cgroups.CgroupSupport) -> bool:
+    """Whether the runtime can cap swap (OCI ``memory.swap``): the file must exist."""
+    if support.version == "v1":
+        mount = support.mounts.get("memory")
+        return mount is not None and Path(mount, "memory.memsw.limit_in_bytes").exists()
+    if support.version == "v2":
+        return next(Path(support.root).glob("*/memory.swap.max"), None) is not None
+    return False

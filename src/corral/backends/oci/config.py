@@ -64,6 +64,8 @@ MASKED_PATHS = (
 )
 GUEST_SECCOMP = "/run/corral/seccomp.bpf"
 """Where a gVisor box's agent finds the compiled filter it installs on itself."""
+GUEST_COMPAT = "/run/corral/gvisor-compat.so"
+"""Where a gVisor box's commands find the library they preload (``gvisor_compat.c``)."""
 NAMESPACES = ("user", "pid", "ipc", "uts", "mount", "cgroup")
 """Namespaces of a runc or crun box besides the network's (runsc: all but the user's)."""
 # Mounted by the runtime itself, so never bound from the host.
@@ -96,6 +98,8 @@ class OciInputs:
     """Idmapped mount points replacing ``allow_write`` and ``mounts`` host paths."""
     seccomp_file: str | None = None
     """gVisor: the compiled filter (host path), bound at :data:`GUEST_SECCOMP`."""
+    compat_library: str | None = None
+    """gVisor: the compatibility library (host path), bound at :data:`GUEST_COMPAT`."""
     gvisor: bool = False
     """runsc: no user namespace (gVisor's own kernel is the wall; box uid 1000 is host uid
     1000 to its file server, so shared paths are idmapped onto 1000), every mount point made
@@ -242,6 +246,7 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         Bind(str(inp.agent_dir), GUEST_AGENT_DIR),
         *inp.extra_binds,
         *([Bind(inp.seccomp_file, GUEST_SECCOMP)] if inp.seccomp_file else []),
+        *([Bind(inp.compat_library, GUEST_COMPAT)] if inp.compat_library else []),
         *policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources),
     ]
     mounts = _system_mounts(policy, own_sysfs) + [_bind(b, host) for b in binds]
