@@ -41,7 +41,9 @@ BACKENDS: dict[str, dict[str, Any]] = {
 }
 CONTRACT_BACKENDS = [
     name
-    for name in os.environ.get("CORRAL_TEST_BACKENDS", "bwrap,oci-runc,oci-crun,oci-runsc").split(",")
+    for name in os.environ.get("CORRAL_TEST_BACKENDS", "bwrap,oci-runc,oci-crun").split(
+        ","
+    )
     if name in BACKENDS
 ]
 

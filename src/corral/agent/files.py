@@ -13,6 +13,7 @@ permission checks apply exactly as they would to a command.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 
@@ -71,18 +72,91 @@ class _Openat2:
         self.libc.syscall.restype = ctypes.c_long
 
     def open(self, dirfd: int, rel: str, flags: int, mode: int = 0) -> int:
+        if self.missing:
+            return open_beneath(dirfd, rel, flags, mode)
         how = self.how_type(flags | os.O_CLOEXEC, mode, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
         fd = self.libc.syscall(
             SYS_OPENAT2, dirfd, os.fsencode(rel), self.ctypes.byref(how), self.ctypes.sizeof(how)
         )
         if fd < 0:
             err = self.ctypes.get_errno()
+            if err == errno.ENOSYS:  # gVisor before 2023: resolve in user space instead
+                self.missing = True
+                return open_beneath(dirfd, rel, flags, mode)
             raise OSError(err, os.strerror(err), rel)
         return int(fd)
 
+    missing = False
+    """openat2 is not implemented here (ENOSYS once): :func:`open_beneath` does its work."""
+
+
+MAX_SYMLINKS = 40
+
+
+def _open_component(dirfd: int, name: str, flags: int | None, mode: int) -> int:
+    """``name`` in ``dirfd`` without following it (``flags`` None: a directory to walk
+    through), or -1 when it may be a symlink for the caller to read."""
+    step = os.O_PATH | os.O_DIRECTORY if flags is None else flags
+    try:
+        fd = os.open(name, step | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dirfd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        return -1
+    if stat.S_ISLNK(os.fstat(fd).st_mode):
+        os.close(fd)  # O_PATH | O_NOFOLLOW opened the symlink itself
+        return -1
+    return fd
+
+
+def open_beneath(root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
+    """``openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`` done one component at a time.
+
+    Every component is opened with O_NOFOLLOW relative to the fd of the directory before it,
+    so nothing a command renames or swaps meanwhile can redirect the walk. A symlink is read
+    with ``readlinkat`` and its target walked the same way; ``..`` returns to the fd of the
+    directory before (never opens ``..``), and, like RESOLVE_BENEATH, climbing above the
+    root or an absolute symlink fails with EXDEV, more than 40 symlinks with ELOOP.
+    """
+    parts = [p for p in rel.split("/") if p and p != "."]
+    stack = [os.dup(root_fd)]  # the directories walked so far, root first
+    links = 0
+    try:
+        while parts:
+            name = parts.pop(0)
+            if name == "..":
+                if len(stack) == 1:
+                    raise OSError(errno.EXDEV, "path resolves outside the root", rel)
+                os.close(stack.pop())
+                continue
+            last = not parts
+            fd = _open_component(stack[-1], name, flags if last else None, mode)
+            if fd >= 0:
+                if last:
+                    return fd
+                stack.append(fd)
+                continue
+            try:
+                target = os.readlink(name, dir_fd=stack[-1])
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # not a symlink: O_NOFOLLOW refused a non-dir
+                    raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), rel) from None
+                raise
+            if last and flags & os.O_NOFOLLOW:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), rel)
+            links += 1
+            if links > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), rel)
+            if target.startswith("/"):
+                raise OSError(errno.EXDEV, "absolute symlink leaves the root", rel)
+            parts = [p for p in target.split("/") if p and p != "."] + parts
+        return os.dup(stack[-1]) if flags & os.O_PATH else os.open(".", flags, dir_fd=stack[-1])
+    finally:
+        for fd in stack:
+            os.close(fd)
+
 
 def _fail(exc: OSError, path: str) -> FileOpFailed:
-    import errno
 
     codes = {
         errno.ENOENT: ("file_not_found", "no such file or directory"),
