@@ -41,9 +41,7 @@ BACKENDS: dict[str, dict[str, Any]] = {
 }
 CONTRACT_BACKENDS = [
     name
-    for name in os.environ.get("CORRAL_TEST_BACKENDS", "bwrap,oci-runc,oci-crun").split(
-        ","
-    )
+    for name in os.environ.get("CORRAL_TEST_BACKENDS", "bwrap,oci-runc,oci-crun").split(",")
     if name in BACKENDS
 ]
 
