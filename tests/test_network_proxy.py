@@ -367,6 +367,8 @@ class RecordingUpstream:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
             writer.write_eof()  # answered; keep reading to see what else the proxy sends
             self.received = head + body + await reader.read()  # until the proxy closes
+        except asyncio.IncompleteReadError as exc:
+            self.received = exc.partial
         finally:
             writer.close()
             self.done.set()
@@ -483,3 +485,101 @@ async def test_refusals_are_kept_for_the_caller(tmp_path: Path) -> None:
         assert proxy.refusals_since(proxy.refusal_count) == ()
     finally:
         await proxy.close()
+
+
+# ---- inside tunnels ------------------------------------------------------------------------
+
+
+def client_hello(server_name: str | None) -> bytes:
+    """A minimal TLS 1.2 ClientHello record (enough for the proxy's look at its SNI)."""
+    extensions = b""
+    if server_name is not None:
+        name = server_name.encode()
+        entry = b"\x00" + struct.pack("!H", len(name)) + name
+        sni = struct.pack("!H", len(entry)) + entry
+        extensions = struct.pack("!HH", 0, len(sni)) + sni
+    body = (
+        b"\x03\x03"
+        + bytes(32)
+        + b"\x00"
+        + b"\x00\x02\x13\x01"
+        + b"\x01\x00"
+        + struct.pack("!H", len(extensions))
+        + extensions
+    )
+    handshake = b"\x01" + len(body).to_bytes(3, "big") + body
+    return b"\x16\x03\x01" + struct.pack("!H", len(handshake)) + handshake
+
+
+@pytest.mark.parametrize(
+    ("name", "passes"),
+    [("a.wild.test", True), ("A.Wild.Test.", True), (None, True), ("secret.test", False)],
+)
+async def test_a_tls_tunnel_must_name_its_own_host(
+    proxy_socket: Path,
+    recorder: RecordingUpstream,
+    audit_path: Path,
+    name: str | None,
+    passes: bool,
+) -> None:
+    reader, writer = await asyncio.open_unix_connection(str(proxy_socket))
+    writer.write(f"CONNECT a.wild.test:{recorder.port} HTTP/1.1\r\n\r\n".encode())
+    hello = client_hello(name)
+    async with asyncio.timeout(10):
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        # the hello split across writes, as a slow client sends it
+        writer.write(hello[:7])
+        await writer.drain()
+        writer.write(hello[7:] + b"\r\n\r\n")
+        writer.write_eof()
+        await reader.read()
+        await recorder.done.wait()
+    writer.close()
+    if passes:
+        assert recorder.received.startswith(hello)
+    else:
+        assert recorder.received == b""  # not one byte of the hello reached the server
+        last = read_records(audit_path)[-1]
+        assert (last["action"], last["host"]) == ("deny", "a.wild.test")
+        assert "TLS server name 'secret.test'" in last["reason"]
+
+
+async def test_plain_http_in_a_tunnel_keeps_to_its_host(
+    proxy_socket: Path, upstream: LoopbackHttp, audit_path: Path
+) -> None:
+    upstream.body = lambda head: head
+    reader, writer = await asyncio.open_unix_connection(str(proxy_socket))
+    writer.write(f"CONNECT allowed.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
+    async with asyncio.timeout(10):
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer.write(b"GET http://secret.test/x HTTP/1.1\r\nHost: secret.test\r\n\r\n")
+        reply = await reader.read()
+    writer.close()
+    assert reply.startswith(b"HTTP/1.1 200 OK")
+    (head,) = upstream.heads
+    assert head == f"GET /x HTTP/1.1\r\nHost: allowed.test:{upstream.port}\r\n\r\n".encode()
+
+
+async def test_other_protocols_pass_a_tunnel_untouched(proxy_socket: Path) -> None:
+    seen: list[bytes] = []
+
+    async def speak_first(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        w.write(b"SSH-2.0-server\r\n")  # a server that speaks first
+        seen.append(await r.read(100))
+        w.close()
+
+    server = await asyncio.start_server(speak_first, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(proxy_socket))
+        writer.write(f"CONNECT allowed.test:{port} HTTP/1.1\r\n\r\n".encode())
+        async with asyncio.timeout(10):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            assert await reader.readuntil(b"\r\n") == b"SSH-2.0-server\r\n"
+            writer.write(b"SSH-2.0-client\r\n")
+            await reader.read()
+        writer.close()
+        assert seen == [b"SSH-2.0-client\r\n"]
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -336,6 +336,30 @@ async def test_an_allowed_address_does_not_open_its_other_virtual_hosts(
             )
             reply = await box_py(sb, code)
             assert reply.endswith(f"vhost allowed.test:{port}\n"), reply
+            # Through a CONNECT tunnel (curl -p) and a SOCKS5 one, plain HTTP inside.
+            for flags in ("-p", "--proxy $ALL_PROXY"):
+                r = await sb.run(
+                    f"curl -sS {flags} -H 'Host: secret.test' http://allowed.test:{port}/",
+                    timeout=20,
+                )
+                assert r.stdout == f"vhost allowed.test:{port}\n", (flags, r.stdout, r.stderr)
+            # TLS naming another server than the tunnel's host: closed before it is sent.
+            tls = (
+                "import os, socket, ssl\n"
+                "s = socket.create_connection(('127.0.0.1', int(os.environ['CORRAL_PROXY']"
+                ".rsplit(':', 1)[1])), timeout=10)\n"
+                f"s.sendall(b'CONNECT allowed.test:{port} HTTP/1.1\\r\\n\\r\\n')\n"
+                "assert s.recv(100).startswith(b'HTTP/1.1 200')\n"
+                "ctx = ssl.create_default_context()\n"
+                "try:\n"
+                "    ctx.wrap_socket(s, server_hostname='secret.test')\n"
+                "    res = 'handshake'\n"
+                "except (OSError, ssl.SSLError) as e:\n"
+                "    res = type(e).__name__"
+            )
+            r = await sb.run(["python3", "-c", tls + "\nprint(res)"], timeout=20)
+            assert "handshake" not in r.stdout
+            assert any("TLS server name 'secret.test'" in x.reason for x in r.network_refusals)
         assert vhosts.heads, "the allowed host was never reached"
         assert not [h for h in vhosts.heads if b"secret.test" in h], vhosts.heads
     finally:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 DROPPED = frozenset(
@@ -162,9 +163,15 @@ def origin_request(
     return OriginRequest(url.hostname, port, b"\r\n".join(lines) + b"\r\n\r\n", framing)
 
 
-async def copy_body(
-    framing: Framing, src: asyncio.StreamReader, dst: asyncio.StreamWriter, chunk: int
-) -> None:
+class Readable(Protocol):
+    """What :func:`copy_body` reads from: an asyncio.StreamReader, or a look-ahead view."""
+
+    async def read(self, n: int = ..., /) -> bytes: ...
+    async def readexactly(self, n: int, /) -> bytes: ...
+    async def readuntil(self, separator: bytes = ..., /) -> bytes: ...
+
+
+async def copy_body(framing: Framing, src: Readable, dst: asyncio.StreamWriter, chunk: int) -> None:
     """Copy exactly one request body from ``src`` to ``dst`` (ValueError if malformed)."""
     if framing.length is not None:
         left = framing.length
@@ -202,7 +209,7 @@ async def copy_body(
         dst.write(b"\r\n")
 
 
-async def _line(src: asyncio.StreamReader) -> bytes:
+async def _line(src: Readable) -> bytes:
     line = await src.readuntil(b"\n")
     if len(line) > MAX_CHUNK_LINE or not line.endswith(b"\r\n"):
         raise ValueError("bad line in a chunked body")

@@ -47,6 +47,7 @@ from corral.net.rules import (
     normalize_host,
     split_host_port,
 )
+from corral.net.tunnel import Mismatch, police
 
 MAX_HEAD = 64 * 1024
 """Largest request head (request line and headers) the proxy reads."""
@@ -79,6 +80,28 @@ class Refusal:
 
     def response(self) -> bytes:
         return http_response(self.status, self.message, self.summary or self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class Tunnel:
+    """A CONNECT or SOCKS5 tunnel to ``host:port`` (as the client named it)."""
+
+    host: str
+    port: int
+    protocol: str
+
+
+NO_ROUTE = Tunnel("", 0, "")
+
+
+def mismatch(name: str, port: int, what: str) -> Refusal:
+    return Refusal(
+        403,
+        SOCKS_NOT_ALLOWED,
+        f"corral: tunnel to {name}:{port} closed: {what}. A tunnel carries only the host it "
+        "was opened for (another name on the same address would bypass network.allow_hosts).",
+        f"corral: tunnel to {name}:{port} closed: {what}",
+    )
 
 
 def not_listed(name: str, port: int) -> Refusal:
@@ -252,17 +275,17 @@ class EgressProxy(UnixService):
         try:
             async with asyncio.timeout(HEAD_TIMEOUT):
                 first = await reader.readexactly(1)
+                route: OriginRequest | Tunnel
                 if first == b"\x05":
-                    upstream = await self._socks5(reader, writer)
-                    request = None
+                    upstream, route = await self._socks5(reader, writer)
                 else:
-                    upstream, request = await self._http(first, reader, writer)
+                    upstream, route = await self._http(first, reader, writer)
             if upstream is None:
                 pass
-            elif request is None:
-                await relay(reader, writer, *upstream)
+            elif isinstance(route, OriginRequest):
+                await forward_request(route, reader, writer, *upstream)
             else:
-                await forward_request(request, reader, writer, *upstream)
+                await self._tunnel(route, reader, writer, *upstream)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, OSError):
             pass
         finally:
@@ -271,58 +294,93 @@ class EgressProxy(UnixService):
 
     async def _http(
         self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, OriginRequest | None]:
-        """The upstream connection, and the request to forward on it (None: a tunnel)."""
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, OriginRequest | Tunnel]:
+        """The upstream connection, and the request to forward on it or the tunnel's host."""
         try:
             head = first + await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:
             writer.write(http_response(431, "corral: request head larger than 64 KiB"))
-            return None, None
+            return None, NO_ROUTE
         except asyncio.IncompleteReadError as exc:
             if exc.partial.strip():
                 writer.write(http_response(400, "corral: incomplete HTTP request"))
-            return None, None
+            return None, NO_ROUTE
         request = parse_request(head)
         if isinstance(request, str):
             writer.write(http_response(400, f"corral: {request}"))
-            return None, None
+            return None, NO_ROUTE
         method, target, headers = request
         if method == "CONNECT":
             try:
                 host, port = split_host_port(target)
             except ValueError as exc:
                 writer.write(http_response(400, f"corral: bad CONNECT target: {exc}"))
-                return None, None
+                return None, NO_ROUTE
             result = await self.open_upstream(host, port, "connect")
             if isinstance(result, Refusal):
                 writer.write(result.response())
-                return None, None
+                return None, NO_ROUTE
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            return result, None
+            return result, Tunnel(host, port, "connect")
         forward = origin_request(method, target, headers)
         if isinstance(forward, str):
             writer.write(http_response(400, f"corral: {forward}"))
-            return None, None
+            return None, NO_ROUTE
         result = await self.open_upstream(forward.host, forward.port, "http")
         if isinstance(result, Refusal):
             writer.write(result.response())
-            return None, None
+            return None, NO_ROUTE
         result[1].write(forward.head)
         return result, forward
 
+    async def _tunnel(
+        self,
+        route: Tunnel,
+        client_r: asyncio.StreamReader,
+        client_w: asyncio.StreamWriter,
+        upstream_r: asyncio.StreamReader,
+        upstream_w: asyncio.StreamWriter,
+    ) -> None:
+        """Relay a tunnel, holding TLS and HTTP inside it to its host (:mod:`.tunnel`)."""
+        name = normalize_host(route.host)  # it passed open_upstream
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            pass
+        else:  # the policy named the address itself
+            await relay(client_r, client_w, upstream_r, upstream_w)
+            return
+
+        async def upward() -> None:
+            try:
+                await police(name, route.port, client_r, upstream_w, RELAY_CHUNK)
+            except Mismatch as exc:
+                self._deny(route.protocol, name, route.port, mismatch(name, route.port, str(exc)))
+                upstream_w.close()
+                client_w.close()
+            except (ValueError, asyncio.IncompleteReadError, OSError):
+                upstream_w.close()
+
+        try:
+            await asyncio.gather(upward(), _pipe(upstream_r, client_w, upstream_w))
+        finally:
+            upstream_w.close()
+            with contextlib.suppress(OSError):
+                await upstream_w.wait_closed()
+
     async def _socks5(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, Tunnel]:
         (count,) = await reader.readexactly(1)
         methods = await reader.readexactly(count)
         if 0 not in methods:
             writer.write(b"\x05\xff")  # no acceptable method: corral asks for no auth
-            return None
+            return None, NO_ROUTE
         writer.write(b"\x05\x00")
         version, command, _reserved, kind = await reader.readexactly(4)
         if version != 5:
             writer.write(socks_reply(SOCKS_FAILURE))
-            return None
+            return None, NO_ROUTE
         if kind == 1:
             host = str(ipaddress.IPv4Address(await reader.readexactly(4)))
         elif kind == 4:
@@ -332,21 +390,21 @@ class EgressProxy(UnixService):
             host = (await reader.readexactly(length)).decode("ascii", errors="replace")
         else:
             writer.write(socks_reply(SOCKS_BAD_ADDRESS))
-            return None
+            return None, NO_ROUTE
         (port,) = struct.unpack("!H", await reader.readexactly(2))
         if command != 1:  # only CONNECT: no BIND, no UDP ASSOCIATE
             self._record("deny", "socks5", host, port, reason=f"unsupported command {command}")
             writer.write(socks_reply(SOCKS_BAD_COMMAND))
-            return None
+            return None, NO_ROUTE
         if port == 0:
             writer.write(socks_reply(SOCKS_BAD_ADDRESS))
-            return None
+            return None, NO_ROUTE
         result = await self.open_upstream(host, port, "socks5")
         if isinstance(result, Refusal):
             writer.write(socks_reply(result.socks))
-            return None
+            return None, NO_ROUTE
         writer.write(socks_reply(SOCKS_OK))
-        return result
+        return result, Tunnel(host, port, "socks5")
 
 
 async def _pipe(
