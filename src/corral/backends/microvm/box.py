@@ -704,7 +704,7 @@ class MicroVmBackend(BackendBase):
             for sock in accepted:
                 sock.close()
             tail = console_tail(spec.state_dir / "console.log")
-            shutil.rmtree(spec.state_dir, ignore_errors=True)
+            _clear_attempt(spec)
             if isinstance(exc, BackendError) and tail:
                 raise type(exc)(f"{exc.message}; guest console: ...{tail}") from None
             raise
@@ -851,3 +851,17 @@ def host_report() -> list[tuple[str, bool, str, str]]:
     )
     rows.append(("microvm: saved VMs", True, detail, ""))
     return rows
+
+
+def _clear_attempt(spec: BoxSpec) -> None:
+    """Remove what a boot attempt left in the box's state directory, except the sandbox's
+    network directory: its proxy and relay sockets serve the next attempt (a boot that saved
+    the VM is followed by a restore)."""
+    keep = spec.network.host_dir if spec.network is not None else None
+    for entry in list(spec.state_dir.iterdir()) if spec.state_dir.is_dir() else ():
+        if entry == keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
