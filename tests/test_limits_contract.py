@@ -194,7 +194,7 @@ async def test_the_same_limits_in_a_microvm(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(VM_SKIP is not None, reason=f"microvm backend unavailable: {VM_SKIP}")
 async def test_a_microvm_too_small_for_its_limit_is_refused(tmp_path: Path) -> None:
-    policy = Policy.from_dict(VM_POLICY | {"limits": {"memory_bytes": "256M"}})
+    policy = Policy.from_dict(VM_POLICY | {"limits": {"memory_bytes": "192M"}})
     bad = policy.model_copy(
         update={"limits": policy.limits.model_copy(update={"memory_bytes": 1 << 30})}
     )

@@ -16,11 +16,12 @@ from corral.policy import (
     VM_GUEST_MEMORY_MB,
     Limits,
     vm_memory_mb,
+    vm_room,
 )
 
 V1 = Capabilities("cgroup v1", swap="capped", own_pids=1)
 V2 = Capabilities("cgroup v2", swap="inactive")
-GUEST = Capabilities("guest cgroup v2", swap="inactive", vm_memory_mb=1152, vm_cpus=2)
+GUEST = Capabilities("guest cgroup v2", swap="inactive", vm_memory_mb=1280, vm_cpus=2)
 NONE = Capabilities("none", controllers=frozenset(), reason="cgroups are read-only here")
 
 memory = st.one_of(st.none(), st.integers(MIN_MEMORY_BYTES, 1 << 40))
@@ -104,7 +105,7 @@ def test_a_memory_limit_the_vm_cannot_hold_is_refused() -> None:
     small = Capabilities("guest cgroup v2", vm_memory_mb=384, vm_cpus=1)
     with pytest.raises(PolicyError, match=r"^limits\.memory_bytes: .* 384 MiB"):
         plan_limits(Limits(), small)
-    fits = Limits(memory_bytes=(384 - VM_GUEST_MEMORY_MB) << 20)
+    fits = Limits(memory_bytes=vm_room(384) // PAGE_SIZE * PAGE_SIZE)
     assert plan_limits(fits, small).memory_bytes == fits.memory_bytes
 
 
@@ -170,8 +171,8 @@ def test_the_smallest_limits_are_accepted() -> None:
 def test_vm_ram_follows_the_memory_limit_by_default() -> None:
     default = Policy(backend="microvm")
     assert default.limits.memory_bytes is not None
-    assert vm_memory_mb(default) << 20 >= default.limits.memory_bytes + (VM_GUEST_MEMORY_MB << 20)
-    small = Policy.from_dict({"backend": "microvm", "limits": {"memory_bytes": "256M"}})
+    assert vm_memory_mb(default) == 1280  # 1 GiB + 128 MiB + 128 MiB
+    small = Policy.from_dict({"backend": "microvm", "limits": {"memory_bytes": "192M"}})
     assert vm_memory_mb(small) == 384
     unlimited = Policy.from_dict({"backend": "microvm", "limits": {"memory_bytes": None}})
     assert vm_memory_mb(unlimited) == 512
@@ -184,7 +185,9 @@ def test_derived_vm_ram_always_holds_the_limit(limit: int) -> None:
     policy = Policy.from_dict({"backend": "microvm", "limits": {"memory_bytes": limit}})
     ram = vm_memory_mb(policy)
     assert ram % 64 == 0
-    assert (ram - VM_GUEST_MEMORY_MB) << 20 >= limit
+    assert vm_room(ram) >= limit
+    assert ram == 64 or vm_room(ram - 64) < limit  # the smallest such VM
+    assert (ram - VM_GUEST_MEMORY_MB) << 20 >= limit + limit // 8
     caps = Capabilities("guest cgroup v2", swap="inactive", vm_memory_mb=ram, vm_cpus=1)
     assert plan_limits(policy.limits, caps).memory_bytes == limit // PAGE_SIZE * PAGE_SIZE
 
@@ -194,8 +197,9 @@ def test_a_vm_too_small_for_its_limit_is_refused_by_the_policy() -> None:
         Policy.from_dict({"backend": "microvm", "vm": {"memory_mb": 384}})
     message = info.value.message
     assert "limits.memory_bytes: 1024 MiB does not fit in the VM: vm.memory_mb 384" in message
+    assert "at most 227 MiB" in message
     # Other backends ignore vm.*; a limit that fits is fine.
     Policy.from_dict({"vm": {"memory_mb": 384}})
     Policy.from_dict(
-        {"backend": "microvm", "vm": {"memory_mb": 384}, "limits": {"memory_bytes": "256M"}}
+        {"backend": "microvm", "vm": {"memory_mb": 384}, "limits": {"memory_bytes": "192M"}}
     )

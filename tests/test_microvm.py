@@ -25,7 +25,7 @@ from corral.backends.microvm import initramfs
 from corral.errors import SandboxBroken
 
 POLICY = Policy(
-    backend="microvm", vm={"cpus": 2, "memory_mb": 384}, limits={"memory_bytes": 256 << 20}
+    backend="microvm", vm={"cpus": 2, "memory_mb": 384}, limits={"memory_bytes": 192 << 20}
 )
 SKIP = unavailable_reason(POLICY)
 PROMPT = r"\$ $"
@@ -204,8 +204,8 @@ async def test_restored_vms_share_no_randomness_and_keep_the_hosts_time(tmp_path
 
 
 async def test_a_damaged_snapshot_is_replaced_and_snapshots_can_be_off(tmp_path: Path) -> None:
-    # A shape of its own: a VM of 320 MiB (the limit plus the guest's 128 MiB).
-    policy = Policy(backend="microvm", limits={"memory_bytes": 192 << 20})
+    # A shape of its own: a VM of 320 MiB (the limit, 1/8 of it and the guest's 128 MiB).
+    policy = Policy(backend="microvm", limits={"memory_bytes": 128 << 20})
     async with Sandbox(policy, workspace=tmp_path) as sb:
         saved = Path((await sb.info())["snapshot"])
     assert saved.is_file()

@@ -24,7 +24,7 @@ from corral.net import StaticResolver
 from loopback_http import LoopbackHttp, echo_path
 
 VM = {"cpus": 2, "memory_mb": 384}  # the shape of tests/test_microvm.py: one saved VM for both
-LIMITS = {"memory_bytes": 256 << 20}  # what a VM of 384 MiB holds beside the guest itself
+LIMITS = {"memory_bytes": 192 << 20}  # what a VM of 384 MiB holds beside the guest itself
 SKIP = unavailable_reason(Policy(backend="microvm", vm=VM, limits=LIMITS))
 NAMES = StaticResolver({"allowed.test": "127.0.0.1"})
 BIG = 3 << 20

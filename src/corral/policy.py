@@ -55,8 +55,10 @@ MIN_PIDS = 4
 """The guest agent plus a shell running a two-command pipeline (measured: with 3, the
 shell's second fork fails)."""
 VM_GUEST_MEMORY_MB = 128
-"""What a microVM's own kernel, initramfs and guest agent take of its RAM, beside the box's
-memory limit: VM RAM is the limit plus this (see :func:`vm_memory_mb`)."""
+"""What a microVM's own kernel, initramfs and guest agent take of its RAM beside the box's
+memory limit, plus 1/8 of the limit (the kernel's page tables and structures grow with the
+RAM). Measured in the guest: a 192 MiB VM leaves 92 MiB available, a 1152 MiB one 950 MiB.
+See :func:`vm_room`."""
 VM_DEFAULT_MEMORY_MB = 512
 """VM RAM when the box has no memory limit and ``vm.memory_mb`` is not given."""
 VM_MEMORY_STEP_MB = 64
@@ -299,16 +301,25 @@ class Policy(_Model):
             raise PolicyError(f"{p}: {exc.message}") from None
 
 
+def vm_room(memory_mb: int) -> int:
+    """The largest memory limit (bytes) a VM of ``memory_mb`` MiB holds beside the guest's
+    own use (:data:`VM_GUEST_MEMORY_MB` + 1/8 of the limit)."""
+    return max(0, ((memory_mb - VM_GUEST_MEMORY_MB) << 20) * 8 // 9)
+
+
 def vm_memory_mb(policy: Policy) -> int:
     """RAM of a microVM box in MiB: ``vm.memory_mb``, or derived from the memory limit (the
-    limit plus the guest's own :data:`VM_GUEST_MEMORY_MB`, rounded up to 64 MiB)."""
+    smallest multiple of 64 MiB whose :func:`vm_room` holds the limit)."""
     if policy.vm.memory_mb is not None:
         return policy.vm.memory_mb
     limit = policy.limits.memory_bytes
     if limit is None:
         return VM_DEFAULT_MEMORY_MB
-    wanted = -(-limit // (1 << 20)) + VM_GUEST_MEMORY_MB
-    return -(-wanted // VM_MEMORY_STEP_MB) * VM_MEMORY_STEP_MB
+    wanted = VM_GUEST_MEMORY_MB + -(-(limit + limit // 8) // (1 << 20))
+    ram = -(-wanted // VM_MEMORY_STEP_MB) * VM_MEMORY_STEP_MB
+    while vm_room(ram) < limit:  # rounding: at most one more step
+        ram += VM_MEMORY_STEP_MB
+    return ram
 
 
 def vm_memory_problem(policy: Policy) -> str | None:
@@ -317,14 +328,14 @@ def vm_memory_problem(policy: Policy) -> str | None:
     limit = policy.limits.memory_bytes
     if policy.backend != "microvm" or limit is None or policy.vm.memory_mb is None:
         return None
-    room = (policy.vm.memory_mb - VM_GUEST_MEMORY_MB) << 20
+    room = vm_room(policy.vm.memory_mb)
     if limit <= room:
         return None
     return (
         f"limits.memory_bytes: {_mib(limit)} does not fit in the VM: vm.memory_mb "
-        f"{policy.vm.memory_mb} leaves {_mib(max(room, 0))} once the guest's own "
-        f"{VM_GUEST_MEMORY_MB} MiB are taken; lower the limit, raise vm.memory_mb, or leave "
-        "vm.memory_mb unset to size the VM from the limit"
+        f"{policy.vm.memory_mb} holds at most {room >> 20} MiB beside the guest's own use "
+        f"({VM_GUEST_MEMORY_MB} MiB + 1/8 of the limit); lower the limit, raise vm.memory_mb, "
+        "or leave vm.memory_mb unset to size the VM from the limit"
     )
 
 

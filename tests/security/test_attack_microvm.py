@@ -22,7 +22,7 @@ from security import test_attack_privilege as priv
 from security import test_attack_processes as procs
 
 POLICY = Policy(
-    backend="microvm", vm={"cpus": 2, "memory_mb": 384}, limits={"memory_bytes": 256 << 20}
+    backend="microvm", vm={"cpus": 2, "memory_mb": 384}, limits={"memory_bytes": 192 << 20}
 )
 SKIP = unavailable_reason(POLICY)
 

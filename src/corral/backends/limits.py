@@ -36,6 +36,7 @@ from corral.policy import (
     MIN_PIDS,
     VM_GUEST_MEMORY_MB,
     Limits,
+    vm_room,
 )
 
 __all__ = ["PAGE_SIZE", "Capabilities", "LimitPlan", "Mechanism", "Swap", "plan_limits"]
@@ -121,14 +122,13 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
     warnings: list[str] = []
     memory = None if limits.memory_bytes is None else limits.memory_bytes // PAGE_SIZE * PAGE_SIZE
     quota = None if limits.cpu_quota is None else round(limits.cpu_quota * CPU_PERIOD_US)
-    if memory is not None and caps.vm_memory_mb is not None:
-        room = (caps.vm_memory_mb - VM_GUEST_MEMORY_MB) << 20
-        if memory > room:
-            raise PolicyError(
-                f"limits.memory_bytes: {memory} bytes does not fit in the VM's "
-                f"{caps.vm_memory_mb} MiB of RAM (the guest itself takes {VM_GUEST_MEMORY_MB} "
-                "MiB); lower the limit or raise vm.memory_mb"
-            )
+    vm_ram = caps.vm_memory_mb
+    if memory is not None and vm_ram is not None and memory > vm_room(vm_ram):
+        raise PolicyError(
+            f"limits.memory_bytes: {memory} bytes does not fit in the VM's "
+            f"{caps.vm_memory_mb} MiB of RAM (the guest itself takes {VM_GUEST_MEMORY_MB} "
+            "MiB + 1/8 of the limit); lower the limit or raise vm.memory_mb"
+        )
     if quota is not None and caps.vm_cpus is not None and quota > caps.vm_cpus * CPU_PERIOD_US:
         warnings.append(
             f"limits.cpu_quota {limits.cpu_quota:g} exceeds the VM's {caps.vm_cpus} CPUs "
