@@ -238,7 +238,10 @@ async def test_http_session_gets_a_sandbox_closed_at_session_end(
     async with asyncio.timeout(30), create_mcp_http_client(headers=headers) as http:
         async with Client(streamable_http_client(url, http_client=http)) as client:
             assert len(app.sessions) == 0  # lazily: listing tools starts nothing
-            assert len((await client.list_tools()).tools) == 18
+            listed = (await client.list_tools()).tools
+            assert len(listed) == 18
+            # Every tool publishes its result's schema; the client checks results against it.
+            assert all(t.output_schema and t.output_schema["type"] == "object" for t in listed)
             ran = await call(
                 client,
                 "sandbox.exec",

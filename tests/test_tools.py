@@ -319,3 +319,74 @@ def test_schemas_are_generated_for_every_format() -> None:
     assert mcp["vfs_read"]["annotations"]["readOnlyHint"] is True
     assert mcp["kill_process"]["annotations"]["destructiveHint"] is True
     assert "$ref" not in str(mcp["shell_batch"]["inputSchema"])
+
+
+async def test_every_tool_result_matches_its_published_output_schema(
+    sandbox: Sandbox, workspace: Path
+) -> None:
+    import jsonschema  # type: ignore[import-untyped]
+
+    tools = box(sandbox, share_shells=False)
+    schemas = {t["name"]: t["outputSchema"] for t in tools.schemas("mcp")}
+    assert set(schemas) == {t.name for t in TOOLS}
+    assert all(s["type"] == "object" for s in schemas.values())
+    (workspace / "notes.txt").write_text("hello\n")
+
+    shell = await tools.call("open_shell", {})
+    sid = shell["session_id"]
+    background = await tools.call("run_command", {"command": "sleep 30", "wait": False})
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("run_command", {"command": "echo hi"}),
+        ("run_command", {"command": "exit 3"}),
+        ("wait_for_process", {"pid": background["pid"], "timeout_ms": 10}),
+        ("read_process_output", {"pid": background["pid"]}),
+        ("list_processes", {}),
+        ("process_stats", {"pid": background["pid"]}),
+        ("kill_process", {"pid": background["pid"]}),
+        ("wait_for_process", {"pid": background["pid"], "timeout_ms": 5000}),
+        ("shell_write", {"session_id": sid, "input": "echo ready-$((1+1))\n"}),
+        ("shell_expect", {"session_id": sid, "pattern": "ready-2", "timeout_secs": 10}),
+        ("shell_expect", {"session_id": sid, "pattern": "never", "timeout_secs": 0.05}),
+        ("shell_read", {"session_id": sid}),
+        (
+            "shell_expect_cases",
+            {"session_id": sid, "cases": [{"pattern": "nope"}], "timeout_secs": 0.05},
+        ),
+        (
+            "shell_batch",
+            {
+                "session_id": sid,
+                "steps": [
+                    {"type": "send", "input": "echo v1.2\n"},
+                    {"type": "expect_cases", "cases": [{"pattern": r"v(\d)\.(\d)"}]},
+                ],
+            },
+        ),
+        ("shell_signal", {"session_id": sid, "signal": "SIGINT"}),
+        ("vfs_write", {"path": "out.txt", "content": "x"}),
+        ("vfs_list", {"path": "."}),
+        ("vfs_read", {"path": "notes.txt"}),
+        ("sandbox.exec", {"runtime": "sh", "code": "echo $((6*7))"}),
+        ("sandbox_info", {}),
+    ]
+    seen = {"open_shell"}
+    jsonschema.validate(shell, schemas["open_shell"])
+    for name, arguments in calls:
+        result = await tools.call(name, arguments)
+        assert "error" not in result, (name, result)
+        jsonschema.validate(result, schemas[name])
+        seen.add(name)
+    assert seen == set(schemas)  # every tool was exercised
+
+
+async def test_failures_share_one_shape(sandbox: Sandbox) -> None:
+    tools = box(sandbox)
+    for name, arguments in [
+        ("no_such_tool", {}),
+        ("run_command", {"command": 3}),
+        ("kill_process", {"pid": 999_999}),
+        ("shell_read", {"session_id": "nope"}),
+    ]:
+        result = await tools.call(name, arguments)
+        assert set(result) <= {"error", "fields"}, result
+        assert set(result["error"]) == {"code", "message"}

@@ -10,6 +10,7 @@ from corral.tools.approvals import (
     Verdict,
 )
 from corral.tools.catalog import TOOLS, ToolSpec
+from corral.tools.results import ToolError, ToolResult
 from corral.tools.scopes import Scope
 from corral.tools.secrets import SecretStore
 from corral.tools.toolbox import Toolbox, allowed_tools, tool_schemas
@@ -24,6 +25,8 @@ __all__ = [
     "Rule",
     "Scope",
     "SecretStore",
+    "ToolError",
+    "ToolResult",
     "ToolSpec",
     "Toolbox",
     "Verdict",

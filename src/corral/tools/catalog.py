@@ -1,4 +1,4 @@
-"""The tool catalogue: each tool's name, input model, description for a model, and hints.
+"""The tool catalogue: each tool's name, input and result models, description, and hints.
 
 The descriptions carry the spec's "when to use each mode" advice, because the model reads
 nothing else before choosing a tool.
@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from corral.tools import results as r
 from corral.tools.schemas import (
     KillProcessArgs,
     ListProcessesArgs,
@@ -41,12 +42,14 @@ _WHEN = (
 
 
 class ToolSpec(BaseModel):
-    """One tool: its name, input model, description and behaviour hints."""
+    """One tool: its name, input and result models, description and behaviour hints."""
 
     model_config = ConfigDict(frozen=True)
 
     name: str
     args: type[ToolArgs]
+    result: type[r.ToolResult]
+    """What a successful call returns (failures are :class:`~corral.tools.results.ToolError`)."""
     description: str
     read_only: bool
     destructive: bool = False
@@ -56,6 +59,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="run_command",
         args=RunCommandArgs,
+        result=r.RunCommandResult,
         read_only=False,
         destructive=True,
         description="Run a command in the sandbox. wait=true (default) blocks until it exits "
@@ -65,6 +69,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="wait_for_process",
         args=WaitForProcessArgs,
+        result=r.WaitForProcessResult,
         read_only=True,
         description="Block until a background process exits or timeout_ms passes. Returns "
         "status 'exited' with exit_code, or status 'timeout' (it keeps running).",
@@ -72,6 +77,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="read_process_output",
         args=ReadProcessOutputArgs,
+        result=r.ReadProcessOutputResult,
         read_only=True,
         description="Read the captured stdout or stderr of a process, also while it is still "
         "running (partial output shows progress). Long output keeps its head and tail.",
@@ -79,6 +85,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="list_processes",
         args=ListProcessesArgs,
+        result=r.ListProcessesResult,
         read_only=True,
         description="List running and recently finished processes (yours and your "
         "sub-agents'), with pid, command, status and exit_code.",
@@ -86,6 +93,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="kill_process",
         args=KillProcessArgs,
+        result=r.KillProcessResult,
         read_only=False,
         destructive=True,
         description="Send a signal (default SIGKILL) to one of your own processes and its "
@@ -94,12 +102,14 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="process_stats",
         args=ProcessStatsArgs,
+        result=r.ProcessStatsResult,
         read_only=True,
         description="CPU seconds, memory (rss_bytes) and status of a process.",
     ),
     ToolSpec(
         name="open_shell",
         args=OpenShellArgs,
+        result=r.OpenShellResult,
         read_only=False,
         description="Start an interactive shell on a terminal (PTY). Use it for programs that "
         "prompt (confirmations, passwords, REPLs). Returns a session_id.",
@@ -107,6 +117,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="shell_write",
         args=ShellWriteArgs,
+        result=r.ShellWriteResult,
         read_only=False,
         destructive=True,
         description="Send keystrokes to a shell session; end commands with \\n. Use shell_read "
@@ -115,6 +126,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="shell_read",
         args=ShellReadArgs,
+        result=r.ShellReadResult,
         read_only=True,
         description="Return what the shell printed since the last read or match, without "
         "waiting. Prefer shell_expect when you know what to wait for.",
@@ -122,6 +134,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="shell_expect",
         args=ShellExpectArgs,
+        result=r.ExpectResult,
         read_only=True,
         description="Wait until a regex appears in the shell's output (no polling loop needed) "
         "and return the output up to it with capture groups. If it is a confirmation or "
@@ -130,6 +143,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="shell_expect_cases",
         args=ShellExpectCasesArgs,
+        result=r.ExpectCasesResult,
         read_only=True,
         description="Wait for the first of several regex cases (switch/case). Returns the "
         "matched case index, its tag and label; a case's respond text is sent automatically.",
@@ -137,6 +151,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="shell_batch",
         args=ShellBatchArgs,
+        result=r.ShellBatchResult,
         read_only=False,
         destructive=True,
         description="Run a sequence of send / expect / expect_cases steps in one call. Stops "
@@ -145,6 +160,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="shell_signal",
         args=ShellSignalArgs,
+        result=r.ShellSignalResult,
         read_only=False,
         destructive=True,
         description="Send a signal to the shell's foreground program: SIGINT is Ctrl-C.",
@@ -152,18 +168,21 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="vfs_list",
         args=VfsListArgs,
+        result=r.VfsListResult,
         read_only=True,
         description="List a directory in the sandbox workspace (name, type, size).",
     ),
     ToolSpec(
         name="vfs_read",
         args=VfsReadArgs,
+        result=r.VfsReadResult,
         read_only=True,
         description="Read a text file from the sandbox workspace.",
     ),
     ToolSpec(
         name="vfs_write",
         args=VfsWriteArgs,
+        result=r.VfsWriteResult,
         read_only=False,
         destructive=True,
         description="Write (or append to) a file in the sandbox workspace, creating parents.",
@@ -171,6 +190,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="sandbox.exec",
         args=SandboxExecArgs,
+        result=r.SandboxExecResult,
         read_only=False,
         description="Run a snippet of sh, python3 or node code in the sandbox (no network) and "
         "return stdout, stderr, exit_code. A non-zero exit_code is a result: read stderr.",
@@ -178,6 +198,7 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         name="sandbox_info",
         args=SandboxInfoArgs,
+        result=r.SandboxInfoResult,
         read_only=True,
         description="Describe the sandbox: kernel, cpus, memory, limits, workspace.",
     ),
@@ -193,7 +214,17 @@ def function_name(name: str) -> str:
 
 def input_schema(args: type[ToolArgs]) -> dict[str, Any]:
     """A self-contained JSON Schema (no $ref) for a tool's input."""
-    schema = args.model_json_schema()
+    return _self_contained(args)
+
+
+def output_schema(result: type[r.ToolResult]) -> dict[str, Any]:
+    """A self-contained JSON Schema (no $ref) for a tool's successful result (MCP's
+    ``outputSchema``): the fields always present are ``required``."""
+    return _self_contained(result)
+
+
+def _self_contained(model: type[BaseModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(mode="validation")
     defs = schema.pop("$defs", {})
     cleaned: dict[str, Any] = _clean(schema, defs)
     return cleaned

@@ -1,8 +1,8 @@
-"""The body of each tool: validated arguments in, a JSON-ready dict out.
+"""The body of each tool: validated arguments in, a result model out.
 
 Handlers hold no sandbox logic of their own; they call the library and shape its results
-into the spec's JSON. Errors are raised as :class:`~corral.errors.SandboxError` and turned
-into ``{"error": ...}`` by the toolbox.
+into the spec's JSON (the models of :mod:`corral.tools.results`). Errors are raised as
+:class:`~corral.errors.SandboxError` and turned into a ``ToolError`` by the toolbox.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from corral import errors
 from corral.sandbox import Sandbox
 from corral.sessions.expect import Case
 from corral.sessions.pty import PtySession
+from corral.tools import results as r
 from corral.tools import schemas as s
 from corral.tools.scopes import SELF, Scope
 from corral.tools.secrets import SecretStore
@@ -41,7 +42,7 @@ class ToolContext:
     """Shells opened by ``open_shell`` can be joined with ``corral attach``."""
 
 
-def bind(ctx: ToolContext) -> dict[str, Callable[[Any], Awaitable[dict[str, Any]]]]:
+def bind(ctx: ToolContext) -> dict[str, Callable[[Any], Awaitable[r.ToolResult]]]:
     h = Handlers(ctx)
     return {
         "run_command": h.run_command,
@@ -74,146 +75,149 @@ class Handlers:
         self.box = ctx
         self.sb = ctx.sandbox
 
-    async def run_command(self, a: s.RunCommandArgs) -> dict[str, Any]:
+    async def run_command(self, a: s.RunCommandArgs) -> r.RunCommandResult:
         cmd: str | list[str] = [a.command, *a.args] if a.args else a.command
         env = self.box.secrets.resolve_env(a.env) if a.env else None
         if not a.wait:
             proc = await self.sb.spawn(cmd, cwd=a.cwd, env=env)
-            return {"pid": proc.pid, "status": "running", "hint": BACKGROUND_HINT}
-        r = await self.sb.run(cmd, timeout=a.timeout_secs, cwd=a.cwd, env=env)
-        out: dict[str, Any] = {
-            "pid": r.pid,
-            "exit_code": r.exit_code,
-            "timed_out": r.timed_out,
-            "stdout": r.stdout,
-            "stderr": r.stderr,
-        }
-        if r.oom_killed:
-            out["oom_killed"] = True
-        if r.network_refusals:
-            out["network_refusals"] = [asdict(refusal) for refusal in r.network_refusals]
+            return r.RunCommandResult(pid=proc.pid, status="running", hint=BACKGROUND_HINT)
+        done = await self.sb.run(cmd, timeout=a.timeout_secs, cwd=a.cwd, env=env)
+        out = r.RunCommandResult(
+            pid=done.pid,
+            exit_code=done.exit_code,
+            timed_out=done.timed_out,
+            stdout=done.stdout,
+            stderr=done.stderr,
+        )
+        if done.oom_killed:
+            out.oom_killed = True
+        if done.network_refusals:
+            out.network_refusals = [
+                r.NetworkRefusalResult.model_validate(asdict(refusal))
+                for refusal in done.network_refusals
+            ]
         return out
 
-    async def wait_for_process(self, a: s.WaitForProcessArgs) -> dict[str, Any]:
+    async def wait_for_process(self, a: s.WaitForProcessArgs) -> r.WaitForProcessResult:
         proc = self.box.scope.find_visible(a.pid).process
-        return (await proc.wait(a.timeout_ms / 1000)).to_dict()
+        waited = await proc.wait(a.timeout_ms / 1000)
+        return r.WaitForProcessResult.model_validate(waited.to_dict())
 
-    async def read_process_output(self, a: s.ReadProcessOutputArgs) -> dict[str, Any]:
+    async def read_process_output(self, a: s.ReadProcessOutputArgs) -> r.ReadProcessOutputResult:
         found = self.box.scope.find_visible(a.pid, a.owner)
         proc = found.process
-        out: dict[str, Any] = {"pid": proc.pid, "stream": a.stream, "status": proc.status}
+        out = r.ReadProcessOutputResult(
+            pid=proc.pid, stream=a.stream, status=proc.status, output=proc.output(a.stream)
+        )
         if found.owner != SELF:
-            out["owner"] = found.owner
+            out.owner = found.owner
         if proc.exit_code is not None:
-            out["exit_code"] = proc.exit_code
-        out["output"] = proc.output(a.stream)
+            out.exit_code = proc.exit_code
         return out
 
-    async def list_processes(self, a: s.ListProcessesArgs) -> dict[str, Any]:
+    async def list_processes(self, a: s.ListProcessesArgs) -> r.ListProcessesResult:
         rows = []
         for owned in self.box.scope.visible():
             info = owned.process.info()
             rows.append(
-                {
-                    "owner": owned.owner,
-                    "pid": info.pid,
-                    "command": info.command,
-                    "status": info.status,
-                    "exit_code": info.exit_code,
-                    "duration_secs": round(info.duration, 3),
-                }
+                r.ProcessRow(
+                    owner=owned.owner,
+                    pid=info.pid,
+                    command=info.command,
+                    status=info.status,
+                    exit_code=info.exit_code,
+                    duration_secs=round(info.duration, 3),
+                )
             )
-        return {"processes": rows}
+        return r.ListProcessesResult(processes=rows)
 
-    async def kill_process(self, a: s.KillProcessArgs) -> dict[str, Any]:
+    async def kill_process(self, a: s.KillProcessArgs) -> r.KillProcessResult:
         proc = self.box.scope.find_own(a.pid)
         delivered = await proc.signal(a.signal)
-        return {"pid": proc.pid, "signal": a.signal, "delivered": delivered}
+        return r.KillProcessResult(pid=proc.pid, signal=a.signal, delivered=delivered)
 
-    async def process_stats(self, a: s.ProcessStatsArgs) -> dict[str, Any]:
+    async def process_stats(self, a: s.ProcessStatsArgs) -> r.ProcessStatsResult:
         proc = self.box.scope.find_visible(a.pid, a.owner).process
-        return (await proc.stats()).to_dict()
+        return r.ProcessStatsResult.model_validate((await proc.stats()).to_dict())
 
     def _session(self, session_id: str) -> PtySession:
         return self.sb.session(session_id)
 
-    async def open_shell(self, a: s.OpenShellArgs) -> dict[str, Any]:
+    async def open_shell(self, a: s.OpenShellArgs) -> r.OpenShellResult:
         session = await self.sb.shell(a.shell, shared=self.box.share_shells)
-        return {"session_id": session.session_id, "shell": session.shell, "hint": SHELL_HINT}
+        return r.OpenShellResult(
+            session_id=session.session_id, shell=session.shell, hint=SHELL_HINT
+        )
 
-    async def shell_write(self, a: s.ShellWriteArgs) -> dict[str, Any]:
+    async def shell_write(self, a: s.ShellWriteArgs) -> r.ShellWriteResult:
         await self._session(a.session_id).write(a.input)
-        return {"session_id": a.session_id, "written": len(a.input)}
+        return r.ShellWriteResult(session_id=a.session_id, written=len(a.input))
 
-    async def shell_read(self, a: s.ShellReadArgs) -> dict[str, Any]:
-        return {"session_id": a.session_id, "output": self._session(a.session_id).read()}
+    async def shell_read(self, a: s.ShellReadArgs) -> r.ShellReadResult:
+        output = self._session(a.session_id).read()
+        return r.ShellReadResult(session_id=a.session_id, output=output)
 
-    async def shell_expect(self, a: s.ShellExpectArgs) -> dict[str, Any]:
+    async def shell_expect(self, a: s.ShellExpectArgs) -> r.ExpectResult:
         match = await self._session(a.session_id).expect(a.pattern, a.timeout_secs)
-        return match.to_dict()
+        return r.ExpectResult.model_validate(match.to_dict())
 
-    async def shell_expect_cases(self, a: s.ShellExpectCasesArgs) -> dict[str, Any]:
+    async def shell_expect_cases(self, a: s.ShellExpectCasesArgs) -> r.ExpectCasesResult:
         session = self._session(a.session_id)
         match = await session.expect_cases(_cases(a.cases), a.timeout_secs)
-        return match.to_dict(cases=True)
+        return r.ExpectCasesResult.model_validate(match.to_dict(cases=True))
 
-    async def shell_batch(self, a: s.ShellBatchArgs) -> dict[str, Any]:
+    async def shell_batch(self, a: s.ShellBatchArgs) -> r.ShellBatchResult:
         session = self._session(a.session_id)
         steps = [step.model_dump(exclude_none=True) for step in a.steps]
         result = await session.batch(steps, a.timeout_secs)
-        data = result.to_dict()
-        assert isinstance(data, dict)
-        return data
+        return r.ShellBatchResult.model_validate(result.to_dict())
 
-    async def shell_signal(self, a: s.ShellSignalArgs) -> dict[str, Any]:
+    async def shell_signal(self, a: s.ShellSignalArgs) -> r.ShellSignalResult:
         delivered = await self._session(a.session_id).signal(a.signal)
-        return {"session_id": a.session_id, "signal": a.signal, "delivered": delivered}
+        return r.ShellSignalResult(session_id=a.session_id, signal=a.signal, delivered=delivered)
 
-    async def vfs_list(self, a: s.VfsListArgs) -> dict[str, Any]:
+    async def vfs_list(self, a: s.VfsListArgs) -> r.VfsListResult:
         entries = await self.sb.files.list(a.path)
-        rows = [{"name": e.name, "type": e.type, "size": e.size} for e in entries]
-        rows.sort(key=lambda r: str(r["name"]))
-        out: dict[str, Any] = {"path": a.path, "entries": rows[:MAX_LIST_ENTRIES]}
+        rows = sorted(
+            (r.VfsEntry(name=e.name, type=e.type, size=e.size) for e in entries),
+            key=lambda row: row.name,
+        )
+        out = r.VfsListResult(path=a.path, entries=rows[:MAX_LIST_ENTRIES])
         if len(rows) > MAX_LIST_ENTRIES:
-            out["truncated"] = True
-            out["total_entries"] = len(rows)
+            out.truncated = True
+            out.total_entries = len(rows)
         return out
 
-    async def vfs_read(self, a: s.VfsReadArgs) -> dict[str, Any]:
+    async def vfs_read(self, a: s.VfsReadArgs) -> r.VfsReadResult:
         data = await self.sb.files.read(a.path, max_bytes=MAX_READ_BYTES)
-        out: dict[str, Any] = {"path": a.path, "size": len(data)}
         if b"\x00" in data[:8192]:
-            out["binary"] = True
-            out["content"] = ""
-            return out
-        out["content"] = data.decode("utf-8", errors="replace")
-        return out
+            return r.VfsReadResult(path=a.path, size=len(data), binary=True, content="")
+        text = data.decode("utf-8", errors="replace")
+        return r.VfsReadResult(path=a.path, size=len(data), content=text)
 
-    async def vfs_write(self, a: s.VfsWriteArgs) -> dict[str, Any]:
+    async def vfs_write(self, a: s.VfsWriteArgs) -> r.VfsWriteResult:
         size = await self.sb.files.write(a.path, a.content, append=a.append)
-        return {"path": a.path, "size": size}
+        return r.VfsWriteResult(path=a.path, size=size)
 
-    async def sandbox_exec(self, a: s.SandboxExecArgs) -> dict[str, Any]:
+    async def sandbox_exec(self, a: s.SandboxExecArgs) -> r.SandboxExecResult | r.ToolError:
         # Resolved here, at process start, and only into the child's environment.
         env = self.box.secrets.resolve(a.secrets) if a.secrets else None
         argv = [*EXEC_ARGV[a.runtime], a.code]
         try:
-            r = await self.sb.run(argv, timeout=a.timeout_ms / 1000, stdin=a.stdin, env=env)
+            done = await self.sb.run(argv, timeout=a.timeout_ms / 1000, stdin=a.stdin, env=env)
         except errors.SpawnFailed as exc:
             if "not found" in exc.message:
-                return {
-                    "error": {
-                        "code": "runtime_not_found",
-                        "message": f"runtime not found: {a.runtime}",
-                    }
-                }
+                return r.ToolError.of("runtime_not_found", f"runtime not found: {a.runtime}")
             raise
-        out: dict[str, Any] = {"stdout": r.stdout, "stderr": r.stderr, "exit_code": r.exit_code}
-        if r.timed_out:
-            return {"error": {"code": "timeout", "message": "timeout"}, **out}
-        return out
+        if done.timed_out:
+            return r.SandboxExecResult(
+                error=r.ErrorInfo(code="timeout", message="timeout"),
+                stdout=done.stdout,
+                stderr=done.stderr,
+                exit_code=done.exit_code,
+            )
+        return r.SandboxExecResult(stdout=done.stdout, stderr=done.stderr, exit_code=done.exit_code)
 
-    async def sandbox_info(self, a: s.SandboxInfoArgs) -> dict[str, Any]:
+    async def sandbox_info(self, a: s.SandboxInfoArgs) -> r.SandboxInfoResult:
         info = await self.sb.info()
-        info["tools"] = self.box.tool_names()
-        return info
+        return r.SandboxInfoResult.model_validate({**info, "tools": self.box.tool_names()})

@@ -35,7 +35,15 @@ from corral.tools.approvals import (
     Rule,
     command_line,
 )
-from corral.tools.catalog import TOOLS, TOOLS_BY_NAME, ToolSpec, function_name, input_schema
+from corral.tools.catalog import (
+    TOOLS,
+    TOOLS_BY_NAME,
+    ToolSpec,
+    function_name,
+    input_schema,
+    output_schema,
+)
+from corral.tools.results import Approval, ErrorInfo, ToolError, ToolResult
 from corral.tools.scopes import Scope
 from corral.tools.secrets import SecretStore
 
@@ -45,7 +53,7 @@ SchemaFormat = Literal["openai", "anthropic", "mcp"]
 OUTPUT_CHARS = 30_000
 EXEC_CAPABILITY = "sandbox.exec"
 _ALIASES = {function_name(t.name): t.name for t in TOOLS}
-Handler = Callable[[Any], Awaitable[dict[str, Any]]]
+Handler = Callable[[Any], Awaitable[ToolResult]]
 
 
 def _brief(data: Any, limit: int = 500) -> Any:
@@ -59,8 +67,8 @@ def _brief(data: Any, limit: int = 500) -> Any:
     return data
 
 
-def error(code: str, message: str, **extra: Any) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message}, **extra}
+def error(code: str, message: str) -> ToolError:
+    return ToolError.of(code, message)
 
 
 def capability_of(tool: str) -> str:
@@ -115,6 +123,7 @@ def tool_schemas(specs: Iterable[ToolSpec], fmt: SchemaFormat = "openai") -> lis
                     "name": spec.name,
                     "description": spec.description,
                     "inputSchema": schema,
+                    "outputSchema": output_schema(spec.result),
                     "annotations": {
                         "readOnlyHint": spec.read_only,
                         "destructiveHint": spec.destructive,
@@ -127,7 +136,7 @@ def tool_schemas(specs: Iterable[ToolSpec], fmt: SchemaFormat = "openai") -> lis
     return out
 
 
-def describe_validation(tool: str, exc: ValidationError) -> dict[str, Any]:
+def describe_validation(tool: str, exc: ValidationError) -> ToolError:
     """One readable sentence per bad field, and the field paths for programs."""
     fields, parts = [], []
     for err in exc.errors(include_url=False):
@@ -142,7 +151,8 @@ def describe_validation(tool: str, exc: ValidationError) -> dict[str, Any]:
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
             parts.append(f"{where}: {err['msg']} (got {shown})")
     message = f"invalid input for {tool}: " + "; ".join(parts)
-    return error(str(errors.ErrorCode.INVALID_INPUT), message, fields=fields)
+    invalid = ErrorInfo(code=str(errors.ErrorCode.INVALID_INPUT), message=message)
+    return ToolError(error=invalid, fields=fields)
 
 
 class Toolbox:
@@ -211,6 +221,9 @@ class Toolbox:
         return result
 
     async def _call(self, name: str, arguments: Any, approved: bool) -> dict[str, Any]:
+        return self.finish((await self._result(name, arguments, approved)).to_json())
+
+    async def _result(self, name: str, arguments: Any, approved: bool) -> ToolResult:
         tool = _ALIASES.get(name, name) if isinstance(name, str) else ""
         spec = TOOLS_BY_NAME.get(tool)
         if spec is None:
@@ -224,19 +237,18 @@ class Toolbox:
             return describe_validation(tool, exc)
         refusal = await self._check_gate(tool, args.model_dump(mode="json"), approved)
         if refusal is not None:
-            return self.finish(refusal)
+            return refusal
         try:
-            result = await self._handlers[tool](args)
+            return await self._handlers[tool](args)
         except errors.SandboxError as exc:
-            result = exc.to_dict()
+            return ToolError.model_validate(exc.to_dict())
         except Exception as exc:  # the model must get an answer, never a traceback
             logger.exception("tool %s failed", tool)
-            result = error("internal_error", f"internal error in {tool}: {type(exc).__name__}")
-        return self.finish(result)
+            return error("internal_error", f"internal error in {tool}: {type(exc).__name__}")
 
     async def _check_gate(
         self, tool: str, arguments: dict[str, Any], approved: bool
-    ) -> dict[str, Any] | None:
+    ) -> ToolError | None:
         verdict = self.gate.verdict(tool, arguments)
         if verdict.outcome == "allow":
             return None
@@ -260,11 +272,13 @@ class Toolbox:
         request = ApprovalRequest(tool, line, verdict.reason, arguments)
         if self.approver is None:
             decided("approval_required")
-            return error(
-                "approval_required",
+            message = (
                 f"{request.describe()} This call needs a human's approval: ask the user, "
-                "then retry once they have approved it.",
-                approval={"tool": tool, "command": request.command_line, "reason": verdict.reason},
+                "then retry once they have approved it."
+            )
+            return ToolError(
+                error=ErrorInfo(code="approval_required", message=message),
+                approval=Approval(tool=tool, command=request.command_line, reason=verdict.reason),
             )
         try:
             ok = await self.approver(request)
