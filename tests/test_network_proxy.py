@@ -10,12 +10,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from corral.audit import AuditLog, read_records
 from corral.errors import PolicyError
 from corral.net import EgressProxy, StaticResolver, command_env
+from corral.net.http import body_framing
 from corral.net.nat import nft_ruleset
 from corral.net.rules import AddressScreen, HostAllowlist, HostRule, classify, split_host_port
+from corral.net.tunnel import client_hello_sni
 from corral.policy import NetworkPolicy
 from loopback_http import LoopbackHttp
 
@@ -583,3 +587,33 @@ async def test_other_protocols_pass_a_tunnel_untouched(proxy_socket: Path) -> No
     finally:
         server.close()
         await server.wait_closed()
+
+
+# ---- hostile bytes into the parsers ----------------------------------------------------------
+
+
+@given(st.binary(max_size=600))
+def test_a_client_hello_parser_never_fails_but_with_value_error(data: bytes) -> None:
+    try:
+        name = client_hello_sni(b"\x01" + data)
+    except ValueError:
+        return
+    assert name is None or isinstance(name, str)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([b"Content-Length", b"Transfer-Encoding", b"X"]), st.binary(max_size=12)
+        ),
+        max_size=4,
+    )
+)
+def test_body_framing_is_a_length_chunked_or_a_refusal(headers: list[tuple[bytes, bytes]]) -> None:
+    framing = body_framing(headers)
+    assert isinstance(framing, str) or framing.length is None or framing.length >= 0
+
+
+def test_the_parsed_server_name_is_the_one_sent() -> None:
+    assert client_hello_sni(client_hello("pypi.org")[5:]) == "pypi.org"
+    assert client_hello_sni(client_hello(None)[5:]) is None
