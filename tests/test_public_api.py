@@ -200,5 +200,9 @@ def test_the_sync_facade_takes_exactly_the_async_arguments() -> None:
     # No **kwargs that would lose the types: same names, kinds, defaults and annotations.
     for name in ("run", "spawn"):
         assert _params(getattr(corral.SyncSandbox, name)) == _params(getattr(corral.Sandbox, name))
+    # The pool's one-shot takes a workspace, then exactly Sandbox.run's arguments.
+    pool_run = _params(corral.SandboxPool.run)
+    assert pool_run[1][0] == "workspace"
+    assert [pool_run[0], *pool_run[2:]] == _params(corral.Sandbox.run)
     init = _params(corral.SyncSandbox.__init__)
     assert init == [p for p in _params(corral.Sandbox.__init__) if p[0] != "backend"]

@@ -29,10 +29,8 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from corral import errors
 from corral.backends import backend_for
@@ -43,7 +41,7 @@ from corral.backends.host.state import BOX_PREFIX
 from corral.backends.layout import HostView, guest_path
 from corral.backends.users import COMMAND_HOST_ID
 from corral.models import CommandResult
-from corral.policy import Policy
+from corral.policy import Policy, RlimitName
 from corral.sandbox import Command, Sandbox
 
 
@@ -185,15 +183,23 @@ class SandboxPool:
 
     async def run(
         self,
-        cmd: Command | Sequence[str],
+        cmd: Command,
         *,
         workspace: str | os.PathLike[str] | None = None,
-        **kwargs: Any,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        rlimits: dict[RlimitName, int] | None = None,
+        check: bool = False,
     ) -> CommandResult:
-        """One command in a box of the pool, which is closed afterwards (a one-shot)."""
+        """One command in a box of the pool, which is closed afterwards (a one-shot); the
+        arguments after ``workspace`` are ``Sandbox.run``'s."""
         sb = await self._claim(workspace)
         try:
-            return await sb.run(cmd, **kwargs)
+            return await sb.run(
+                cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits, check=check
+            )
         finally:
             self._release(sb)
             # Refilled only now: starting a box blocks the event loop for a few ms at a
