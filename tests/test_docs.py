@@ -7,7 +7,9 @@ What each fence's language means here:
 
 - ``python``: run as a program (top-level ``await`` allowed, as in ``python -m asyncio``), in a
   subprocess, with a fresh temporary directory as the working directory (so
-  ``workspace="."`` is that directory), against real boxes, with a time limit.
+  ``workspace="."`` is that directory), against real boxes, with a time limit. Its stdin is
+  ``y`` (for an approver that asks); ``OPENAI_BASE_URL`` points at a scripted model on
+  127.0.0.1 (``tests/scripted_model.py``), so the SDK examples run their loop for real.
 - ``sh``/``bash``/``console``: every command is checked. ``corral run|doctor|sessions|audit``
   commands run for real (the venv's ``corral`` first on ``PATH``); the others (``shell``,
   ``attach``, ``mcp``, which wait for a person or a client) go through corral's real argument
@@ -18,7 +20,7 @@ What each fence's language means here:
 - ``json``: parses; an MCP client config's ``corral`` arguments go through corral's parser.
   ``text``: a figure, not checked. A fence without a language fails.
 
-An HTML comment on the line right before a fence changes that:
+HTML comments on the lines right before a fence (one per line) change that:
 
 - ``<!-- doc-test: continue -->`` (python): the block continues the previous python block of
   the same section; they run as one program (one test, named after the first block).
@@ -542,6 +544,12 @@ def assert_like(doc: object, real: object, where: str) -> None:
 
 
 # ---- the parser itself ---------------------------------------------------------------------------
+
+
+def test_readme_opens_with_the_two_command_quickstart() -> None:
+    first = parse_blocks(ROOT / "README.md")[0]
+    commands = [argv for argv, _ in shell_commands(first)]
+    assert first.line < 5 and commands == [["make", "demo"], ["make", "test"]]
 
 
 def test_every_doc_has_blocks_and_ids_are_unique() -> None:
