@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,21 @@ def test_a_dead_owners_idmapped_mount_is_swept_and_its_content_kept(
     assert staging.sweep_staging() == ["cb-dead.0"]
     assert not entry.exists()
     assert (precious / "data").read_text() == "keep me"
+
+
+def test_the_sweep_leaves_an_entry_another_process_is_making(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Between new_entry's mkdir and its owner.json, a sweep in another process used to take
+    # the entry for an orphan and remove it (the maker then failed with FileNotFoundError).
+    monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp_path / "state"))
+    making = staging.new_entry("pool", "cb-making")
+    (making / "owner.json").unlink()  # the moment before it is written
+    abandoned = staging.new_entry("pool", "cb-abandoned")
+    (abandoned / "owner.json").unlink()
+    os.utime(abandoned, (time.time() - 120, time.time() - 120))  # a crash a while ago
+    assert staging.sweep_staging() == ["cb-abandoned"]
+    assert (making / "ws").is_dir()
 
 
 async def test_a_workspace_that_cannot_be_idmapped_still_starts_and_says_why(

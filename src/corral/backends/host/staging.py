@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 from corral.backends.host import mounts
@@ -51,11 +52,21 @@ def sweep_staging() -> list[str]:
             pid = int(owner.get("host_pid", 0))
         except (OSError, ValueError, AttributeError):
             pid = 0
+            if _young(entry):
+                continue  # another process is making it now: owner.json comes next
         if pid and pid_alive(pid):
             continue
         if release_staging(entry):
             removed.append(entry.name)
     return removed
+
+
+def _young(entry: Path) -> bool:
+    """Made less than a minute ago (or gone already): not an orphan yet, as for box dirs."""
+    try:
+        return time.time() - entry.stat().st_mtime < 60
+    except OSError:
+        return True
 
 
 def release_staging(entry: Path) -> bool:
