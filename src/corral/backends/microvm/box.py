@@ -8,22 +8,27 @@ Start-up sequence::
     2. probe, once per host (cached on disk), which accelerator and machine boot here:
        KVM is tried, never assumed (a /dev/kvm that cannot run a stock kernel is common in
        nested setups); ``microvm`` first under KVM, ``q35`` first under TCG (see MACHINES)
-    3. listen on a unix socket in the box's state directory; qemu connects to it as the
+    3. listen on a unix socket in the box's run directory; qemu connects to it as the
        client end of the virtio-serial port named ``corral``: the accepted socket is the
        channel. There is no NIC: a second port, ``corral-net``, carries the connections of
        network modes ``allowlist`` and ``ports`` to the host's proxy and relays
        (:mod:`corral.net.vmlink`); every VM has it, so the device set (a saved VM's shape)
        does not depend on the network mode
-    4. restore the saved VM of this shape (``-incoming``), or boot: the agent, PID 1 from
-       the initramfs, writes the snapshot-point line when its imports are done; a booting VM
-       is saved there for the next boxes (:mod:`vmsnap`)
+    4. start qemu in its jail (:mod:`jail`: an unprivileged uid, namespaces, a root of its
+       own, its ``-sandbox`` seccomp filter, a host cgroup) and restore the saved VM of this
+       shape (``-incoming``), or boot: the agent, PID 1 from the initramfs, writes the
+       snapshot-point line when its imports are done; a booting VM is saved there for the
+       next boxes (:mod:`vmsnap`)
     5. send the box's payload (mounts script, agent config, host time): the agent mounts
-       the host root (9p, read-only) under a tmpfs overlay, the workspace and the policy's
-       mounts (9p), private /tmp /run /home, a minimal /dev, a cgroup holding the limits,
-       and moves into that root; its ``ready`` frame ends the start
+       the system view (9p, read-only: the host entries the other backends bind, as the
+       jailed qemu can read them) under a tmpfs overlay, the workspace and the policy's
+       mounts (9p, idmapped on the host as on the other backends), private /tmp /run /home,
+       a minimal /dev, a cgroup holding the limits, and moves into that root; its ``ready``
+       frame ends the start
 
 A box's state directory records ``"backend": "microvm"`` and qemu's pid; boxes whose owner
-died are killed and removed by the first start of a process (in a thread). The initramfs is
+died are killed and removed, with their cgroups and idmapped mounts, by the first start of a
+process (in a thread). The initramfs is
 built (or found in the cache) at the first start too, in a thread: constructing a backend
 only checks that the pieces exist.
 """
@@ -53,12 +58,20 @@ from corral.backends.base import (
     kill_if_named,
     sweep_boxes,
 )
-from corral.backends.host import seccomp
+from corral.backends.host import cgroups, idmap, seccomp, staging
 from corral.backends.host.python import find_python
-from corral.backends.host.state import cache_root, write_owner
-from corral.backends.layout import HostView, Symlink, expand, guest_path, root_entries
+from corral.backends.host.state import BOX_PREFIX, cache_root, state_root, write_owner
+from corral.backends.layout import (
+    SYSTEM_PATH,
+    Bind,
+    HostView,
+    Symlink,
+    expand,
+    guest_path,
+    root_entries,
+)
 from corral.backends.limits import Capabilities, LimitPlan, plan_limits
-from corral.backends.microvm import initramfs, vmsnap
+from corral.backends.microvm import initramfs, jail, vmsnap
 from corral.backends.users import BOX_UID, passwd_text
 from corral.errors import BackendError, BackendUnavailable
 from corral.net import vmlink
@@ -66,8 +79,12 @@ from corral.policy import Policy, vm_memory_mb
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
+CHANNEL_SOCKET = "chan.sock"
 NET_SOCKET = "net.sock"
 """Beside the channel's socket: qemu connects the ``corral-net`` port to it (every VM)."""
+RUN_DIR = "vm"
+"""The box's run directory, in its state directory: owned by qemu's uid, bound into the jail
+(the sockets qemu connects to, its QMP socket, the console log)."""
 CONNECT_TIMEOUT = 10.0
 """qemu connects to the channel socket while it sets up devices, before the guest runs."""
 SHUTDOWN_GRACE = 3.0
@@ -123,19 +140,20 @@ def qemu_argv(
 
 @dataclass(frozen=True, slots=True)
 class HostShare:
+    """A 9p export: ``host`` is its path inside qemu's jail (:data:`jail.VIEW`, or below
+    :data:`jail.SHARES`)."""
+
     tag: str
     host: str
     read_only: bool
-    mapped: bool = False
-    """Ownership as the guest sets it lives in xattrs (``mapped-xattr``), not on the host."""
 
 
-def box_devices(boot: Boot, channel_path: Path, shares: list[HostShare]) -> list[str]:
-    """The virtio-serial ports (the channel; the network link, whose host socket is
-    ``net.sock`` beside the channel's) and the 9p shares (pure)."""
+def box_devices(boot: Boot, shares: list[HostShare]) -> list[str]:
+    """The virtio-serial ports (the channel; the network link) on sockets in the jail's run
+    directory, and the 9p shares (pure)."""
     bus = "device" if boot.machine == "microvm" else "pci"
-    argv = ["-chardev", f"socket,id=corral,path={channel_path}"]
-    argv += ["-chardev", f"socket,id=corralnet,path={channel_path.with_name(NET_SOCKET)}"]
+    argv = ["-chardev", f"socket,id=corral,path={jail.RUN}/{CHANNEL_SOCKET}"]
+    argv += ["-chardev", f"socket,id=corralnet,path={jail.RUN}/{NET_SOCKET}"]
     argv += [
         "-device",
         f"virtio-serial-{bus}",
@@ -148,28 +166,15 @@ def box_devices(boot: Boot, channel_path: Path, shares: list[HostShare]) -> list
     # random generator on the change, so restored VMs do not share the snapshot's randomness.
     argv += ["-device", "vmgenid,guid=auto"]
     for share in shares:
-        model = "mapped-xattr" if share.mapped else "none"
         ro = ",readonly=on" if share.read_only else ""
-        # The host root spans several filesystems: keep their inode numbers apart.
-        ro += ",multidevs=remap" if share.host == "/" else ""
+        # The system view spans several filesystems: keep their inode numbers apart.
+        ro += ",multidevs=remap" if share.tag == "root" else ""
         path = share.host.replace(",", ",,")
-        argv += ["-fsdev", f"local,id={share.tag},path={path},security_model={model}{ro}"]
+        # qemu runs as the box user's host uid: it creates files as that uid (the workspace
+        # owner on disk, through the idmapped mount) and cannot chown; ``none`` ignores that.
+        argv += ["-fsdev", f"local,id={share.tag},path={path},security_model=none{ro}"]
         argv += ["-device", f"virtio-9p-{bus},fsdev={share.tag},mount_tag={share.tag}"]
     return argv
-
-
-def guest_ids(workspace: Path) -> tuple[int, int, bool]:
-    """The command user's uid and gid in the guest, and whether the workspace share is mapped.
-
-    9p shows the host's owners to the guest. A workspace owned by a regular user is used as
-    that user (files it writes belong to them on the host); a root-owned one (corral run as
-    root with a temporary workspace) is shared with ``mapped-xattr`` and handed to uid 1000,
-    so commands never run as the guest's root and nothing is chowned on the host.
-    """
-    st = workspace.stat()
-    if st.st_uid == 0:
-        return BOX_UID, BOX_UID, True
-    return st.st_uid, st.st_gid, False
 
 
 def limit_plan(policy: Policy) -> LimitPlan:
@@ -183,22 +188,31 @@ def limit_plan(policy: Policy) -> LimitPlan:
     return plan_limits(policy.limits, caps)
 
 
-def boot_plan(spec: BoxSpec, limits: LimitPlan) -> tuple[initramfs.BootPlan, list[HostShare]]:
-    """The guest's mounts and the qemu shares they come from (pure but for a stat)."""
+def boot_plan(
+    spec: BoxSpec, shared: idmap.SharedPaths, limits: LimitPlan
+) -> tuple[initramfs.BootPlan, list[HostShare], list[jail.Share]]:
+    """The guest's mounts, the qemu exports they come from (paths in the jail) and the host
+    directories bound into the jail for them (pure but for ``HostView``'s stats).
+
+    The workspace and the policy's shares are ``shared``'s idmapped mount points: the box
+    user (guest uid 1000, qemu's uid) owns what the workspace owner owns on disk, and what it
+    creates lands on disk as the owner's, as on the other backends."""
     policy = spec.policy
     fs = policy.filesystem
-    uid, gid, mapped = guest_ids(spec.workspace)
+    uid = gid = BOX_UID
     host_shares = [
-        HostShare("root", "/", True),
-        HostShare("ws", str(spec.workspace), False, mapped=mapped),
+        HostShare("root", jail.VIEW, True),
+        HostShare("ws", f"{jail.SHARES}/ws", False),
     ]
+    jail_shares = [jail.Share("ws", str(shared.workspace), True)]
     shares = [initramfs.Share("ws", policy.workdir, False)]
     extra: list[tuple[str, str, bool]] = [(str(m.host), m.guest, m.mode == "ro") for m in fs.mounts]
     host = HostView()
     home = host.home
     extra += [(expand(p, home), expand(p, home), False) for p in fs.allow_write]
     for n, (source, guest, ro) in enumerate(extra):
-        host_shares.append(HostShare(f"m{n}", source, ro))
+        host_shares.append(HostShare(f"m{n}", f"{jail.SHARES}/m{n}", ro))
+        jail_shares.append(jail.Share(f"m{n}", shared.sources.get(source, source), not ro))
         shares.append(initramfs.Share(f"m{n}", guest, ro))
     config = {
         **agent_config(spec, uid=uid, gid=gid),
@@ -217,7 +231,6 @@ def boot_plan(spec: BoxSpec, limits: LimitPlan) -> tuple[initramfs.BootPlan, lis
         gid=gid,
         tmp_size=fs.tmp_size,
         agent_config=json.dumps(config, separators=(",", ":")),
-        own_workdir=policy.workdir if mapped else None,
         deny_read=tuple(guest_path(p, policy, host) for p in fs.deny_read),
         deny_write=tuple(guest_path(p, policy, host) for p in fs.deny_write),
         minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
@@ -226,18 +239,25 @@ def boot_plan(spec: BoxSpec, limits: LimitPlan) -> tuple[initramfs.BootPlan, lis
         pids_max=limits.pids_max,
         cpu_max_us=limits.cpu_quota_us,
     )
-    return plan, host_shares
+    return plan, host_shares, jail_shares
+
+
+def system_view(policy: Policy, host: HostView) -> list[Bind | Symlink]:
+    """What the guest's root is made of: the host entries of :func:`layout.root_entries`
+    (each top-level entry, or the minimal root's few), bound read-only in qemu's jail at
+    :data:`jail.VIEW` and exported as the ``root`` share."""
+    return jail.view_entries(root_entries(policy, find_python(), host))
 
 
 def minimal_root(policy: Policy, host: HostView) -> tuple[tuple[str, str], ...]:
-    """The host entries of the shared minimal root (:func:`layout.root_entries`), for the
-    VM's tmpfs root: the same layout on every backend (the guest writes its /etc/passwd)."""
+    """The minimal root's entries for the VM's tmpfs root, as paths of the system view (the
+    same layout on every backend; the guest writes its /etc/passwd)."""
     entries: list[tuple[str, str]] = []
-    for entry in root_entries(policy, find_python(), host):
+    for entry in system_view(policy, host):
         if isinstance(entry, Symlink):
             entries.append(("->" + entry.target, entry.dest))
-        else:  # resolved here: a host symlink such as /etc/localtime
-            entries.append((os.path.realpath(entry.source), entry.dest))
+        else:  # bound at its box path in the view (a host symlink is followed there)
+            entries.append((entry.dest, entry.dest))
     return tuple(entries)
 
 
@@ -343,12 +363,20 @@ async def probe(qemu: str, kernel: initramfs.Kernel, base: Path, accel: str) -> 
 # ---- orphans -------------------------------------------------------------------------------
 
 
-def sweep_orphans() -> list[str]:
-    """Kill the VMs of dead owners and remove their state directories."""
-    return sweep_boxes(
+def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
+    """Kill the VMs of dead owners and remove their state directories, then the cgroups and
+    idmapped mounts nobody owns any more."""
+    boxes = state_root() / "boxes"
+    removed = sweep_boxes(
         "microvm",
         lambda _, owner: kill_if_named(int(owner.get("qemu_pid", 0) or 0), "qemu-system"),
     )
+    staging.sweep_staging()
+    with contextlib.suppress(BackendError):
+        cgroups.sweep_orphans(
+            lambda name: not name.startswith(BOX_PREFIX) or (boxes / name).exists(), support
+        )
+    return removed
 
 
 # ---- the box -------------------------------------------------------------------------------
@@ -370,7 +398,7 @@ class MicroVmBox(BoxBase):
     def __init__(
         self,
         spec: BoxSpec,
-        proc: asyncio.subprocess.Process,
+        vm: _Jailed,
         channel: socket.socket,
         boot: Boot,
         kernel: initramfs.Kernel,
@@ -380,7 +408,10 @@ class MicroVmBox(BoxBase):
         limits: LimitPlan,
     ) -> None:
         super().__init__(spec, channel, warnings, limits)
-        self._proc = proc
+        self._proc = vm.proc
+        self._qemu_pid = vm.qemu_pid
+        self._cgroup = vm.cgroup
+        self._shared: idmap.SharedPaths | None = None
         self._boot = boot
         self._kernel = kernel
         self.boot_how = how
@@ -389,7 +420,12 @@ class MicroVmBox(BoxBase):
 
     @property
     def qemu_pid(self) -> int:
-        return self._proc.pid
+        """qemu's host pid (PID 1 of its own pid namespace; ``self._proc`` is bwrap's)."""
+        return self._qemu_pid
+
+    def hold(self, shared: idmap.SharedPaths) -> None:
+        """The idmapped mounts of this box's shares: released once qemu is gone."""
+        self._shared = shared
 
     def oom_kills(self) -> int:
         return self._guest.oom_kills
@@ -426,7 +462,7 @@ class MicroVmBox(BoxBase):
         if self._guest != BoxStats():
             return self._guest
         try:
-            fields = Path(f"/proc/{self._proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{self._qemu_pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             return BoxStats()
         tick = os.sysconf("SC_CLK_TCK")
@@ -445,11 +481,15 @@ class MicroVmBox(BoxBase):
             "kernel_image": str(self._kernel.image),
             "boot": self.boot_how,
             "snapshot": None if self._snapshot is None else str(self._snapshot),
-            "qemu_pid": self._proc.pid,
+            "qemu_pid": self._qemu_pid,
         }
 
     def stop(self) -> None:
-        """Kill the VM: nothing of the guest runs once qemu is gone."""
+        """Kill the VM: nothing of the guest runs once qemu is gone (bwrap's death kills
+        qemu too: ``--die-with-parent``)."""
+        if self._cgroup is not None:
+            with contextlib.suppress(Exception):
+                self._cgroup.kill_all(wait=False)
         kill_child(self._proc)
 
     async def diagnose(self) -> str:
@@ -464,7 +504,7 @@ class MicroVmBox(BoxBase):
                     err = (await self._proc.stderr.read(4096)).decode(errors="replace").strip()
                     if err:
                         parts.append(f"qemu: {err}")
-        tail = console_tail(self._spec.state_dir / "console.log")
+        tail = console_tail(self._spec.state_dir / RUN_DIR / "console.log")
         if tail:
             parts.append(f"guest console: ...{tail}")
         return "; ".join(parts)
@@ -489,11 +529,17 @@ class MicroVmBox(BoxBase):
             async with asyncio.timeout(SHUTDOWN_GRACE):
                 await self._proc.wait()
         if self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
+            kill_child(self._proc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5):
                     await self._proc.wait()
+        if self._cgroup is not None:
+            with contextlib.suppress(Exception):
+                await self._cgroup.kill_all_async()
+            with contextlib.suppress(Exception):
+                await self._cgroup.remove_async()
+        if self._shared is not None:
+            self._shared.release()  # unmounted before the state directory is deleted
 
 
 _bases: dict[tuple[str, str], Path] = {}
@@ -506,6 +552,15 @@ def _base_archive(kernel: initramfs.Kernel, python: str) -> Path:
     if base is None or not base.exists():
         base = _bases[key] = initramfs.base_archive(kernel, python)
     return base
+
+
+@dataclass
+class _Jailed:
+    """A jailed qemu being started: bwrap (``proc``), qemu inside it, qemu's cgroup."""
+
+    proc: asyncio.subprocess.Process
+    qemu_pid: int
+    cgroup: cgroups.Cgroup | None
 
 
 class MicroVmBackend(BackendBase):
@@ -522,6 +577,12 @@ class MicroVmBackend(BackendBase):
                 "qemu is not installed; `apt-get install qemu-system-x86 linux-image-amd64 "
                 "busybox-static` (or `make setup`), then `corral doctor`"
             )
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
+            raise BackendUnavailable(
+                "the microvm backend jails qemu with bubblewrap, which is not installed; "
+                "`apt-get install bubblewrap`"
+            )
         if policy.network.mode == "full":
             raise BackendUnavailable(
                 "network mode 'full' is not available on the microvm backend: its VMs have no "
@@ -530,8 +591,8 @@ class MicroVmBackend(BackendBase):
             )
         if os.geteuid() != 0:
             raise BackendUnavailable(
-                "the microvm backend shares the host root with the VM and needs root; run "
-                "corral as root"
+                "the microvm backend needs root on the host to jail qemu (idmapped shares, "
+                "cgroups); run corral as root"
             )
         if policy.vm.accel == "kvm" and not kvm_usable():
             raise BackendUnavailable("vm.accel is 'kvm' but /dev/kvm is missing or not usable")
@@ -542,11 +603,13 @@ class MicroVmBackend(BackendBase):
             raise BackendUnavailable(str(exc)) from None
         self.python = find_python()
         self.qemu = qemu
+        self.bwrap = bwrap
         self.accel = policy.vm.accel
+        self.cgroup_support = cgroups.detect()
         self._base: Path | None = None
 
     def sweep_orphans(self) -> list[str]:
-        return sweep_orphans()
+        return sweep_orphans(self.cgroup_support)
 
     @property
     def base(self) -> Path:
@@ -556,14 +619,15 @@ class MicroVmBackend(BackendBase):
         return self._base
 
     async def prepare(self) -> None:
-        """The orphan sweep, then the base initramfs (built once, cached on disk): both in
-        threads, never on the event loop."""
+        """The orphan sweep, then the base initramfs (built once, cached on disk) and qemu's
+        runtime files (``ldd``, once per binary): in threads, never on the event loop."""
         await super().prepare()
         if self._base is None:
             try:
                 self._base = await asyncio.to_thread(_base_archive, self.kernel, self.python)
             except initramfs.KernelNotFound as exc:
                 raise BackendUnavailable(str(exc)) from None
+            await asyncio.to_thread(jail.runtime, self.qemu)
 
     async def boot_mode(self) -> Boot:
         await self.prepare()
@@ -571,12 +635,29 @@ class MicroVmBackend(BackendBase):
 
     async def start(self, spec: BoxSpec) -> MicroVmBox:
         """Restore the saved VM of this shape when there is one, else boot (and save it)."""
-        policy = spec.policy
-        limits = limit_plan(policy)  # a refusal comes before anything starts
+        limits = limit_plan(spec.policy)  # a refusal comes before anything starts
         boot = await self.boot_mode()
-        plan, shares = boot_plan(spec, limits)
+        shared = idmap.share_paths(spec)
+        try:
+            box = await self._start(spec, boot, shared, limits)
+        except BaseException:
+            shared.release()
+            raise
+        box.hold(shared)
+        return box
+
+    async def _start(
+        self, spec: BoxSpec, boot: Boot, shared: idmap.SharedPaths, limits: LimitPlan
+    ) -> MicroVmBox:
+        policy = spec.policy
+        if shared.uid == 0 or shared.gid == 0:
+            raise BackendError(
+                f"{shared.warning}: qemu would run as host root with this root-owned "
+                "workspace; use a workspace owned by a regular user"
+            )
+        plan, shares, jail_shares = boot_plan(spec, shared, limits)
         plan = replace(plan, seccomp=seccomp.build_filter(policy.security.preset))
-        devices = box_devices(boot, spec.state_dir / "chan.sock", shares)
+        devices = box_devices(boot, shares)
         shape = vmsnap.Shape(
             qemu=self.qemu,
             image=str(boot.image),
@@ -591,84 +672,169 @@ class MicroVmBackend(BackendBase):
             devices=re.sub(r"path=[^,]*", "path=", " ".join(devices)) + " -append " + KERNEL_ARGS,
         )
         snapshot = vmsnap.snapshot_path(shape) if policy.vm.snapshot else None
-        notes: list[str] = []
+        notes: list[str] = [shared.warning] if shared.warning else []
+        vm = _VmStart(self, spec, boot, plan, limits, devices, jail_shares, shared)
         if snapshot is not None and snapshot.exists():
             try:
-                return await self._boot(spec, boot, plan, limits, devices, restore=snapshot)
+                return await vm.run(restore=snapshot, notes=notes)
             except BackendError as exc:  # a stale or damaged file: boot, and save a new one
                 vmsnap.discard(snapshot)
                 notes.append(f"the saved VM did not restore ({exc.message}); booted instead")
         try:
             try:
-                return await self._boot(
-                    spec, boot, plan, limits, devices, save=snapshot, notes=notes
-                )
+                return await vm.run(save=snapshot, notes=notes)
             except BootStalled as exc:  # rare under TCG on a loaded host: one more try
                 notes.append(f"the first boot stalled ({exc.message}); booted again")
-                return await self._boot(
-                    spec, boot, plan, limits, devices, save=snapshot, notes=notes
-                )
+                return await vm.run(save=snapshot, notes=notes)
         except _Saved:
             assert snapshot is not None
         try:
-            box = await self._boot(spec, boot, plan, limits, devices, restore=snapshot, notes=notes)
+            box = await vm.run(restore=snapshot, notes=notes)
         except BackendError as exc:
             vmsnap.discard(snapshot)
             notes.append(f"the VM just saved did not restore ({exc.message}); booted instead")
-            return await self._boot(spec, boot, plan, limits, devices, notes=notes)
+            return await vm.run(notes=notes)
         box.boot_how = "booted, saved and restored"
         return box
 
-    async def _boot(
+
+@dataclass
+class _VmStart:
+    """One box's VM as the backend starts it: each :meth:`run` is one jailed qemu."""
+
+    backend: MicroVmBackend
+    spec: BoxSpec
+    boot: Boot
+    plan: initramfs.BootPlan
+    limits: LimitPlan
+    devices: list[str]
+    shares: list[jail.Share]
+    shared: idmap.SharedPaths
+
+    def _run_dir(self) -> Path:
+        """The run directory, owned by qemu's host uid (0700): made anew for each qemu."""
+        run_dir = self.spec.state_dir / RUN_DIR
+        self.spec.state_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(mode=0o700)
+        os.chown(run_dir, self.shared.uid, self.shared.gid)
+        return run_dir
+
+    async def _spawn(self, argv: list[str], keep: list[int]) -> _Jailed:
+        """bwrap, holding qemu (blocked before its exec) until qemu is in its cgroup."""
+        b = self.backend
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe()
+        fds = jail.JailFds()
+        cgroup: cgroups.Cgroup | None = None
+        proc: asyncio.subprocess.Process | None = None
+        kvm = self.boot.accel == "kvm"
+        try:
+            full = jail.jail_argv(
+                b.bwrap,
+                argv,
+                rt=jail.runtime(b.qemu),
+                fds=fds,
+                run_dir=str(self.spec.state_dir / RUN_DIR),
+                boot_files=[str(self.boot.image), str(b.base)],
+                view=system_view(self.spec.policy, HostView()),
+                shares=self.shares,
+                info_fd=info_w,
+                block_fd=block_r,
+                kvm=kvm,
+            )
+            if b.cgroup_support.version != "none":
+                vm_mb = vm_memory_mb(self.spec.policy)
+                limits = cgroups.CgroupLimits(
+                    memory_bytes=(vm_mb + jail.MEMORY_OVERHEAD_MB) << 20,
+                    max_pids=jail.PIDS_MAX,
+                )
+                cgroup = cgroups.Cgroup.create(self.spec.sandbox_id, limits, b.cgroup_support)
+            proc = await asyncio.create_subprocess_exec(
+                *full,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=(*fds.fds, info_w, block_r, *keep),
+                env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+                user=self.shared.uid,
+                group=self.shared.gid,
+                extra_groups=[os.stat("/dev/kvm").st_gid] if kvm else [],
+                start_new_session=True,
+            )
+            os.close(info_w)
+            info_w = -1
+            reader, transport = await _pipe_reader(info_r)
+            info_r = -1
+            try:
+                what = "bwrap failed to jail qemu"
+                child = await _until(proc, _read_info(reader), CONNECT_TIMEOUT, what)
+            finally:
+                transport.close()
+            if cgroup is not None:
+                cgroup.add(child)
+            write_owner(self.spec.state_dir, "microvm", qemu_pid=child, bwrap_pid=proc.pid)
+            os.write(block_w, b"1")
+            return _Jailed(proc, child, cgroup)
+        except BaseException:
+            if proc is not None and proc.returncode is None:
+                kill_child(proc)
+                await proc.wait()
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        finally:
+            fds.close()
+            for fd in (info_r, info_w, block_r, block_w):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+    async def run(
         self,
-        spec: BoxSpec,
-        boot: Boot,
-        plan: initramfs.BootPlan,
-        limits: LimitPlan,
-        devices: list[str],
         *,
         restore: Path | None = None,
         save: Path | None = None,
         notes: list[str] | None = None,
     ) -> MicroVmBox:
+        b, spec, boot = self.backend, self.spec, self.boot
         policy = spec.policy
         notes = list(notes or [])
-        spec.state_dir.mkdir(parents=True, exist_ok=True)
-        sock_path = spec.state_dir / "chan.sock"
-        qmp_path = spec.state_dir / "qmp.sock"
+        run_dir = self._run_dir()
+        sock_path = run_dir / CHANNEL_SOCKET
+        net_path = run_dir / NET_SOCKET
+        qmp_path = run_dir / "qmp.sock"
         argv = qemu_argv(
-            self.qemu,
+            b.qemu,
             boot,
-            initrd=self.base,
+            initrd=b.base,
             cpus=policy.vm.cpus,
             memory_mb=vm_memory_mb(policy),
-            serial=f"file:{spec.state_dir / 'console.log'}",
+            serial=f"file:{jail.RUN}/console.log",
         )
-        argv += devices
+        argv += [*self.devices, "-sandbox", jail.SANDBOX]
+        # The saved VM is read from a descriptor qemu inherits (and written to one it gets
+        # over QMP: vmsnap.save).
+        snap_fd = -1
         if restore is not None:
-            argv += vmsnap.incoming_args(restore)
+            snap_fd = os.open(restore, os.O_RDONLY | os.O_CLOEXEC)
+            argv += vmsnap.incoming_args(snap_fd)
         elif save is not None:
-            argv += vmsnap.qmp_args(qmp_path)
+            argv += vmsnap.qmp_args(Path(jail.RUN) / "qmp.sock")
         timeout = (RESTORE_TIMEOUT if restore else BOOT_TIMEOUT)[boot.accel]
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        net_path = sock_path.with_name(NET_SOCKET)
         net_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         accepted: list[socket.socket] = []
-        proc: asyncio.subprocess.Process | None = None
+        vm: _Jailed | None = None
         loop = asyncio.get_running_loop()
         try:
             for server, server_path in ((listener, sock_path), (net_listener, net_path)):
                 server.bind(str(server_path))
+                os.chown(server_path, self.shared.uid, self.shared.gid)
                 server.listen(1)
                 server.setblocking(False)
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
-            write_owner(spec.state_dir, "microvm", qemu_pid=proc.pid)
+            vm = await self._spawn(argv, [snap_fd] if snap_fd >= 0 else [])
+            proc = vm.proc
             what = "qemu failed to start the microVM"
             channel, _ = await _until(proc, loop.sock_accept(listener), CONNECT_TIMEOUT, what)
             accepted.append(channel)
@@ -684,7 +850,8 @@ class MicroVmBackend(BackendBase):
                 how = "booted"
                 if save is not None:
                     try:
-                        await _until(proc, vmsnap.save(qmp_path, save), timeout, "saving the VM")
+                        step = vmsnap.save(qmp_path, save)
+                        await _until(proc, step, timeout, "saving the VM")
                     except BackendError as exc:
                         notes.append(f"could not save the VM for the next boxes: {exc.message}")
                     else:
@@ -694,31 +861,64 @@ class MicroVmBackend(BackendBase):
                         raise _Saved()
             else:
                 vmsnap.touch(restore)
-            await loop.sock_sendall(channel, initramfs.boot_payload(plan, time.time()))
+            await loop.sock_sendall(channel, initramfs.boot_payload(self.plan, time.time()))
             what = "the microVM's guest agent did not start"
             await _until(proc, _readable(channel), timeout, what)
         except BaseException as exc:
-            if proc is not None and proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+            if vm is not None:
+                await _kill(vm)
             for sock in accepted:
                 sock.close()
-            tail = console_tail(spec.state_dir / "console.log")
+            tail = console_tail(run_dir / "console.log")
             _clear_attempt(spec)
             if isinstance(exc, BackendError) and tail:
                 raise type(exc)(f"{exc.message}; guest console: ...{tail}") from None
             raise
         finally:
+            if snap_fd >= 0:
+                os.close(snap_fd)
             listener.close()
             net_listener.close()
             sock_path.unlink(missing_ok=True)
             net_path.unlink(missing_ok=True)
         # The guest's cgroup holds the limits: the warnings are the plan's (a CPU quota above
         # the VM's CPUs) and how the VM started, when it did not go as planned.
-        warnings = (*limits.warnings, *notes)
-        box = MicroVmBox(spec, proc, channel, boot, self.kernel, warnings, how, restore, limits)
+        warnings = (*self.limits.warnings, *notes)
+        box = MicroVmBox(spec, vm, channel, boot, b.kernel, warnings, how, restore, self.limits)
         await box.attach_network(net_sock)
         return box
+
+
+async def _kill(vm: _Jailed) -> None:
+    """Kill a jailed qemu and wait for it; remove its cgroup."""
+    kill_child(vm.proc)
+    await vm.proc.wait()
+    if vm.cgroup is not None:
+        with contextlib.suppress(Exception):
+            await vm.cgroup.kill_all_async()
+        with contextlib.suppress(Exception):
+            await vm.cgroup.remove_async()
+
+
+async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    """A reader of pipe ``fd`` (which it owns from now on: closed with the transport)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    return reader, transport
+
+
+async def _read_info(reader: asyncio.StreamReader) -> int:
+    """The pid of bwrap's child (qemu to be) from its ``--info-fd`` JSON."""
+    data = b""
+    while b"}" not in data:
+        chunk = await reader.read(4096)
+        if not chunk:
+            raise BackendError("bwrap exited before qemu's namespaces existed")
+        data += chunk
+    return int(json.loads(data[: data.index(b"}") + 1])["child-pid"])
 
 
 async def _until(

@@ -22,8 +22,9 @@ import contextlib
 import hashlib
 import json
 import os
-import shlex
 import shutil
+import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,21 +53,23 @@ class Shape:
     """The device arguments without per-box paths, and the kernel command line."""
 
     def key(self) -> str:
-        stamps = [self.qemu, self.image, self.initrd]
+        # The initramfs's name holds the fingerprint of its inputs, and its mtime is when it
+        # was last used (the archive cache's order): not part of the key.
+        stamps = [_stamp(self.qemu), _stamp(self.image), _stamp(self.initrd, mtime=False)]
         fields: dict[str, Any] = {
             "shape": [self.accel, self.machine, self.cpus, self.memory_mb, self.shares],
             "devices": self.devices,
-            "files": [_stamp(p) for p in stamps],
+            "files": stamps,
         }
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _stamp(path: str) -> str:
+def _stamp(path: str, *, mtime: bool = True) -> str:
     try:
         st = os.stat(path)
     except OSError:
         return f"{path}:missing"
-    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{path}:{st.st_size}:{st.st_mtime_ns if mtime else ''}"
 
 
 def snapshot_dir() -> Path:
@@ -77,9 +80,15 @@ def snapshot_path(shape: Shape) -> Path:
     return snapshot_dir() / f"{shape.key()}.vm"
 
 
-def incoming_args(path: Path) -> list[str]:
-    """qemu arguments that restore the saved VM at ``path`` (it resumes running)."""
-    return ["-incoming", f"exec:cat {shlex.quote(str(path))}"]
+def incoming_args(fd: int) -> list[str]:
+    """qemu arguments that restore the saved VM open at ``fd`` (it resumes running). A
+    descriptor, not a path or ``exec:``: qemu runs jailed, spawns nothing and never opens
+    the snapshot directory."""
+    return ["-incoming", f"fd:{fd}"]
+
+
+def _partial(dest: Path) -> Path:
+    return dest.with_suffix(f".tmp{os.getpid()}")
 
 
 def qmp_args(path: Path) -> list[str]:
@@ -94,18 +103,36 @@ def discard(path: Path) -> None:
 class Qmp:
     """A minimal QMP client: one command at a time, events kept for :meth:`wait_event`."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, sock: socket.socket, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self._sock = sock
         self._reader = reader
         self._writer = writer
         self._events: list[dict[str, Any]] = []
 
     @classmethod
     async def connect(cls, path: Path) -> Qmp:
-        reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 20)
-        qmp = cls(reader, writer)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, str(path))
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
+        except BaseException:
+            sock.close()
+            raise
+        qmp = cls(sock, reader, writer)
         await qmp._read()  # the greeting
         await qmp.execute("qmp_capabilities")
         return qmp
+
+    async def send_fd(self, name: str, fd: int) -> None:
+        """Hand qemu ``fd`` as ``name`` (``getfd``, the descriptor sent with the command)."""
+        await self._writer.drain()  # nothing of the stream may follow the descriptor's bytes
+        request = json.dumps({"execute": "getfd", "arguments": {"fdname": name}}).encode()
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))]
+        self._sock.sendmsg([request + b"\n"], rights)
+        await self._reply("getfd")
 
     async def _read(self) -> dict[str, Any]:
         line = await self._reader.readline()
@@ -120,6 +147,9 @@ class Qmp:
             request["arguments"] = arguments
         self._writer.write(json.dumps(request).encode() + b"\n")
         await self._writer.drain()
+        return await self._reply(command)
+
+    async def _reply(self, command: str) -> Any:
         while True:
             message = await self._read()
             if "event" in message:
@@ -148,15 +178,28 @@ class Qmp:
 
 async def save(qmp_socket: Path, dest: Path, timeout: float = SAVE_TIMEOUT) -> None:
     """Save the running VM to ``dest`` (atomic: a partial file never has the final name);
-    the VM is left paused. Raises BackendError when qemu cannot migrate (the VM runs on)."""
+    the VM is left paused. Raises BackendError when qemu cannot migrate (the VM runs on).
+
+    qemu writes to a descriptor of the partial file sent over QMP: it runs jailed, spawns
+    nothing (no ``exec:``) and never opens the snapshot directory."""
     dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = dest.with_suffix(f".tmp{os.getpid()}")
-    qmp = await Qmp.connect(qmp_socket)
+    tmp = _partial(dest)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        qmp = await Qmp.connect(qmp_socket)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
     try:
         async with asyncio.timeout(timeout):
             caps = [{"capability": "events", "state": True}]
             await qmp.execute("migrate-set-capabilities", capabilities=caps)
-            await qmp.execute("migrate", uri=f"exec:cat > {shlex.quote(str(tmp))}")
+            await qmp.send_fd("snapshot", fd)
+            os.close(fd)
+            fd = -1
+            await qmp.execute("migrate", uri="fd:snapshot")
             final = await qmp.wait_event(
                 "MIGRATION", lambda d: d.get("status") in ("completed", "failed", "cancelled")
             )
@@ -169,6 +212,8 @@ async def save(qmp_socket: Path, dest: Path, timeout: float = SAVE_TIMEOUT) -> N
         tmp.unlink(missing_ok=True)
         raise
     finally:
+        if fd >= 0:
+            os.close(fd)
         await qmp.close()
     tmp.replace(dest)
     prune(dest.parent)
