@@ -8,7 +8,10 @@ from a saved VM in under a second); this module keeps ``make test`` short.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+import os
+import secrets
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,8 @@ import pytest_asyncio
 
 from corral import Policy, Sandbox
 from corral.backends import unavailable_reason
+from corral.backends.microvm import jail
+from corral.backends.users import BOX_UID
 from security import test_attack_filesystem as fs
 from security import test_attack_privilege as priv
 from security import test_attack_processes as procs
@@ -108,3 +113,81 @@ async def test_setuid_binary_grants_nothing_in_the_vm(sandbox: Sandbox) -> None:
     mounts = (await sandbox.run(["cat", "/proc/self/mounts"])).stdout
     root = [ln.split() for ln in mounts.splitlines() if ln.split()[1] == "/"]
     assert root and {"nosuid", "nodev"} <= set(root[-1][3].split(",")), root
+
+
+# ---- the monitor's jail (issue 13, class 10) -----------------------------------------------
+
+
+def _status(pid: int) -> dict[str, str]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+
+@pytest.mark.attack("privilege")
+async def test_qemu_is_jailed_on_the_host(sandbox: Sandbox) -> None:
+    """A guest-kernel exploit lands in qemu: an unprivileged uid without capabilities, under
+    no_new_privs and its own seccomp filter, in namespaces of its own, on a root holding qemu's
+    files and the shares alone, in a cgroup of the box."""
+    pid = (await sandbox.info())["qemu_pid"]
+    status = _status(pid)
+    uids = {int(u) for u in status["Uid"].split()} | {int(g) for g in status["Gid"].split()}
+    assert 0 not in uids, status["Uid"]
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[caps], 16) == 0, (caps, status[caps])
+    assert (status["NoNewPrivs"], status["Seccomp"]) == ("1", "2")
+    for ns in ("user", "mnt", "pid", "ipc", "net", "uts"):
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert jail.SANDBOX.encode() in argv  # qemu's own filter: no spawn, no set*id
+    assert sandbox.sandbox_id in Path(f"/proc/{pid}/cgroup").read_text()
+    root = Path(f"/proc/{pid}/root")
+    top = set(os.listdir(root))
+    assert {"home", "root", "etc", "tmp", "work"}.isdisjoint(top), top
+    assert {"view", "shares", "run", "usr"} <= top, top
+    # The system view: what the other backends bind, nothing of /home, /tmp or /run.
+    for private in ("home", "tmp", "run"):
+        assert os.listdir(root / "view" / private) == [], private
+    assert os.listdir(root / "shares") == ["ws"]
+
+
+@pytest.fixture
+def private_host_files() -> Iterator[Path]:
+    """Host files outside every share, in the system view: one only uid 1000 may read, one
+    only root may, and a uid-1000 home-like directory (0700) with a 0644 key in it."""
+    base = Path("/var/tmp") / f"corral-private-{secrets.token_hex(4)}"
+    base.mkdir(mode=0o755)
+    base.chmod(0o755)
+    try:
+        for name, uid in (("user-only", BOX_UID), ("root-only", 0)):
+            f = base / name
+            f.write_text(f"SECRET-{name}\n")
+            f.chmod(0o600)
+            os.chown(f, uid, uid)
+        home = base / "home"
+        home.mkdir(mode=0o700)
+        (home / "id_key").write_text("SECRET-key\n")
+        (home / "id_key").chmod(0o644)
+        os.chown(home / "id_key", BOX_UID, BOX_UID)
+        os.chown(home, BOX_UID, BOX_UID)
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.attack("filesystem")
+async def test_private_host_files_outside_the_shares_are_not_visible(
+    sandbox: Sandbox, private_host_files: Path
+) -> None:
+    """Host uid 1000's private files (the box user's uid number) and root's: qemu used to run
+    as root and show the host's owners, so the box user read uid 1000's files."""
+    base = private_host_files
+    script = (
+        f"cd {base} || exit 9; ls -ln; "
+        "for f in user-only root-only home/id_key; do cat $f 2>/dev/null; done; "
+        "ls home 2>/dev/null; grep -rs SECRET . ; exit 0"
+    )
+    r = await sandbox.run(["sh", "-c", script], timeout=60)
+    assert r.exit_code == 0, (r.stdout, r.stderr)
+    assert "SECRET" not in r.stdout and "id_key" not in r.stdout, r.stdout
+    owners = {line.split()[2] for line in r.stdout.splitlines() if line.startswith(("-", "d"))}
+    assert str(BOX_UID) not in owners, r.stdout  # host uid 1000 is not the box user
