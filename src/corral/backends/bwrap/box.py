@@ -25,7 +25,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from corral.backends.base import (
     AGENT_DIR,
@@ -158,9 +158,15 @@ class BwrapBox(CgroupAccounting, BoxBase):
 class BwrapBackend(BackendBase):
     name = "bwrap"
 
+    _found: ClassVar[BwrapBackend | None] = None
+
     @classmethod
     def for_policy(cls, policy: Policy) -> BwrapBackend:
-        return cls()
+        # One per process: what it finds (bwrap, setpriv, the cgroup layout, the interpreter)
+        # does not change while it runs, and finding it again cost ~1 ms of every start.
+        if cls._found is None:
+            cls._found = cls()
+        return cls._found
 
     def __init__(self) -> None:
         self.bwrap = shutil.which("bwrap")
