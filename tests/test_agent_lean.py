@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -67,7 +69,8 @@ def test_the_agents_start_imports_none_of_the_python_layers() -> None:
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import lean; "
         "lean.loads(lean.dumps({'a': [1]})); lean.Poller().close(); "
-        "print(sorted(m for m in ('json', 're', 'enum', 'selectors') if m in sys.modules))"
+        "heavy = ('json', 're', 'enum', 'selectors', 'contextlib', 'typing'); "
+        "print(sorted(m for m in heavy if m in sys.modules))"
     )
     agent_dir = os.path.dirname(lean.__file__)
     out = subprocess.run(
@@ -118,3 +121,41 @@ def test_a_closed_peer_wakes_a_reader() -> None:
     finally:
         poller.close()
         a.close()
+
+
+def _tracking(decorate: Callable[..., Any], log: list[str], swallow: bool) -> Callable[[], Any]:
+    @decorate
+    def managed() -> Iterator[str]:
+        log.append("enter")
+        try:
+            yield "value"
+        except KeyError:
+            log.append("caught")
+            if not swallow:
+                raise
+        finally:
+            log.append("exit")
+
+    return managed  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+@pytest.mark.parametrize("body", ["ok", "key", "value", "stop"])
+def test_contextmanager_behaves_as_contextlibs(body: str, swallow: bool) -> None:
+    def run(decorate: Callable[..., Any]) -> tuple[list[str], str]:
+        log: list[str] = []
+        outcome = "none"
+        try:
+            with _tracking(decorate, log, swallow)() as got:
+                log.append(got)
+                if body == "key":
+                    raise KeyError("k")
+                if body == "value":
+                    raise ValueError("v")
+                if body == "stop":
+                    raise StopIteration
+        except Exception as exc:
+            outcome = type(exc).__name__
+        return log, outcome
+
+    assert run(lean.contextmanager) == run(contextlib.contextmanager)

@@ -13,6 +13,8 @@ on top of the C modules:
   equal); errors are ``ValueError`` as with ``json``.
 - :class:`Poller`: the part of ``selectors.DefaultSelector`` the agent's loop uses, on
   ``select.epoll`` (read/write events mapped as ``selectors.EpollSelector`` maps them).
+- :func:`contextmanager`: ``contextlib.contextmanager`` for the agent's own generators
+  (``contextlib`` imports ``collections`` and ``functools``: about 5 ms of CPU).
 
 Stdlib only; the host imports it too (through ``corral.agent.protocol``).
 """
@@ -21,7 +23,11 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # the guest agent does not import typing
 if TYPE_CHECKING:
-    from typing import Any
+    from collections.abc import Callable, Generator
+    from typing import Any, ParamSpec, TypeVar
+
+    P = ParamSpec("P")
+    T = TypeVar("T")
 
 try:
     import _json
@@ -174,3 +180,50 @@ class Poller:
     def close(self) -> None:
         self._epoll.close()
         self._keys.clear()
+
+
+class _GeneratorContext:
+    """The context manager of one call of a :func:`contextmanager` function."""
+
+    __slots__ = ("gen",)
+
+    def __init__(self, gen: Generator[Any, None, None]) -> None:
+        self.gen = gen
+
+    def __enter__(self) -> Any:
+        try:
+            return next(self.gen)
+        except StopIteration:
+            raise RuntimeError("generator didn't yield") from None
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None:
+            try:
+                next(self.gen)
+            except StopIteration:
+                return False
+            raise RuntimeError("generator didn't stop")
+        try:
+            self.gen.throw(exc)
+        except StopIteration as stop:
+            return stop is not exc  # the generator swallowed the exception
+        except BaseException as raised:
+            if raised is exc:
+                return False  # the same exception goes on, from the with block
+            if isinstance(exc, StopIteration) and raised.__cause__ is exc:
+                return False  # PEP 479 turned the body's StopIteration into a RuntimeError
+            raise
+        raise RuntimeError("generator didn't stop after throw()")
+
+
+def contextmanager(
+    func: Callable[P, Generator[T, None, None]],
+) -> Callable[P, _GeneratorContext]:
+    """``contextlib.contextmanager``, without importing ``contextlib``."""
+
+    def make(*args: P.args, **kwargs: P.kwargs) -> _GeneratorContext:
+        return _GeneratorContext(func(*args, **kwargs))
+
+    make.__name__ = func.__name__
+    make.__doc__ = func.__doc__
+    return make
