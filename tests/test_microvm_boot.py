@@ -73,8 +73,8 @@ def test_the_packed_python_runs_the_agents_imports_with_nothing_else(tmp_path: P
             shutil.copy2(path, target)
     shutil.copytree(AGENT_DIR, tmp_path / "agent", ignore=shutil.ignore_patterns("__pycache__"))
     probe = (
-        "import importlib, sys; sys.path.insert(0, '/agent'); import agent\n"
-        "[importlib.import_module(m) for m in agent.VM_PRELOAD]; print(len(sys.modules))"
+        "import importlib, sys; sys.path.insert(0, '/agent'); import vminit\n"
+        "[importlib.import_module(m) for m in vminit.VM_PRELOAD]; print(len(sys.modules))"
     )
     done = subprocess.run(
         ["chroot", str(tmp_path), python, "-I", "-S", "-c", probe],

@@ -21,8 +21,8 @@ from corral.backends.base import AGENT_DIR
 _LIST_FILES = """
 import importlib, importlib.util, json, os, sys
 sys.path.insert(0, sys.argv[1])
-import agent
-for name in agent.VM_PRELOAD:
+import vminit
+for name in vminit.VM_PRELOAD:
     importlib.import_module(name)
 files = set()
 for module in list(sys.modules.values()):
@@ -47,7 +47,7 @@ class RuntimeNotPackable(Exception):
 
 def runtime_files(python: str) -> tuple[list[Path], list[Path]]:
     """``(files, directories)`` to copy, at the same absolute paths, so that ``python`` runs
-    in the initramfs and imports everything in the agent's ``VM_PRELOAD``."""
+    in the initramfs and imports everything in the agent's ``vminit.VM_PRELOAD``."""
     try:
         done = subprocess.run(
             [python, "-I", "-S", "-c", _LIST_FILES, str(AGENT_DIR)],

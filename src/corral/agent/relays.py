@@ -1,0 +1,99 @@
+"""Network relays of a box with no route out: loopback listeners inside the box relaying every
+connection to a host unix socket (:mod:`corral.net`: the egress proxy, exposed host ports).
+
+In a microVM the same listeners carry their connections over a port device (:mod:`vmlink`).
+Threads keep the agent's select loop untouched.
+"""
+
+from __future__ import annotations
+
+import socket
+
+TYPE_CHECKING = False  # the guest agent does not import typing (see loop.py)
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def start(config: dict[str, Any]) -> None:
+    """Start the relays the agent's config names (``forwarders``, ``vmlink``)."""
+    start_forwarders(list(config.get("forwarders") or []))
+    if config.get("vmlink"):  # a microVM: the forwarders go over a virtio-serial port
+        start_vmlink(dict(config["vmlink"]))
+
+
+def start_forwarders(specs: list[dict[str, Any]]) -> None:
+    """Loopback listeners relaying every connection to a host unix socket (corral.net).
+
+    This is how a box with no route out reaches the host's egress proxy and exposed ports.
+    Threads keep the agent's select loop untouched; the sockets are mode 0666 on the host,
+    so relaying works whichever ids the agent holds at the moment.
+    """
+    if not specs:
+        return
+    import threading
+
+    if TYPE_CHECKING:
+        from corral.agent.vmlink import loopback_listeners
+    else:
+        from vmlink import loopback_listeners
+
+    for spec in specs:
+        for server in loopback_listeners(int(spec["port"])):
+            args = (server, str(spec["unix"]))
+            threading.Thread(target=forward_accept, args=args, daemon=True).start()
+
+
+def start_vmlink(config: dict[str, Any]) -> None:
+    """Loopback listeners multiplexed over a port device to the host (:mod:`vmlink`)."""
+    if TYPE_CHECKING:
+        from corral.agent import vmlink
+    else:
+        import vmlink
+    vmlink.start(config)
+
+
+def forward_accept(server: socket.socket, path: str) -> None:
+    import threading
+
+    while True:
+        try:
+            conn, _ = server.accept()
+        except (ConnectionAbortedError, InterruptedError):
+            continue
+        except OSError:
+            return
+        threading.Thread(target=forward_conn, args=(conn, path), daemon=True).start()
+
+
+def forward_conn(conn: socket.socket, path: str) -> None:
+    import threading
+
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        upstream.connect(path)
+    except OSError:
+        conn.close()
+        upstream.close()
+        return
+    back = threading.Thread(target=forward_copy, args=(upstream, conn), daemon=True)
+    back.start()
+    forward_copy(conn, upstream)
+    back.join()
+    conn.close()
+    upstream.close()
+
+
+def forward_copy(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while True:
+            data = src.recv(262144)
+            if not data:
+                break
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
