@@ -51,6 +51,24 @@ def test_run_timeout_exits_124(workspace: Path) -> None:
     assert r.returncode == 124 and "timed out" in r.stderr
 
 
+def test_run_timeout_of_the_policy_file_exits_124(workspace: Path, tmp_path: Path) -> None:
+    """The policy's exec_timeout_secs fires with no --timeout given: reported, no crash."""
+    policy = tmp_path / "p.toml"
+    policy.write_text("[limits]\nexec_timeout_secs = 0.5\nkill_grace_secs = 0.5\n")
+    r = corral("run", "--policy", str(policy), "--workspace", str(workspace), "--", "sleep", "30")
+    assert r.returncode == 124 and "Traceback" not in r.stderr
+    assert "corral: timed out after 0.5 s" in r.stderr
+
+
+def test_run_json_reports_the_timeout_and_how_it_ended(workspace: Path) -> None:
+    r = corral(
+        "run", "--json", "--timeout", "0.5", "--workspace", str(workspace), "--", "sleep", "9"
+    )
+    data = json.loads(r.stdout)
+    assert (data["timeout"], data["ended"], data["timed_out"]) == (0.5, "timed_out", True)
+    assert data["exit_code"] == -15  # sleep dies of the SIGTERM, no SIGKILL needed
+
+
 def test_run_limits_from_flags(workspace: Path) -> None:
     r = corral(
         "run",

@@ -54,7 +54,7 @@ async def test_timeout_kills_the_group_and_keeps_partial_output(sandbox: Sandbox
         "echo started; (sleep 30; touch survived) & echo $! > /workspace/child; sleep 30",
         timeout=0.5,
     )
-    assert r.timed_out and r.exit_code == -9
+    assert r.timed_out and r.exit_code == -15 and r.ended == "timed_out"  # the SIGTERM did
     assert r.stdout == "started\n"
     child = (await sandbox.files.read_text("child")).strip()
     gone = await sandbox.run(

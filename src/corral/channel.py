@@ -1,9 +1,11 @@
 """Host end of the agent channel: requests with replies, and a stream of events.
 
-The agent is untrusted code's neighbour, so everything it sends is validated here before it
-reaches the rest of the library: replies must answer a request we made, events must have
-the fields and types we expect. A violation, or the agent going away, breaks the channel:
-every pending request fails with :class:`SandboxBroken` and ``on_lost`` is called once.
+The agent is untrusted code's neighbour, so everything it sends is validated here, against
+:mod:`corral.agent.protocol`, before it reaches the rest of the library: replies must answer a
+request we made and have the fields of its operation, events must have theirs. A violation,
+or the agent going away, breaks the channel: every pending request fails with
+:class:`SandboxBroken` and ``on_lost`` is called once. An error reply fails its request only,
+with the :mod:`corral.errors` class its code maps to.
 """
 
 from __future__ import annotations
@@ -20,34 +22,31 @@ from corral.agent import protocol
 
 EventHandler = Callable[[dict[str, Any], bytes], None]
 
-_ERRORS: dict[str, type[errors.SandboxError]] = {
-    "process_not_found": errors.ProcessNotFound,
-    "spawn_failed": errors.SpawnFailed,
-    "path_outside_sandbox": errors.PathOutsideSandbox,
-    "file_not_found": errors.FileNotFound,
-    "file_too_large": errors.FileTooLarge,
-    "permission_denied": errors.FilePermissionDenied,
-    "file_error": errors.FileOpError,
-    "protocol_error": errors.ProtocolError,
+_Code = protocol.ErrorCode
+ERRORS: dict[str, type[errors.SandboxError]] = {
+    _Code.PROTOCOL_ERROR: errors.ProtocolError,
+    _Code.INVALID_INPUT: errors.SandboxError,  # with code invalid_input (error_from_reply)
+    _Code.PROCESS_NOT_FOUND: errors.ProcessNotFound,
+    _Code.SPAWN_FAILED: errors.SpawnFailed,
+    _Code.FILE_NOT_FOUND: errors.FileNotFound,
+    _Code.PERMISSION_DENIED: errors.FilePermissionDenied,
+    _Code.PATH_OUTSIDE_SANDBOX: errors.PathOutsideSandbox,
+    _Code.FILE_TOO_LARGE: errors.FileTooLarge,
+    _Code.FILE_ERROR: errors.FileOpError,
+    _Code.AGENT_ERROR: errors.BackendError,
 }
-
-# Event name -> required fields and their types. Anything else from the agent is a violation.
-_EVENTS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "ready": {"pid": int},
-    "out": {"pid": int, "stream": str},
-    "exit": {"pid": int, "exit_code": int},
-}
-_STREAMS = frozenset({"stdout", "stderr", "pty"})
+"""Every agent error code -> the error the caller gets (a test holds it complete)."""
 
 
-def error_from_reply(err: object) -> errors.SandboxError:
-    if not isinstance(err, dict):
-        return errors.ProtocolError("the agent sent a malformed error reply")
-    code = str(err.get("code", ""))
-    message = str(err.get("message", "unknown error"))[:2000]
-    if code == "invalid_input":
+def error_from_reply(header: dict[str, Any]) -> errors.SandboxError | None:
+    """The error an error reply stands for, or None for a successful reply."""
+    found = protocol.reply_error(header)
+    if found is None:
+        return None
+    code, message = found
+    if code == _Code.INVALID_INPUT:
         return errors.SandboxError(message, code=errors.ErrorCode.INVALID_INPUT)
-    return _ERRORS.get(code, errors.BackendError)(message)
+    return ERRORS[code](message)
 
 
 class Channel:
@@ -56,6 +55,7 @@ class Channel:
         self._on_event = on_event
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._ops: dict[int, str] = {}  # request id -> its operation, to check the reply
         self._hooks: dict[int, Callable[[dict[str, Any]], None]] = {}
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._writer: asyncio.StreamWriter | None = None
@@ -98,6 +98,7 @@ class Channel:
             asyncio.get_running_loop().create_future()
         )
         self._pending[req_id] = fut
+        self._ops[req_id] = op
         if on_reply is not None:
             self._hooks[req_id] = on_reply
         try:
@@ -109,11 +110,13 @@ class Channel:
             raise errors.SandboxBroken(f"the sandbox is gone: {self.lost_reason}") from exc
         finally:
             self._pending.pop(req_id, None)
+            self._ops.pop(req_id, None)
             self._hooks.pop(req_id, None)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # failed with the channel: retrieved, so it is not logged
-        if "error" in header:
-            raise error_from_reply(header["error"])
+        error = error_from_reply(header)
+        if error is not None:
+            raise error
         return header, data
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
@@ -133,25 +136,19 @@ class Channel:
 
     def _dispatch(self, header: dict[str, Any], payload: bytes) -> None:
         if "re" in header:
-            fut = self._pending.get(header["re"]) if isinstance(header["re"], int) else None
+            req_id = header["re"]
+            fut = self._pending.get(req_id) if type(req_id) is int else None
             if fut is None:
-                raise protocol.FrameError(f"reply to an unknown request {header['re']!r}")
-            hook = self._hooks.pop(header["re"], None)
-            if hook is not None and "error" not in header:
-                hook(header)
+                raise protocol.FrameError(f"reply to an unknown request {req_id!r}")
+            if "error" not in header:
+                protocol.check_reply(self._ops[req_id], header)
+                hook = self._hooks.pop(req_id, None)
+                if hook is not None:
+                    hook(header)
             if not fut.done():
                 fut.set_result((header, payload))
             return
-        ev = header.get("ev")
-        shape = _EVENTS.get(ev) if isinstance(ev, str) else None
-        if shape is None:
-            raise protocol.FrameError(f"unknown event {ev!r}")
-        for key, typ in shape.items():
-            value = header.get(key)
-            if not isinstance(value, typ) or isinstance(value, bool):
-                raise protocol.FrameError(f"event {ev!r} has a bad {key!r}: {value!r}")
-        if ev == "out" and header["stream"] not in _STREAMS:
-            raise protocol.FrameError(f"unknown stream {header['stream']!r}")
+        ev = protocol.check_event(header)
         if ev == "ready":
             if not self._ready.done():
                 self._ready.set_result(header)

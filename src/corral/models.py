@@ -6,6 +6,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 ProcessStatus = Literal["running", "exited"]
+Ending = Literal["exited", "signalled", "timed_out", "oom_killed", "lost"]
+"""How a command ended: it ``exited`` by itself (any status), a signal killed it
+(``signalled``), its timeout ended it (``timed_out``: SIGTERM, then SIGKILL after
+``limits.kill_grace_secs``), the box's memory limit killed it (``oom_killed``), or the box died
+under it (``lost``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,11 @@ class CommandResult:
     network_refusals: tuple[NetworkRefusal, ...] = ()
     """Connections the network policy refused while this command ran (programs often show
     only "403"; this says which host and how to allow it)."""
+    timeout: float | None = None
+    """The timeout in effect, in seconds (the call's, else ``limits.exec_timeout_secs``);
+    None when the command could run for ever."""
+    ended: Ending = "exited"
+    """How the command ended (see :data:`Ending`)."""
 
     @property
     def ok(self) -> bool:

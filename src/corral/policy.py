@@ -184,6 +184,9 @@ class Limits(_Model):
     least 4."""
     exec_timeout_secs: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Default timeout of ``run`` when the call gives none."""
+    kill_grace_secs: float = Field(default=2.0, ge=0, le=300, allow_inf_nan=False)
+    """Seconds a command ended by its timeout or a cancellation has between SIGTERM and
+    SIGKILL (both to its whole process group). 0 sends SIGKILL at once."""
     rlimits: dict[RlimitName, Annotated[int, Field(ge=0)]] = Field(
         default_factory=lambda: _no_core_dumps()
     )

@@ -3,12 +3,18 @@
 Output is stored on the host as it arrives (the agent never buffers it), capped per stream
 with head and tail kept, so a flood cannot exhaust the host and an agent can read partial
 output of a running process at any time.
+
+Ending a process is trio's way: SIGTERM to its process group, a grace period
+(``limits.kill_grace_secs``), SIGKILL to the group, and the exit is reported once nothing of the
+group is left. A timeout does that, and so does cancelling a ``wait()``: a cancelled waiter
+never leaves its process running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import shlex
 import signal as _signal
 import time
@@ -17,12 +23,31 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from corral import errors
-from corral.models import ProcessInfo, ProcessStats, ProcessStatus, WaitResult
+from corral.models import Ending, ProcessInfo, ProcessStats, ProcessStatus, WaitResult
 from corral.output import HeadTailBuffer
 
 Stream = Literal["stdout", "stderr", "pty"]
 Request = Callable[..., Awaitable[tuple[dict[str, Any], bytes]]]
 """A request to the guest agent: (op, payload, **fields) -> (reply header, reply payload)."""
+REAP_MARGIN = 5.0
+"""Seconds past the grace a terminated process's exit may take to be reported (the agent waits
+for the whole group to go after the SIGKILL) before ``terminate`` stops waiting."""
+
+_ending: set[asyncio.Task[Any]] = set()
+"""Terminations that outlive a cancelled caller (a strong reference until they are done)."""
+
+
+def end_in_background(proc: Process) -> None:
+    """Terminate ``proc`` in a task of its own: a cancelled caller cannot wait for it."""
+    task = asyncio.ensure_future(proc.terminate())
+    _ending.add(task)
+    task.add_done_callback(_forget)
+
+
+def _forget(task: asyncio.Task[Any]) -> None:
+    _ending.discard(task)
+    if not task.cancelled():
+        task.exception()  # a box that went away meanwhile: nothing left to end
 
 
 def parse_signal(sig: str | int) -> int:
@@ -47,7 +72,15 @@ def parse_signal(sig: str | int) -> int:
 class Process:
     """A process in the box. Made by ``Sandbox.spawn``; no public constructor."""
 
-    def __init__(self, pid: int, argv: list[str], output_cap: int, request: Request) -> None:
+    def __init__(
+        self,
+        pid: int,
+        argv: list[str],
+        output_cap: int,
+        request: Request,
+        *,
+        kill_grace: float = 2.0,
+    ) -> None:
         self.pid = pid
         self.argv = argv
         self.started_at = time.time()
@@ -61,6 +94,11 @@ class Process:
         self.exit_code: int | None = None
         self.duration: float | None = None
         self.timed_out = False
+        self.kill_grace = kill_grace
+        """Seconds between SIGTERM and SIGKILL when this process is ended (``terminate``)."""
+        self.lost = False
+        """True when the box died under the process (it is reported as killed)."""
+        self._terminating = False
         self._listeners: list[asyncio.Queue[tuple[str, bytes | int]]] = []
 
     def __repr__(self) -> str:
@@ -74,6 +112,17 @@ class Process:
     @property
     def status(self) -> ProcessStatus:
         return "running" if self.exit_code is None else "exited"
+
+    @property
+    def ended(self) -> Ending | None:
+        """How it ended (None while running); ``oom_killed`` is the sandbox's to tell."""
+        if self.exit_code is None:
+            return None
+        if self.lost:
+            return "lost"
+        if self.timed_out:
+            return "timed_out"
+        return "signalled" if self.exit_code < 0 else "exited"
 
     # Fed by the sandbox's event dispatch.
     def _on_output(self, stream: str, data: bytes) -> None:
@@ -91,6 +140,7 @@ class Process:
     def _lost(self) -> None:
         """The box died under the process: report it as killed."""
         if self.exit_code is None:
+            self.lost = True
             self._on_exit(-int(_signal.SIGKILL), None)
 
     def subscribe(self) -> asyncio.Queue[tuple[str, bytes | int]]:
@@ -117,7 +167,11 @@ class Process:
         return any(b.truncated for b in self._buffers.values())
 
     async def wait(self, timeout: float | None = None) -> WaitResult:
-        """Wait for exit; on timeout the process keeps running and ``status`` is ``timeout``."""
+        """Wait for exit; on timeout the process keeps running and ``status`` is ``timeout``.
+
+        Cancelling the wait (``task.cancel()``, an enclosing ``asyncio.timeout``) ends the
+        process as :meth:`terminate` does, waits for that, then lets the cancellation through.
+        """
         if timeout is not None and timeout <= 0:
             if self.exit_code is None:
                 return self._timeout_result(0)
@@ -127,7 +181,36 @@ class Process:
                     await self._exited.wait()
             except TimeoutError:
                 return self._timeout_result(timeout or 0)
+            except asyncio.CancelledError:
+                await self._end_on_cancel()
+                raise
         return WaitResult(pid=self.pid, status="exited", exit_code=self.exit_code)
+
+    async def _end_on_cancel(self) -> None:
+        """Terminate after a cancellation, in a task of its own: a second cancellation stops
+        this wait for it, never the termination."""
+        if self.exit_code is not None:
+            return
+        if not self._terminating:
+            end_in_background(self)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.kill_grace + REAP_MARGIN):
+                await self._exited.wait()
+
+    async def terminate(self, grace: float | None = None) -> WaitResult:
+        """End the process: SIGTERM to its process group, then SIGKILL to the group once
+        ``grace`` seconds (default ``limits.kill_grace_secs``) have passed and anything of it
+        is left; returns once the agent has reaped it and nothing of the group remains.
+
+        ``status`` is ``timeout`` only when the agent did not report the exit within the grace
+        plus :data:`REAP_MARGIN` seconds (a box that stopped answering).
+        """
+        grace = self.kill_grace if grace is None else max(0.0, grace)
+        if self.exit_code is None:
+            self._terminating = True
+            with contextlib.suppress(errors.ProcessNotFound):  # exiting: its event follows
+                await self._request("terminate", pid=self.pid, grace=grace)
+        return await self.wait(grace + REAP_MARGIN)
 
     def _timeout_result(self, timeout: float) -> WaitResult:
         return WaitResult(

@@ -37,7 +37,7 @@ from corral.files import Files
 from corral.models import CommandResult, ProcessInfo
 from corral.net import BoxNetwork, Resolver
 from corral.policy import Policy, RlimitName
-from corral.processes import Process, ProcessRegistry
+from corral.processes import Process, ProcessRegistry, end_in_background
 from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
 from corral.streaming import ExecStream, PendingExecStream
@@ -47,7 +47,6 @@ StdinArg = bytes | str | Literal["pipe"] | None
 READY_TIMEOUT = 15.0
 HEARTBEAT_EVERY = 5.0
 """Seconds between two heartbeats (a ``ping`` the agent answers from its loop)."""
-KILL_GRACE = 5.0
 PID_MAX = 1 << 22
 """Linux's PID_MAX_LIMIT: an agent reporting a larger pid is lying."""
 
@@ -375,11 +374,23 @@ class Sandbox:
             pid = reply.get("pid")
             if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid <= PID_MAX:
                 raise protocol.FrameError(f"spawn reply with a bad pid {pid!r}")
-            proc = Process(pid, argv, self.policy.limits.output_bytes, self._request)
+            limits = self.policy.limits
+            proc = Process(
+                pid, argv, limits.output_bytes, self._request, kill_grace=limits.kill_grace_secs
+            )
             self._registry.add(proc)
             holder.append(proc)
 
-        await self._request("spawn", payload, on_reply=register, **fields)
+        # Shielded: a caller cancelled while the agent starts the command gets no handle, so
+        # the command it started anyway is ended here (``_end_orphan``), not left running.
+        started = asyncio.ensure_future(
+            self._request("spawn", payload, on_reply=register, **fields)
+        )
+        try:
+            await asyncio.shield(started)
+        except asyncio.CancelledError:
+            started.add_done_callback(lambda _: _end_orphan(started, holder))
+            raise
         proc = holder[0]
         if self.audit.enabled:
             self._spawn_marks[proc.pid] = self._oom_kills()
@@ -404,8 +415,10 @@ class Sandbox:
         rlimits: dict[RlimitName, int] | None = None,
         check: bool = False,
     ) -> CommandResult:
-        """Run a command to completion. On timeout its process group is killed and the
-        output produced so far is kept (``timed_out=True``)."""
+        """Run a command to completion. On timeout it is ended (SIGTERM to its process group,
+        SIGKILL after ``limits.kill_grace_secs``) and the output produced so far is kept
+        (``timed_out=True``). Cancelling the call ends the command the same way, waits for
+        that, then lets the cancellation through: nothing of it is left in the box."""
         timeout = timeout if timeout is not None else self.policy.limits.exec_timeout_secs
         oom_before = self._oom_kills()
         pids_before = self._pids_limit_hits()
@@ -415,8 +428,11 @@ class Sandbox:
         if waited.status == "timeout":
             proc.timed_out = True
             with contextlib.suppress(errors.SandboxError):
-                await proc.kill()
-            await proc.wait(KILL_GRACE)
+                await proc.terminate()
+        oom_killed = self._oom_kills() > oom_before
+        ended = proc.ended or "lost"
+        if oom_killed and ended == "signalled" and proc.exit_code == -signal.SIGKILL:
+            ended = "oom_killed"
         result = CommandResult(
             exit_code=proc.exit_code if proc.exit_code is not None else -9,
             stdout=proc.output("stdout"),
@@ -425,11 +441,13 @@ class Sandbox:
             duration=proc.duration or 0.0,
             truncated=proc.truncated,
             pid=proc.pid,
-            oom_killed=self._oom_kills() > oom_before,
+            oom_killed=oom_killed,
             pids_limited=self._pids_limit_hits() > pids_before,
             network_refusals=(
                 self._network.refusals_since(refusals_before) if self._network is not None else ()
             ),
+            timeout=timeout,
+            ended=ended,
         )
         if check and not result.ok:
             why = "timed out" if result.timed_out else f"exited with status {result.exit_code}"
@@ -528,3 +546,10 @@ class Sandbox:
         if self._box is None:
             raise errors.SandboxClosed("the sandbox is not started")
         return self._box.stats()
+
+
+def _end_orphan(started: asyncio.Future[Any], holder: list[Process]) -> None:
+    """A spawn whose caller was cancelled: end the command if it started after all."""
+    if started.cancelled() or started.exception() is not None:
+        return
+    end_in_background(holder[0])

@@ -144,7 +144,7 @@ def test_frame_decoder_on_valid_frames_split_anywhere(
 @FAST
 @given(json_values)
 def test_error_replies_always_map_to_a_sandbox_error(err: Any) -> None:
-    exc = error_from_reply(err)
+    exc = error_from_reply({"re": 1, "error": err})
     assert isinstance(exc, errors.SandboxError)
     assert len(exc.message) <= 2000 and exc.to_dict()["error"]["code"]
 

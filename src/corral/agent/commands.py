@@ -1,12 +1,28 @@
-"""Starting a command: its rlimits, its terminal, and a clear sentence when it cannot start."""
+"""Starting a command (its rlimits, its terminal, a clear sentence when it cannot start) and
+ending one: signals to its process group, and the TERM, grace, KILL sequence of ``terminate``.
+
+Signals are sent as the command user: the agent holds no CAP_KILL.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 
 TYPE_CHECKING = False  # the guest agent does not import typing (see loop.py)
 if TYPE_CHECKING:
     from typing import Any
+
+    from corral.agent import files
+else:
+    import files
+
+POLL = 0.02
+"""Seconds between two looks at a terminated group whose leader is reaped but whose other
+members are not yet gone (nothing wakes the agent when a grandchild dies)."""
+GIVE_UP = 2.0
+"""Seconds after the SIGKILL when the exit is reported even if the group still shows (only a
+process the command user cannot signal would stay)."""
 
 
 def spawn_error(exc: OSError, program: str, cwd: str | None) -> str:
@@ -80,3 +96,65 @@ def drain_fd(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
+
+
+def send_signal(uid: int, gid: int, pid: int, pty_fd: int | None, sig: int, group: bool) -> bool:
+    """Signal the process ``pid``, or its group; on a terminal the group is its foreground job,
+    as Ctrl-C typed at it. False when nothing was there to signal."""
+    with files.as_user(uid, gid):
+        try:
+            if not group:
+                os.kill(pid, sig)
+            else:
+                os.killpg(os.tcgetpgrp(pty_fd) if pty_fd is not None else pid, sig)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            os.kill(pid, sig)
+    return True
+
+
+class Ending:
+    """A command being terminated: SIGTERM to its groups now, SIGKILL at ``kill_at``, done
+    once no process of them is left. The groups are the command's own (it leads a session)
+    and, on a terminal, the foreground job's."""
+
+    def __init__(self, uid: int, gid: int, pid: int, pty_fd: int | None, kill_at: float) -> None:
+        self.uid = uid
+        self.gid = gid
+        self.groups = {pid}
+        if pty_fd is not None:
+            try:
+                self.groups.add(os.tcgetpgrp(pty_fd))
+            except OSError:
+                pass
+        self.kill_at: float | None = kill_at
+        self.give_up_at: float | None = None
+        self.signal_all(signal.SIGTERM)
+
+    def signal_all(self, sig: int) -> bool:
+        delivered = False
+        with files.as_user(self.uid, self.gid):
+            for pgid in self.groups:
+                try:
+                    os.killpg(pgid, sig)
+                    delivered = True
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    delivered = True  # a member the command user may not signal: it lives
+        return delivered
+
+    def step(self, now: float, reaped: bool) -> float | None:
+        """KILL once the grace is over; None when done (``reaped``: the leader's status is
+        known), else seconds until the next look is due."""
+        if self.kill_at is not None and now >= self.kill_at:
+            self.signal_all(signal.SIGKILL)
+            self.kill_at = None
+            self.give_up_at = now + GIVE_UP
+        alive = self.signal_all(0)
+        if reaped and (not alive or (self.give_up_at is not None and now >= self.give_up_at)):
+            return None
+        if not reaped and self.kill_at is not None:
+            return self.kill_at - now  # SIGCHLD wakes the loop when the leader exits
+        return POLL if self.kill_at is None else min(POLL, self.kill_at - now)

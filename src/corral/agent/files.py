@@ -20,7 +20,10 @@ import stat
 TYPE_CHECKING = False  # the guest agent does not import typing (see agent.py)
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from typing import Any
+
+    from corral.agent import protocol
+else:  # inside the box: a sibling module
+    import protocol
 
 SYS_OPENAT2 = 437  # the same number on every architecture (new-style syscall table)
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -158,26 +161,27 @@ def open_beneath(root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
 
 def _fail(exc: OSError, path: str) -> FileOpFailed:
 
+    c = protocol.ErrorCode
     codes = {
-        errno.ENOENT: ("file_not_found", "no such file or directory"),
-        errno.EACCES: ("permission_denied", "permission denied"),
-        errno.EPERM: ("permission_denied", "operation not permitted"),
-        errno.EROFS: ("permission_denied", "read-only file system"),
-        errno.EXDEV: ("path_outside_sandbox", "path resolves outside the allowed root"),
-        errno.ELOOP: ("path_outside_sandbox", "path goes through a symlink that is not allowed"),
-        errno.EISDIR: ("file_error", "is a directory"),
-        errno.ENOTDIR: ("file_error", "not a directory"),
-        errno.ENOTEMPTY: ("file_error", "directory not empty"),
-        errno.EEXIST: ("file_error", "already exists"),
-        errno.ENOSPC: ("file_error", "no space left on device"),
-        errno.EFBIG: ("file_too_large", "file too large for the box's limits"),
-        errno.EDQUOT: ("file_error", "disk quota exceeded"),
+        errno.ENOENT: (c.FILE_NOT_FOUND, "no such file or directory"),
+        errno.EACCES: (c.PERMISSION_DENIED, "permission denied"),
+        errno.EPERM: (c.PERMISSION_DENIED, "operation not permitted"),
+        errno.EROFS: (c.PERMISSION_DENIED, "read-only file system"),
+        errno.EXDEV: (c.PATH_OUTSIDE_SANDBOX, "path resolves outside the allowed root"),
+        errno.ELOOP: (c.PATH_OUTSIDE_SANDBOX, "path goes through a symlink that is not allowed"),
+        errno.EISDIR: (c.FILE_ERROR, "is a directory"),
+        errno.ENOTDIR: (c.FILE_ERROR, "not a directory"),
+        errno.ENOTEMPTY: (c.FILE_ERROR, "directory not empty"),
+        errno.EEXIST: (c.FILE_ERROR, "already exists"),
+        errno.ENOSPC: (c.FILE_ERROR, "no space left on device"),
+        errno.EFBIG: (c.FILE_TOO_LARGE, "file too large for the box's limits"),
+        errno.EDQUOT: (c.FILE_ERROR, "disk quota exceeded"),
     }
-    code, text = codes.get(exc.errno or 0, ("file_error", exc.strerror or str(exc)))
+    code, text = codes.get(exc.errno or 0, (c.FILE_ERROR, exc.strerror or str(exc)))
     return FileOpFailed(code, f"{text}: {path}")
 
 
-def _kind(mode: int) -> str:
+def _kind(mode: int) -> protocol.FileType:
     if stat.S_ISREG(mode):
         return "file"
     if stat.S_ISDIR(mode):
@@ -187,7 +191,7 @@ def _kind(mode: int) -> str:
     return "other"
 
 
-def _describe(name: str, st: os.stat_result) -> dict[str, Any]:
+def _describe(name: str, st: os.stat_result) -> protocol.FileEntry:
     return {
         "name": name,
         "type": _kind(st.st_mode),
@@ -204,15 +208,14 @@ class FileOps:
         self._openat2: _Openat2 | None = None
 
     @contextlib.contextmanager
-    def _as_user(self, h: dict[str, Any]) -> Iterator[tuple[int, str, str]]:
+    def _as_user(self, root: str, path: str) -> Iterator[tuple[int, str, str]]:
         """Open the root, drop to the command user's ids, yield (root fd, rel path, path)."""
         if self._openat2 is None:
             self._openat2 = _Openat2()
-        path = str(h["path"])
-        root = str(h["root"])
         rel = os.path.relpath(path, root)
         if rel == ".." or rel.startswith("../") or os.path.isabs(rel):
-            raise FileOpFailed("path_outside_sandbox", f"path is outside {root}: {path}")
+            message = f"path is outside {root}: {path}"
+            raise FileOpFailed(protocol.ErrorCode.PATH_OUTSIDE_SANDBOX, message)
         with as_user(self.uid, self.gid):
             root_fd = -1
             try:
@@ -232,7 +235,7 @@ class FileOps:
         """An fd of the parent directory of ``rel`` (created beneath the root if asked)."""
         parent, name = os.path.split(rel)
         if not name or name in (".", ".."):
-            raise FileOpFailed("invalid_input", f"not a file name: {rel!r}")
+            raise FileOpFailed(protocol.ErrorCode.INVALID_INPUT, f"not a file name: {rel!r}")
         if create and parent:
             self._makedirs(root_fd, parent)
         return self._open(root_fd, parent or ".", os.O_PATH | os.O_DIRECTORY), name
@@ -251,10 +254,10 @@ class FileOps:
                 os.close(parent_fd)
             current = os.path.join(current, part)
 
-    def read(self, h: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        offset = int(h.get("offset", 0))
-        limit = min(int(h.get("limit", MAX_READ)), MAX_READ)
-        with self._as_user(h) as (root_fd, rel, _path):
+    def read(self, h: protocol.FileReadRequest) -> tuple[protocol.FileReadReply, bytes]:
+        offset = h.get("offset", 0)
+        limit = min(h.get("limit", MAX_READ), MAX_READ)
+        with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):
             fd = self._open(root_fd, rel, os.O_RDONLY)
             try:
                 st = os.fstat(fd)
@@ -275,15 +278,15 @@ class FileOps:
         data = b"".join(chunks)
         return {"size": st.st_size, "offset": offset, "eof": pos >= st.st_size}, data
 
-    def write(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def write(self, h: protocol.FileWriteRequest, payload: bytes) -> protocol.FileWriteReply:
         flags = os.O_WRONLY | os.O_CREAT
         flags |= os.O_APPEND if h.get("append") else os.O_TRUNC
-        with self._as_user(h) as (root_fd, rel, _path):
+        with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):
             if h.get("parents", True):
                 parent = os.path.dirname(rel)
                 if parent:
                     self._makedirs(root_fd, parent)
-            fd = self._open(root_fd, rel, flags, int(h.get("perm", 0o644)))
+            fd = self._open(root_fd, rel, flags, h.get("perm", 0o644))
             try:
                 view = memoryview(payload)
                 while view:
@@ -294,10 +297,10 @@ class FileOps:
                 os.close(fd)
         return {"size": size}
 
-    def list(self, h: dict[str, Any]) -> dict[str, Any]:
-        with self._as_user(h) as (root_fd, rel, _path):
+    def list(self, h: protocol.FileListRequest) -> protocol.FileListReply:
+        with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):
             fd = self._open(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
-            entries: list[dict[str, Any]] = []
+            entries: list[protocol.FileEntry] = []
             truncated = False
             try:
                 for name in sorted(os.listdir(fd)):
@@ -313,8 +316,8 @@ class FileOps:
                 os.close(fd)
         return {"entries": entries, "truncated": truncated}
 
-    def stat(self, h: dict[str, Any]) -> dict[str, Any]:
-        with self._as_user(h) as (root_fd, rel, _path):
+    def stat(self, h: protocol.FileStatRequest) -> protocol.FileStatReply:
+        with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):
             if rel == ".":
                 return {"exists": True, **_describe(".", os.stat(root_fd))}
             try:
@@ -329,8 +332,8 @@ class FileOps:
                 os.close(parent_fd)
         return {"exists": True, **_describe(name, st)}
 
-    def mkdir(self, h: dict[str, Any]) -> dict[str, Any]:
-        with self._as_user(h) as (root_fd, rel, _path):
+    def mkdir(self, h: protocol.FileMkdirRequest) -> protocol.Done:
+        with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):
             if h.get("parents", True):
                 self._makedirs(root_fd, rel)
             else:
@@ -341,10 +344,10 @@ class FileOps:
                     os.close(parent_fd)
         return {"ok": True}
 
-    def remove(self, h: dict[str, Any]) -> dict[str, Any]:
+    def remove(self, h: protocol.FileRemoveRequest) -> protocol.Done:
         import shutil
 
-        with self._as_user(h) as (root_fd, rel, _path):
+        with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):
             parent_fd, name = self._parent(root_fd, rel, create=False)
             try:
                 st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)

@@ -11,8 +11,10 @@ TYPE_CHECKING = False  # the guest agent does not import typing (see loop.py)
 if TYPE_CHECKING:
     from typing import Any
 
+    from corral.agent import protocol
 
-def collect_info(extra: dict[str, Any]) -> dict[str, Any]:
+
+def collect_info(extra: dict[str, Any]) -> protocol.InfoReply:
     u = os.uname()
     mem_total = 0
     try:
@@ -23,7 +25,7 @@ def collect_info(extra: dict[str, Any]) -> dict[str, Any]:
                     break
     except OSError:
         pass
-    return {
+    reply: protocol.InfoReply = {
         "kernel": f"{u.sysname} {u.release}",
         "hostname": u.nodename,
         "arch": u.machine,
@@ -31,11 +33,15 @@ def collect_info(extra: dict[str, Any]) -> dict[str, Any]:
         "memory_bytes": mem_total,
         "agent_pid": os.getpid(),
         "python": sys.version.split()[0],
-        **extra,
     }
+    if "sandbox_id" in extra:  # what the backend named in the agent's config
+        reply["sandbox_id"] = str(extra["sandbox_id"])
+    if "workdir" in extra:
+        reply["workdir"] = str(extra["workdir"])
+    return reply
 
 
-def process_group_stats(pgid: int, exited: bool) -> dict[str, Any]:
+def process_group_stats(pgid: int, exited: bool) -> protocol.StatsReply:
     """CPU time and memory of every live process in the group ``pgid`` (the command's tree)."""
     tick = os.sysconf("SC_CLK_TCK")
     page = os.sysconf("SC_PAGE_SIZE")

@@ -47,6 +47,13 @@ class Child:
         self.status: int | None = None
         self.started = time.monotonic()
         self.popen: Any = None  # the Popen, so reaping can set its returncode
+        # Set by a ``terminate`` request: its exit is reported once its group is gone.
+        self.ending: commands.Ending | None = None
+
+    @property
+    def pty(self) -> int | None:
+        """The terminal's master fd, if the child has one still open."""
+        return next((fd for fd, name in self.fds.items() if name == "pty"), None)
 
 
 class CharDevice:
@@ -96,6 +103,7 @@ class Agent:
         self.decoder = protocol.FrameDecoder()
         self.outbuf = bytearray()
         self.children: dict[int, Child] = {}
+        self.ending: list[Child] = []  # children being terminated (``op_terminate``)
         self.fd_owner: dict[int, Child] = {}
         self.paused = False
         self.running = True
@@ -168,23 +176,23 @@ class Agent:
 
     def dispatch(self, header: dict[str, Any], payload: bytes) -> None:
         req_id = header.get("id")
-        op = header.get("op")
         try:
-            if op not in protocol.OPS:
-                raise AgentError("protocol_error", f"unknown operation {op!r}")
-            handler = getattr(self, "op_" + str(op))
-            result = handler(header, payload)
+            op = protocol.check_request(header)
+            result = getattr(self, "op_" + op)(header, payload)
             reply, data = result if isinstance(result, tuple) else (result, b"")
             self.send({"re": req_id, **reply}, data)
-        except AgentError as exc:
-            self.send({"re": req_id, "error": {"code": exc.code, "message": exc.message}})
-        except files.FileOpFailed as exc:
-            self.send({"re": req_id, "error": {"code": exc.code, "message": exc.message}})
+        except protocol.FrameError as exc:
+            self.send_error(req_id, protocol.ErrorCode.PROTOCOL_ERROR, str(exc))
+        except (AgentError, files.FileOpFailed) as exc:
+            self.send_error(req_id, exc.code, exc.message)
         except Exception as exc:  # the agent must survive any request
-            self.send({"re": req_id, "error": {"code": "agent_error", "message": repr(exc)}})
+            self.send_error(req_id, protocol.ErrorCode.AGENT_ERROR, repr(exc))
+
+    def send_error(self, req_id: object, code: str, message: str) -> None:
+        self.send({"re": req_id, "error": {"code": code, "message": message}})
 
     # ---- processes -----------------------------------------------------------------------
-    def op_spawn(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_spawn(self, h: protocol.SpawnRequest, payload: bytes) -> protocol.SpawnReply:
         import subprocess
 
         argv = [str(a) for a in h["argv"]]
@@ -223,7 +231,8 @@ class Agent:
                     **stdio,
                 )
         except OSError as exc:
-            raise AgentError("spawn_failed", commands.spawn_error(exc, argv[0], cwd)) from None
+            message = commands.spawn_error(exc, argv[0], cwd)
+            raise AgentError(protocol.ErrorCode.SPAWN_FAILED, message) from None
         finally:
             if use_pty:
                 os.close(slave)
@@ -254,18 +263,19 @@ class Agent:
             self.pump_stdin(child)
         return {"pid": proc.pid}
 
-    def op_write(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
-        child = self.child(h)
+    def op_write(self, h: protocol.WriteRequest, payload: bytes) -> protocol.Done:
+        child = self.child(h["pid"])
         if child.stdin_fd is None:
-            raise AgentError("invalid_input", f"process {child.pid} has no open stdin")
+            message = f"process {child.pid} has no open stdin"
+            raise AgentError(protocol.ErrorCode.INVALID_INPUT, message)
         child.stdin_buf += payload
         if h.get("eof"):
             child.stdin_close_after = True
         self.pump_stdin(child)
         return {"ok": True}
 
-    def op_close_stdin(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
-        child = self.child(h)
+    def op_close_stdin(self, h: protocol.CloseStdinRequest, payload: bytes) -> protocol.Done:
+        child = self.child(h["pid"])
         child.stdin_close_after = True
         self.pump_stdin(child)
         return {"ok": True}
@@ -298,47 +308,61 @@ class Agent:
             os.close(fd)
             child.stdin_fd = None
 
-    def op_signal(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
-        child = self.child(h)
-        sig = int(h["signal"])
-        target = child.pid
-        # Signals are sent as the command user (the agent holds no CAP_KILL).
-        with files.as_user(self.uid, self.gid):
-            try:
-                if h.get("group", True):
-                    if "pty" in child.fds.values():
-                        # The foreground job of a terminal, like Ctrl-C typed at it.
-                        target = os.tcgetpgrp(next(iter(child.fds)))
-                    os.killpg(target, sig)
-                else:
-                    os.kill(target, sig)
-            except ProcessLookupError:
-                return {"delivered": False}
-            except OSError:
-                os.kill(child.pid, sig)
-        return {"delivered": True}
+    def op_signal(self, h: protocol.SignalRequest, payload: bytes) -> protocol.SignalReply:
+        child = self.child(h["pid"])
+        group = h.get("group", True)
+        sent = commands.send_signal(self.uid, self.gid, child.pid, child.pty, h["signal"], group)
+        return {"delivered": sent}
 
-    def op_resize(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
-        child = self.child(h)
+    def op_terminate(self, h: protocol.TerminateRequest, payload: bytes) -> protocol.TerminateReply:
+        """SIGTERM to the group now, SIGKILL at the end of the grace; the exit is reported
+        once nothing of the group is left (:meth:`tick`)."""
+        child = self.child(h["pid"])
+        if child.ending is not None:
+            return {"delivered": True}  # already ending: its deadline stands
+        kill_at = time.monotonic() + max(0.0, h["grace"])
+        child.ending = commands.Ending(self.uid, self.gid, child.pid, child.pty, kill_at)
+        self.ending.append(child)
+        return {"delivered": child.status is None}
+
+    def tick(self) -> float | None:
+        """Move every ending child along (KILL at its deadline, report it once its groups are
+        gone); seconds until the next look is due, None when no child is ending."""
+        if not self.ending:
+            return None
+        now = time.monotonic()
+        wait: float | None = None
+        for child in list(self.ending):
+            assert child.ending is not None
+            due = child.ending.step(now, reaped=child.status is not None)
+            if due is None:
+                self.ending.remove(child)
+                child.ending = None
+                self.maybe_finish(child)
+            else:
+                wait = due if wait is None else min(wait, due)
+        return wait
+
+    def op_resize(self, h: protocol.ResizeRequest, payload: bytes) -> protocol.Done:
+        child = self.child(h["pid"])
         for fd, name in child.fds.items():
             if name == "pty":
-                commands.set_winsize(fd, int(h["rows"]), int(h["cols"]))
+                commands.set_winsize(fd, h["rows"], h["cols"])
                 return {"ok": True}
-        raise AgentError("invalid_input", f"process {child.pid} has no terminal")
+        raise AgentError(protocol.ErrorCode.INVALID_INPUT, f"process {child.pid} has no terminal")
 
-    def op_stats(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
-        child = self.child(h)
+    def op_stats(self, h: protocol.StatsRequest, payload: bytes) -> protocol.StatsReply:
+        child = self.child(h["pid"])
         if TYPE_CHECKING:
             from corral.agent import info
         else:
             import info
         return info.process_group_stats(child.pid, child.status is not None)
 
-    def child(self, h: dict[str, Any]) -> Child:
-        pid = h.get("pid")
-        child = self.children.get(pid) if isinstance(pid, int) else None
+    def child(self, pid: int) -> Child:
+        child = self.children.get(pid)
         if child is None:
-            raise AgentError("process_not_found", f"no process with pid {pid!r}")
+            raise AgentError(protocol.ErrorCode.PROCESS_NOT_FOUND, f"no process with pid {pid}")
         return child
 
     def on_output(self, fd: int, mask: int) -> None:
@@ -397,7 +421,7 @@ class Agent:
             self.maybe_finish(child)
 
     def maybe_finish(self, child: Child) -> None:
-        if child.status is None or child.fds:
+        if child.status is None or child.fds or child.ending is not None:
             return
         if child.stdin_fd is not None and child.stdin_fd not in child.fds:
             try:
@@ -410,7 +434,7 @@ class Agent:
         del self.children[child.pid]
         status = child.status
         code = os.waitstatus_to_exitcode(status)
-        msg: dict[str, Any] = {"ev": "exit", "pid": child.pid, "exit_code": code}
+        msg: protocol.ExitEvent = {"ev": "exit", "pid": child.pid, "exit_code": code}
         if code < 0:
             msg["signal"] = -code
         msg["duration"] = time.monotonic() - child.started
@@ -420,38 +444,42 @@ class Agent:
             else:
                 import info
             msg["box"] = info.cgroup_counters(self.cgroup)
-        self.send(msg)
+        self.send(dict(msg))
 
     # ---- information and files -----------------------------------------------------------
-    def op_ping(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_ping(self, h: protocol.PingRequest, payload: bytes) -> protocol.PingReply:
         return {}  # the host's heartbeat: answering at all is the point
 
-    def op_info(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_info(self, h: protocol.InfoRequest, payload: bytes) -> protocol.InfoReply:
         if TYPE_CHECKING:
             from corral.agent import info
         else:
             import info
         return info.collect_info(self.info_extra)
 
-    def op_file_read(self, h: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+    def op_file_read(
+        self, h: protocol.FileReadRequest, payload: bytes
+    ) -> tuple[protocol.FileReadReply, bytes]:
         return self.files.read(h)
 
-    def op_file_write(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_file_write(
+        self, h: protocol.FileWriteRequest, payload: bytes
+    ) -> protocol.FileWriteReply:
         return self.files.write(h, payload)
 
-    def op_file_list(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_file_list(self, h: protocol.FileListRequest, payload: bytes) -> protocol.FileListReply:
         return self.files.list(h)
 
-    def op_file_stat(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_file_stat(self, h: protocol.FileStatRequest, payload: bytes) -> protocol.FileStatReply:
         return self.files.stat(h)
 
-    def op_file_mkdir(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_file_mkdir(self, h: protocol.FileMkdirRequest, payload: bytes) -> protocol.Done:
         return self.files.mkdir(h)
 
-    def op_file_remove(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_file_remove(self, h: protocol.FileRemoveRequest, payload: bytes) -> protocol.Done:
         return self.files.remove(h)
 
-    def op_shutdown(self, h: dict[str, Any], payload: bytes) -> dict[str, Any]:
+    def op_shutdown(self, h: protocol.ShutdownRequest, payload: bytes) -> protocol.Done:
         with files.as_user(self.uid, self.gid):
             try:
                 os.kill(-1, signal.SIGKILL)  # every process of the command user in the box
@@ -467,8 +495,9 @@ class Agent:
         # command does not pay for it (about 3 ms).
         import subprocess  # noqa: F401
 
+        wait: float | None = None
         while self.running:
-            for key, mask in self.sel.select():
+            for key, mask in self.sel.select(wait):
                 if key.data == "chan":
                     self.on_channel(mask)
                 elif key.data == "wake":
@@ -478,6 +507,7 @@ class Agent:
                     self.pump_stdin(self.stdin_owner(int(key.fd)))
                 elif int(key.fd) in self.fd_owner:
                     self.on_output(int(key.fd), mask)
+            wait = self.tick()
         self.sock.setblocking(True)
         try:
             self.sock.sendall(self.outbuf)

@@ -1,8 +1,10 @@
-"""The framed-message protocol between the host and the guest agent (stdlib only).
+"""The protocol between the host and the guest agent: frames, every message, every error code.
 
-This module is imported by both sides: by the host library as ``corral.agent.protocol`` and
-by the guest agent, inside the box, as a sibling module. It must therefore stay stdlib-only
-and cheap to import.
+Stdlib only and cheap to import: the host imports it as ``corral.agent.protocol``, the guest
+agent, inside the box, as a sibling module. The message types are ``TypedDict``s seen by the
+type checker only (the agent never imports ``typing``); what is checked at run time is the
+table of fields below (:data:`REQUESTS`, :data:`REPLIES`, :data:`EVENTS`), which a test holds
+equal to the ``TypedDict``s.
 
 A frame is an 8-byte header, a JSON object and an optional binary payload::
 
@@ -14,12 +16,14 @@ A frame is an 8-byte header, a JSON object and an optional binary payload::
 Raw payloads keep output and file data out of JSON, so no base64 on the hot path.
 
 Requests carry ``"op"`` and an integer ``"id"``; the agent answers each with exactly one reply
-``{"re": id, ...}`` (or ``{"re": id, "error": {"code": ..., "message": ...}}``). Events the
+``{"re": id, ...}`` or ``{"re": id, "error": {"code": ErrorCode.*, "message": ...}}``. Events the
 agent sends on its own carry ``"ev"``: ``ready``, ``out`` (payload = bytes of ``stream`` of
 ``pid``) and ``exit``.
 
-The host treats every frame as hostile: lengths are bounded before anything is allocated and
-the JSON must be an object.
+The host treats every frame as hostile (:func:`check_event`, :func:`check_reply`,
+:func:`reply_error`): lengths are bounded before anything is allocated, the JSON must be an
+object, and every field must have its type. The agent checks requests the same way
+(:func:`check_request`) and answers a bad one with ``protocol_error``.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from __future__ import annotations
 import json
 import struct
 
-TYPE_CHECKING = False  # the guest agent does not import typing (see agent.py)
+TYPE_CHECKING = False  # the guest agent does not import typing (see loop.py)
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Literal, NotRequired, TypedDict
 
 HEADER = struct.Struct(">II")
 MAX_HEADER = 1 << 20
@@ -40,30 +44,234 @@ VM_SNAPSHOT_MARKER = b"corral-snapshot-point\n"
 anything box-specific: the host may save the VM there, then sends ``<size>\\n`` and a JSON
 object of that size: ``script`` (the box's mounts), ``config`` (the agent's) and ``clock``."""
 
-# Operations the agent understands; one message type per thing the host can ask.
-OPS = frozenset(
-    {
-        "spawn",
-        "write",
-        "close_stdin",
-        "signal",
-        "resize",
-        "stats",
-        "info",
-        "file_read",
-        "file_write",
-        "file_list",
-        "file_stat",
-        "file_mkdir",
-        "file_remove",
-        "shutdown",
-        "ping",
-    }
-)
+
+class ErrorCode:
+    """Every error code the agent sends. The host maps each to one :mod:`corral.errors` class
+    (``corral.channel``); a code not listed here is a protocol error."""
+
+    PROTOCOL_ERROR = "protocol_error"
+    """The request breaks the protocol: unknown operation, a missing or mistyped field."""
+    INVALID_INPUT = "invalid_input"
+    """A well-formed request the agent cannot do (write to a closed stdin, resize no PTY)."""
+    PROCESS_NOT_FOUND = "process_not_found"
+    SPAWN_FAILED = "spawn_failed"
+    FILE_NOT_FOUND = "file_not_found"
+    PERMISSION_DENIED = "permission_denied"
+    PATH_OUTSIDE_SANDBOX = "path_outside_sandbox"
+    FILE_TOO_LARGE = "file_too_large"
+    FILE_ERROR = "file_error"
+    AGENT_ERROR = "agent_error"
+    """A bug in the agent: this request failed, the agent serves on."""
+
+
+ERROR_CODES = frozenset(v for k, v in vars(ErrorCode).items() if k.isupper())
+STREAMS = frozenset({"stdout", "stderr", "pty"})
+FILE_TYPES = frozenset({"file", "dir", "symlink", "other"})
+STDIN_MODES = frozenset({"null", "data", "pipe"})
+
+# ---- every message: (field -> kind), checked at run time ------------------------------------
+# Kinds: "int" (not bool), "number" (int or float), "str", "bool", "str|null", "[str]",
+# "{str}" (object of str), "{int}" (object of int), "{}" (any object), "[entry]" (file_list).
+# A leading "?" marks a field that may be absent.
+
+REQUESTS: dict[str, dict[str, str]] = {
+    "spawn": {
+        "argv": "[str]",
+        "env": "?{str}",
+        "cwd": "?str|null",
+        "stdin": "?str",
+        "rlimits": "?{int}",
+        "pty": "?bool",
+        "rows": "?int",
+        "cols": "?int",
+    },
+    "write": {"pid": "int", "eof": "?bool"},
+    "close_stdin": {"pid": "int"},
+    "signal": {"pid": "int", "signal": "int", "group": "?bool"},
+    "terminate": {"pid": "int", "grace": "number"},
+    "resize": {"pid": "int", "rows": "int", "cols": "int"},
+    "stats": {"pid": "int"},
+    "info": {},
+    "ping": {},
+    "shutdown": {},
+    "file_read": {"root": "str", "path": "str", "offset": "?int", "limit": "?int"},
+    "file_write": {
+        "root": "str",
+        "path": "str",
+        "append": "?bool",
+        "parents": "?bool",
+        "perm": "?int",
+    },
+    "file_list": {"root": "str", "path": "str"},
+    "file_stat": {"root": "str", "path": "str"},
+    "file_mkdir": {"root": "str", "path": "str", "parents": "?bool"},
+    "file_remove": {"root": "str", "path": "str", "recursive": "?bool"},
+}
+"""Every operation the host may ask for, and its fields (besides ``op`` and ``id``)."""
+
+OPS = frozenset(REQUESTS)
+
+_DONE = {"ok": "?bool"}
+REPLIES: dict[str, dict[str, str]] = {
+    "spawn": {"pid": "int"},
+    "write": _DONE,
+    "close_stdin": _DONE,
+    "signal": {"delivered": "bool"},
+    "terminate": {"delivered": "bool"},
+    "resize": _DONE,
+    "stats": {"cpu_seconds": "number", "rss_bytes": "int", "state": "str", "processes": "int"},
+    "info": {
+        "kernel": "str",
+        "hostname": "str",
+        "arch": "str",
+        "cpus": "int",
+        "memory_bytes": "int",
+        "agent_pid": "int",
+        "python": "str",
+        "sandbox_id": "?str",
+        "workdir": "?str",
+    },
+    "ping": {},
+    "shutdown": _DONE,
+    "file_read": {"size": "int", "offset": "int", "eof": "bool"},
+    "file_write": {"size": "int"},
+    "file_list": {"entries": "[entry]", "truncated": "bool"},
+    "file_stat": {
+        "exists": "bool",
+        "name": "?str",
+        "type": "?str",
+        "size": "?int",
+        "mode": "?int",
+        "mtime": "?number",
+    },
+    "file_mkdir": _DONE,
+    "file_remove": _DONE,
+}
+"""The successful reply to each operation (besides ``re``; a reply may carry more fields)."""
+
+EVENTS: dict[str, dict[str, str]] = {
+    "ready": {"pid": "int"},
+    "out": {"pid": "int", "stream": "str"},
+    "exit": {
+        "pid": "int",
+        "exit_code": "int",
+        "signal": "?int",
+        "duration": "?number",
+        "box": "?{int}",
+    },
+}
+"""What the agent sends on its own: ``ready`` once, ``out`` (with the bytes as payload), ``exit``
+once per process, after its last ``out``."""
+
+ENTRY: dict[str, str] = {
+    "name": "str",
+    "type": "str",
+    "size": "int",
+    "mode": "int",
+    "mtime": "number",
+}
+"""One entry of a ``file_list`` reply."""
 
 
 class FrameError(Exception):
-    """A frame that breaks the protocol (too long, not JSON, not an object)."""
+    """A frame that breaks the protocol (too long, not JSON, not an object, a bad field)."""
+
+
+def _is(value: object, kind: str) -> bool:
+    t = type(value)
+    if kind == "int":
+        return t is int
+    if kind == "number":
+        return t is int or t is float
+    if kind == "str":
+        return t is str
+    if kind == "bool":
+        return t is bool
+    if kind == "str|null":
+        return value is None or t is str
+    if kind == "[str]":
+        return isinstance(value, list) and all(type(v) is str for v in value)
+    if kind == "{str}":
+        return isinstance(value, dict) and all(type(v) is str for v in value.values())
+    if kind == "{int}":
+        return isinstance(value, dict) and all(type(v) is int for v in value.values())
+    if kind == "{}":
+        return isinstance(value, dict)
+    if kind == "[entry]":
+        return isinstance(value, list) and all(_entry_ok(v) for v in value)
+    raise AssertionError(f"unknown kind {kind!r}")
+
+
+def _entry_ok(value: object) -> bool:
+    if not isinstance(value, dict):
+        return False
+    return not check_fields(value, ENTRY) and value["type"] in FILE_TYPES
+
+
+def check_fields(message: dict[str, Any], fields: dict[str, str]) -> str | None:
+    """What is wrong with ``message`` against ``fields`` (a sentence), or None."""
+    for name, kind in fields.items():
+        if name not in message:
+            if kind[0] == "?":
+                continue
+            return f"no {name!r}"
+        if not _is(message[name], kind.lstrip("?")):
+            return f"a bad {name!r}: {message[name]!r:.80}"
+    return None
+
+
+def check_request(header: dict[str, Any]) -> str:
+    """The agent's check of a request: its operation, or :class:`FrameError` saying why not."""
+    op = header.get("op")
+    fields = REQUESTS.get(op) if isinstance(op, str) else None
+    if fields is None or not isinstance(op, str):
+        raise FrameError(f"unknown operation {op!r}")
+    problem = check_fields(header, fields)
+    if problem is not None:
+        raise FrameError(f"request {op!r} has {problem}")
+    if op == "spawn" and not header["argv"]:
+        raise FrameError("request 'spawn' has an empty 'argv'")
+    return op
+
+
+def check_event(header: dict[str, Any]) -> str:
+    """The host's check of an event: its name, or :class:`FrameError` saying why not."""
+    ev = header.get("ev")
+    fields = EVENTS.get(ev) if isinstance(ev, str) else None
+    if fields is None or not isinstance(ev, str):
+        raise FrameError(f"unknown event {ev!r}")
+    problem = check_fields(header, fields)
+    if problem is not None:
+        raise FrameError(f"event {ev!r} has {problem}")
+    if ev == "out" and header["stream"] not in STREAMS:
+        raise FrameError(f"unknown stream {header['stream']!r}")
+    return ev
+
+
+def check_reply(op: str, header: dict[str, Any]) -> None:
+    """The host's check of a successful reply to ``op``: :class:`FrameError` if it is not one."""
+    problem = check_fields(header, REPLIES[op])
+    if problem is None and op == "file_stat" and header.get("type", "file") not in FILE_TYPES:
+        problem = f"an unknown file type {header['type']!r:.40}"
+    if problem is not None:
+        raise FrameError(f"reply to {op!r} has {problem}")
+
+
+def reply_error(header: dict[str, Any]) -> tuple[str, str] | None:
+    """``(code, message)`` of an error reply, None for a success. A malformed error (not an
+    object, an unknown code) is a ``protocol_error`` of that request only; messages are cut
+    to 2000 characters."""
+    if "error" not in header:
+        return None
+    err = header["error"]
+    if type(err) is not dict:
+        return ErrorCode.PROTOCOL_ERROR, "the agent sent a malformed error reply"
+    code, message = err.get("code"), err.get("message")
+    if type(message) is not str:
+        message = "unknown error"
+    if type(code) is not str or code not in ERROR_CODES:
+        return ErrorCode.PROTOCOL_ERROR, f"the agent sent an unknown error code {code!r:.40}"
+    return code, message[:2000]
 
 
 def encode(header: dict[str, Any], payload: bytes = b"") -> bytes:
@@ -121,3 +329,210 @@ class FrameDecoder:
             del self._buf[: hlen + plen]
             self._need = None
             frames.append((header, payload))
+
+
+# ---- the same messages for the type checker (a test holds them equal to the tables) ---------
+if TYPE_CHECKING:
+    FileType = Literal["file", "dir", "symlink", "other"]
+
+    class SpawnRequest(TypedDict):
+        op: Literal["spawn"]
+        id: int
+        argv: list[str]
+        env: NotRequired[dict[str, str]]
+        cwd: NotRequired[str | None]
+        stdin: NotRequired[Literal["null", "data", "pipe"]]
+        """``data``: the payload is the whole stdin; ``pipe``: ``write`` requests follow."""
+        rlimits: NotRequired[dict[str, int]]
+        pty: NotRequired[bool]
+        rows: NotRequired[int]
+        cols: NotRequired[int]
+
+    class WriteRequest(TypedDict):
+        op: Literal["write"]
+        id: int
+        pid: int
+        eof: NotRequired[bool]
+
+    class CloseStdinRequest(TypedDict):
+        op: Literal["close_stdin"]
+        id: int
+        pid: int
+
+    class SignalRequest(TypedDict):
+        op: Literal["signal"]
+        id: int
+        pid: int
+        signal: int
+        group: NotRequired[bool]
+
+    class TerminateRequest(TypedDict):
+        """SIGTERM to the process group now, SIGKILL to it ``grace`` seconds later unless
+        the process is gone by then; its ``exit`` event follows as usual."""
+
+        op: Literal["terminate"]
+        id: int
+        pid: int
+        grace: float
+
+    class ResizeRequest(TypedDict):
+        op: Literal["resize"]
+        id: int
+        pid: int
+        rows: int
+        cols: int
+
+    class StatsRequest(TypedDict):
+        op: Literal["stats"]
+        id: int
+        pid: int
+
+    class InfoRequest(TypedDict):
+        op: Literal["info"]
+        id: int
+
+    class PingRequest(TypedDict):
+        op: Literal["ping"]
+        id: int
+
+    class ShutdownRequest(TypedDict):
+        op: Literal["shutdown"]
+        id: int
+
+    class FileReadRequest(TypedDict):
+        op: Literal["file_read"]
+        id: int
+        root: str
+        path: str
+        offset: NotRequired[int]
+        limit: NotRequired[int]
+
+    class FileWriteRequest(TypedDict):
+        op: Literal["file_write"]
+        id: int
+        root: str
+        path: str
+        append: NotRequired[bool]
+        parents: NotRequired[bool]
+        perm: NotRequired[int]
+
+    class FileListRequest(TypedDict):
+        op: Literal["file_list"]
+        id: int
+        root: str
+        path: str
+
+    class FileStatRequest(TypedDict):
+        op: Literal["file_stat"]
+        id: int
+        root: str
+        path: str
+
+    class FileMkdirRequest(TypedDict):
+        op: Literal["file_mkdir"]
+        id: int
+        root: str
+        path: str
+        parents: NotRequired[bool]
+
+    class FileRemoveRequest(TypedDict):
+        op: Literal["file_remove"]
+        id: int
+        root: str
+        path: str
+        recursive: NotRequired[bool]
+
+    class Done(TypedDict):
+        """The reply of an operation that only says it was done."""
+
+        ok: NotRequired[bool]
+
+    class SpawnReply(TypedDict):
+        pid: int
+
+    WriteReply = CloseStdinReply = ResizeReply = ShutdownReply = Done
+    FileMkdirReply = FileRemoveReply = Done
+
+    class SignalReply(TypedDict):
+        delivered: bool
+        """False when the process (group) was already gone."""
+
+    TerminateReply = SignalReply
+
+    class StatsReply(TypedDict):
+        cpu_seconds: float
+        rss_bytes: int
+        state: str
+        processes: int
+
+    class InfoReply(TypedDict):
+        kernel: str
+        hostname: str
+        arch: str
+        cpus: int
+        memory_bytes: int
+        agent_pid: int
+        python: str
+        sandbox_id: NotRequired[str]
+        workdir: NotRequired[str]
+
+    class PingReply(TypedDict):
+        pass
+
+    class FileReadReply(TypedDict):
+        size: int
+        offset: int
+        eof: bool
+
+    class FileWriteReply(TypedDict):
+        size: int
+
+    class FileEntry(TypedDict):
+        name: str
+        type: FileType
+        size: int
+        mode: int
+        mtime: float
+
+    class FileListReply(TypedDict):
+        entries: list[FileEntry]
+        truncated: bool
+
+    class FileStatReply(TypedDict):
+        exists: bool
+        name: NotRequired[str]
+        type: NotRequired[FileType]
+        size: NotRequired[int]
+        mode: NotRequired[int]
+        mtime: NotRequired[float]
+
+    class ErrorBody(TypedDict):
+        code: str
+        """One of :class:`ErrorCode`."""
+        message: str
+
+    class ErrorReply(TypedDict):
+        re: int
+        error: ErrorBody
+
+    class ReadyEvent(TypedDict):
+        ev: Literal["ready"]
+        pid: int
+
+    class OutEvent(TypedDict):
+        ev: Literal["out"]
+        pid: int
+        stream: Literal["stdout", "stderr", "pty"]
+
+    class ExitEvent(TypedDict):
+        ev: Literal["exit"]
+        pid: int
+        exit_code: int
+        """As ``subprocess`` reports it: ``-N`` when signal N killed the process."""
+        signal: NotRequired[int]
+        duration: NotRequired[float]
+        """Seconds from spawn to exit, measured in the box."""
+        box: NotRequired[dict[str, int]]
+        """A microVM's guest cgroup counters (the host sees no cgroup of that box)."""
+
+    Event = ReadyEvent | OutEvent | ExitEvent

@@ -62,8 +62,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(result.stdout)
             sys.stderr.write(result.stderr)
-            if result.timed_out:
-                print(f"corral: timed out after {args.timeout:g} s", file=sys.stderr)
+            if result.timed_out:  # the policy's exec_timeout_secs, or --timeout
+                print(f"corral: timed out after {result.timeout or 0:g} s", file=sys.stderr)
             if result.oom_killed:
                 print("corral: the memory limit killed a process (--memory)", file=sys.stderr)
             for line in refusal_lines(result.network_refusals):

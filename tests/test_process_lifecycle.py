@@ -1,0 +1,141 @@
+"""Ending a command like trio: SIGTERM to its group, a grace, SIGKILL, then the reap.
+
+Timeouts and cancellations both end a command that way, on every backend, and what is left in
+the box afterwards is checked from inside the box.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from corral import Policy, PolicyError, Sandbox
+
+GRACE = 0.5
+
+# A command that logs the SIGTERM it gets and goes on; its foreground sleep dies of the
+# signal (same group), the loop starts another. Only a SIGKILL ends it.
+STUBBORN = (
+    "trap 'echo TERM >> /workspace/order' TERM; echo $$ > /workspace/pid; "
+    "(sleep 301; echo survived >> /workspace/order) & "
+    "while :; do sleep 1; done"
+)
+
+# Lists the processes of the box whose command line holds "sleep 301" (without holding it).
+LEFT_OVER = (
+    "import os\n"
+    "mark = b'sleep' + b' 301'\n"
+    "left = []\n"
+    "for p in os.listdir('/proc'):\n"
+    "    try:\n"
+    "        line = open(f'/proc/{p}/cmdline', 'rb').read().replace(b'\\0', b' ')\n"
+    "        if p.isdigit() and mark in line:\n"
+    "            left.append(p)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "print(len(left))\n"
+)
+
+
+@pytest.fixture
+async def box(box_policy: Policy, workspace: Path) -> AsyncIterator[Sandbox]:
+    limits = box_policy.limits.model_copy(update={"kill_grace_secs": GRACE})
+    async with Sandbox(box_policy.model_copy(update={"limits": limits}), workspace=workspace) as sb:
+        yield sb
+
+
+async def left_over(sb: Sandbox) -> int:
+    r = await sb.run(["python3", "-I", "-c", LEFT_OVER], timeout=30)
+    assert r.exit_code == 0, r.stderr
+    return int(r.stdout)
+
+
+async def wait_for_file(sb: Sandbox, path: str) -> None:
+    """Until the command has written ``path`` (its trap is set by then)."""
+    r = await sb.run(["sh", "-c", f"while [ ! -s {path} ]; do sleep 0.01; done"], timeout=30)
+    assert r.exit_code == 0
+
+
+async def test_a_timeout_sends_term_then_kill_after_the_grace(box: Sandbox) -> None:
+    r = await box.run(["sh", "-c", STUBBORN], timeout=0.5)
+    assert (r.timed_out, r.ended, r.timeout) == (True, "timed_out", 0.5)
+    assert r.exit_code == -9  # it trapped the SIGTERM: the SIGKILL ended it
+    assert r.duration >= 0.5 + GRACE  # the SIGKILL waited for the grace
+    assert await box.files.read_text("order") == "TERM\n"  # no grandchild outlived it
+    assert await left_over(box) == 0
+
+
+async def test_a_command_that_honours_term_is_not_killed(box: Sandbox) -> None:
+    r = await box.run("sleep 30", timeout=0.2)
+    assert (r.exit_code, r.ended) == (-15, "timed_out")
+
+
+async def test_a_cancelled_run_leaves_nothing_in_the_box(box: Sandbox) -> None:
+    run = asyncio.create_task(box.run(["sh", "-c", STUBBORN]))
+    await wait_for_file(box, "/workspace/pid")
+    assert await left_over(box) >= 2  # the command and its grandchild: the probe sees them
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    # The cancellation returned after the TERM, the grace and the KILL: nothing is left.
+    assert await left_over(box) == 0
+    assert await box.files.read_text("order") == "TERM\n"
+    [proc] = [p for p in box.registry.list() if "sleep 301" in p.command]
+    assert (proc.exit_code, proc.ended) == (-9, "signalled")
+
+
+async def test_a_run_under_an_asyncio_timeout_leaves_nothing(box: Sandbox) -> None:
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(1):
+            await box.run("(sleep 301 &); sleep 301")
+    assert await left_over(box) == 0
+
+
+async def test_a_cancelled_wait_ends_its_process(box: Sandbox) -> None:
+    proc = await box.spawn(["sh", "-c", STUBBORN])
+    await wait_for_file(box, "/workspace/pid")
+    waiter = asyncio.create_task(proc.wait())
+    await asyncio.sleep(0)  # the waiter is waiting
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert proc.exit_code == -9
+    assert await left_over(box) == 0
+
+
+async def test_a_wait_with_a_timeout_leaves_the_process_running(box: Sandbox) -> None:
+    proc = await box.spawn("sleep 30")
+    assert (await proc.wait(0.1)).status == "timeout"
+    assert proc.exit_code is None
+    result = await proc.terminate()
+    assert (result.status, result.exit_code, proc.ended) == ("exited", -15, "signalled")
+
+
+async def test_terminate_of_an_exited_process_returns_its_status(box: Sandbox) -> None:
+    proc = await box.spawn("exit 3")
+    await proc.wait()
+    assert (await proc.terminate()).exit_code == 3
+    assert proc.ended == "exited"
+
+
+async def test_the_result_reports_the_effective_timeout_and_the_ending(
+    box_policy: Policy, workspace: Path
+) -> None:
+    limits = box_policy.limits.model_copy(update={"exec_timeout_secs": 30.0})
+    async with Sandbox(box_policy.model_copy(update={"limits": limits}), workspace=workspace) as sb:
+        r = await sb.run("exit 3")
+        assert (r.exit_code, r.ended, r.timeout, r.timed_out) == (3, "exited", 30.0, False)
+        r = await sb.run("kill -USR1 $$", timeout=5)
+        assert (r.exit_code, r.ended, r.timeout) == (-10, "signalled", 5)
+        assert r.to_dict()["ended"] == "signalled"
+    async with Sandbox(box_policy, workspace=workspace) as sb:
+        assert (await sb.run("true")).timeout is None
+
+
+@pytest.mark.parametrize("grace", [-1, "soon", 301])
+def test_the_grace_is_validated_and_named(grace: object) -> None:
+    with pytest.raises(PolicyError, match="kill_grace_secs"):
+        Policy.from_dict({"limits": {"kill_grace_secs": grace}})
