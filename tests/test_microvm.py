@@ -73,10 +73,31 @@ async def test_timeout_kills_the_group(vm: Sandbox) -> None:
         "echo started; (sleep 30; touch survived) & echo $! > /workspace/child; sleep 30",
         timeout=1.5,
     )
-    assert r.timed_out and r.exit_code == -9 and r.stdout == "started\n"
+    assert r.timed_out and r.exit_code == -15 and r.stdout == "started\n"
+    assert r.ended == "timed_out" and r.timeout == 1.5
     child = (await vm.files.read_text("child")).strip()
     gone = await vm.run(["sh", "-c", f"kill -0 {child} 2>/dev/null && echo alive || echo gone"])
     assert gone.stdout == "gone\n"
+
+
+async def test_a_cancelled_run_sends_term_then_kill_and_leaves_nothing(vm: Sandbox) -> None:
+    """The order seen from inside the VM: the trap logs the SIGTERM, the SIGKILL follows the
+    grace (``kill_grace_secs``, 2 s by default), then nothing of the group is left."""
+    stubborn = (
+        "trap 'echo TERM >> /workspace/order' TERM; echo $$ > /workspace/stubborn; "
+        "(sleep 302; echo survived >> /workspace/order) & while :; do sleep 1; done"
+    )
+    run = asyncio.create_task(vm.run(["sh", "-c", stubborn]))
+    ready = await vm.run("while [ ! -s /workspace/stubborn ]; do sleep 0.05; done", timeout=60)
+    assert ready.exit_code == 0
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    left = await vm.run("ps -eo args | grep -c '^sleep 30[2]' || true", timeout=30)
+    assert left.stdout == "0\n"
+    assert await vm.files.read_text("order") == "TERM\n"
+    [proc] = [p for p in vm.registry.list() if "sleep 302" in p.command]
+    assert proc.exit_code == -9
 
 
 async def test_background_process_and_wait(vm: Sandbox) -> None:
