@@ -184,6 +184,10 @@ async def test_close_leaves_nothing(vm: Sandbox) -> None:
     assert not state.exists()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+    # qemu's host cgroup and the idmapped mounts of its shares are gone too.
+    cgroup = Path("/sys/fs/cgroup")
+    assert not [*cgroup.glob(f"*/corral/{vm.sandbox_id}"), *cgroup.glob(f"corral/{vm.sandbox_id}")]
+    assert not list((state_root() / "mnt").glob(f"{vm.sandbox_id}.*"))
 
 
 async def run_until_broken(sb: Sandbox) -> None:

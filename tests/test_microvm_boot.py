@@ -15,7 +15,8 @@ import pytest
 
 from corral.backends.base import AGENT_DIR
 from corral.backends.host.python import find_python
-from corral.backends.microvm import initramfs, vmpython, vmsnap
+from corral.backends.layout import Bind, Symlink
+from corral.backends.microvm import initramfs, jail, vmpython, vmsnap
 
 PLAN = initramfs.BootPlan(
     shares=(initramfs.Share("ws", "/workspace", False),),
@@ -117,6 +118,69 @@ def test_a_saved_vm_is_keyed_on_everything_a_restore_must_match(tmp_path: Path) 
     os.utime(image, ns=(1, 1))  # a new kernel file under the same name
     assert replace(SHAPE, image=str(image)).key() != before
     assert vmsnap.snapshot_path(SHAPE).name == f"{SHAPE.key()}.vm"
+    initrd = tmp_path / "initramfs-x.cpio"
+    initrd.write_bytes(b"archive")
+    used = replace(SHAPE, initrd=str(initrd)).key()
+    os.utime(initrd, ns=(2, 2))  # the archive cache marks it used: the same saved VM
+    assert replace(SHAPE, initrd=str(initrd)).key() == used
+
+
+def test_qemus_jail_holds_its_files_the_view_and_the_shares_alone(tmp_path: Path) -> None:
+    """Every bind of the jail is made from a descriptor; nothing of the host's root, /home,
+    /tmp, /run or /sys is bound, and qemu is the box user of its own namespaces."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    rt = jail.Runtime(files=(("/bin/sh", "/usr/bin/sh"),), dirs=("/usr/share",), links=())
+    view = jail.view_entries(
+        [Bind("/etc", "/etc"), Bind("/sys", "/sys"), Bind("/home", "/home"), Symlink("x", "/y")]
+    )
+    assert [e.dest for e in view] == ["/etc", "/y"]
+    fds = jail.JailFds()
+    try:
+        argv = jail.jail_argv(
+            "bwrap",
+            ["qemu", "-x"],
+            rt=rt,
+            fds=fds,
+            run_dir=str(run_dir),
+            boot_files=["/bin/true"],
+            view=view,
+            shares=[jail.Share("ws", str(ws), True)],
+            info_fd=5,
+            block_fd=6,
+            kvm=False,
+        )
+        opened = [os.readlink(f"/proc/self/fd/{fd}") for fd in fds.fds]
+    finally:
+        fds.close()
+    assert argv[-3:] == ["--", "qemu", "-x"]
+    for flag in ("--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-net"):
+        assert flag in argv
+    assert argv[argv.index("--uid") + 1] == argv[argv.index("--gid") + 1] == str(jail.QEMU_UID)
+    assert argv[argv.index("--cap-drop") + 1] == "ALL"
+    assert not {"--bind", "--ro-bind", "--dev-bind"} & set(argv)  # only descriptors
+    dests = [argv[i + 2] for i, a in enumerate(argv) if a in ("--ro-bind-fd", "--bind-fd")]
+    assert dests == ["/usr/bin/sh", "/usr/share", "/bin/true", "/view/etc", "/shares/ws", "/run/vm"]
+    assert opened == [os.path.realpath(p) for p in ("/bin/sh", "/usr/share", "/bin/true")] + [
+        "/etc",
+        str(ws),
+        str(run_dir),
+    ]
+    writable = [argv[i + 2] for i, a in enumerate(argv) if a == "--bind-fd"]
+    assert writable == ["/shares/ws", "/run/vm"]
+
+
+def test_qemus_runtime_is_found_and_its_sandbox_denies_spawning() -> None:
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None:
+        pytest.skip("qemu is not installed")
+    rt = jail.runtime(qemu)
+    jailed = {dest for _, dest in rt.files}
+    assert qemu in jailed and any("libc.so" in p for p in jailed)
+    assert any(os.path.isfile(os.path.join(d, "bios-256k.bin")) for d in rt.dirs)
+    assert "spawn=deny" in jail.SANDBOX and "elevateprivileges=deny" in jail.SANDBOX
 
 
 def test_the_cache_keeps_the_most_recent_snapshots_and_no_dead_partial_file(

@@ -730,19 +730,23 @@ class _VmStart:
         proc: asyncio.subprocess.Process | None = None
         kvm = self.boot.accel == "kvm"
         try:
-            full = jail.jail_argv(
-                b.bwrap,
-                argv,
-                rt=jail.runtime(b.qemu),
-                fds=fds,
-                run_dir=str(self.spec.state_dir / RUN_DIR),
-                boot_files=[str(self.boot.image), str(b.base)],
-                view=system_view(self.spec.policy, HostView()),
-                shares=self.shares,
-                info_fd=info_w,
-                block_fd=block_r,
-                kvm=kvm,
-            )
+            try:
+                full = jail.jail_argv(
+                    b.bwrap,
+                    argv,
+                    rt=jail.runtime(b.qemu),
+                    fds=fds,
+                    run_dir=str(self.spec.state_dir / RUN_DIR),
+                    boot_files=[str(self.boot.image), str(b.base)],
+                    view=system_view(self.spec.policy, HostView()),
+                    shares=self.shares,
+                    info_fd=info_w,
+                    block_fd=block_r,
+                    kvm=kvm,
+                )
+            except OSError as exc:  # a share or system path gone since the policy named it
+                why = exc.strerror or exc
+                raise BackendError(f"cannot bind {exc.filename} into qemu's jail: {why}") from None
             if b.cgroup_support.version != "none":
                 vm_mb = vm_memory_mb(self.spec.policy)
                 limits = cgroups.CgroupLimits(
