@@ -23,9 +23,11 @@ def main() -> None:
             import vminit
         config = vminit.vm_init(sys.argv[2])
     else:
-        import json
-
-        config = json.loads(sys.argv[1])
+        if TYPE_CHECKING:
+            from corral.agent import lean
+        else:
+            import lean  # json from its C half: see lean.py
+        config = lean.loads(sys.argv[1])
     if TYPE_CHECKING:
         from corral.agent import loop
     else:

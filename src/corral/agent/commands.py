@@ -7,14 +7,16 @@ Signals are sent as the command user: the agent holds no CAP_KILL.
 from __future__ import annotations
 
 import os
-import signal
 
 TYPE_CHECKING = False  # the guest agent does not import typing (see loop.py)
 if TYPE_CHECKING:
+    import signal
     from typing import Any
 
     from corral.agent import files
 else:
+    import _signal as signal  # signal's Python layer imports enum (see lean.py)
+
     import files
 
 POLL = 0.02

@@ -12,7 +12,6 @@ permission checks apply exactly as they would to a command.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
@@ -21,8 +20,9 @@ TYPE_CHECKING = False  # the guest agent does not import typing (see agent.py)
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from corral.agent import protocol
+    from corral.agent import lean, protocol
 else:  # inside the box: a sibling module
+    import lean  # its contextmanager: contextlib's import costs the agent's start ~5 ms
     import protocol
 
 SYS_OPENAT2 = 437  # the same number on every architecture (new-style syscall table)
@@ -32,7 +32,7 @@ MAX_READ = 15 << 20
 MAX_ENTRIES = 10000
 
 
-@contextlib.contextmanager
+@lean.contextmanager
 def as_user(uid: int, gid: int) -> Iterator[None]:
     """Take the command user's effective ids for a moment, then the agent's back.
 
@@ -207,7 +207,7 @@ class FileOps:
         self.gid = gid
         self._openat2: _Openat2 | None = None
 
-    @contextlib.contextmanager
+    @lean.contextmanager
     def _as_user(self, root: str, path: str) -> Iterator[tuple[int, str, str]]:
         """Open the root, drop to the command user's ids, yield (root fd, rel path, path)."""
         if self._openat2 is None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 TYPE_CHECKING = False  # the guest agent does not import typing
 if TYPE_CHECKING:
-    from collections.abc import Callable, Generator
+    from collections.abc import Callable, Iterator
     from typing import Any, ParamSpec, TypeVar
 
     P = ParamSpec("P")
@@ -187,7 +187,7 @@ class _GeneratorContext:
 
     __slots__ = ("gen",)
 
-    def __init__(self, gen: Generator[Any, None, None]) -> None:
+    def __init__(self, gen: Iterator[Any]) -> None:
         self.gen = gen
 
     def __enter__(self) -> Any:
@@ -204,7 +204,7 @@ class _GeneratorContext:
                 return False
             raise RuntimeError("generator didn't stop")
         try:
-            self.gen.throw(exc)
+            self.gen.throw(exc)  # type: ignore[attr-defined]  # a generator's
         except StopIteration as stop:
             return stop is not exc  # the generator swallowed the exception
         except BaseException as raised:
@@ -216,9 +216,7 @@ class _GeneratorContext:
         raise RuntimeError("generator didn't stop after throw()")
 
 
-def contextmanager(
-    func: Callable[P, Generator[T, None, None]],
-) -> Callable[P, _GeneratorContext]:
+def contextmanager(func: Callable[P, Iterator[T]]) -> Callable[P, _GeneratorContext]:
     """``contextlib.contextmanager``, without importing ``contextlib``."""
 
     def make(*args: P.args, **kwargs: P.kwargs) -> _GeneratorContext:

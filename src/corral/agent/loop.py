@@ -13,20 +13,24 @@ start the agent gets every feature.
 from __future__ import annotations
 
 import os
-import selectors
-import signal
-import socket
 import time
 
 TYPE_CHECKING = False  # not typing's: importing typing costs 0.2 s of a VM's boot under TCG
 
 if TYPE_CHECKING:
+    import signal
+    import socket
     from typing import Any
 
-    from corral.agent import commands, files, protocol
+    from corral.agent import commands, files, lean, protocol
 else:  # inside the box there is no corral package: the siblings are found through sys.path
+    # The C modules under signal and socket: their Python layers import enum (lean.py).
+    import _signal as signal
+    import _socket as socket
+
     import commands
     import files
+    import lean
     import protocol
 
 READ_CHUNK = 65536
@@ -99,7 +103,7 @@ class Agent:
         # Variables the backend gives every command (a command's own env overrides them).
         self.base_env = {str(k): str(v) for k, v in dict(config.get("env") or {}).items()}
         self.sock.setblocking(False)
-        self.sel = selectors.DefaultSelector()
+        self.sel = lean.Poller()
         self.decoder = protocol.FrameDecoder()
         self.outbuf = bytearray()
         self.children: dict[int, Child] = {}
@@ -124,8 +128,8 @@ class Agent:
         signal.set_wakeup_fd(wr)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        self.sel.register(self.sock, selectors.EVENT_READ, "chan")
-        self.sel.register(rd, selectors.EVENT_READ, "wake")
+        self.sel.register(self.sock, lean.EVENT_READ, "chan")
+        self.sel.register(rd, lean.EVENT_READ, "wake")
 
     # ---- channel -------------------------------------------------------------------------
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
@@ -143,7 +147,7 @@ class Agent:
                 self.running = False
                 return
             del self.outbuf[:n]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.outbuf else 0)
+        events = lean.EVENT_READ | (lean.EVENT_WRITE if self.outbuf else 0)
         self.sel.modify(self.sock, events, "chan")
         self.apply_backpressure()
 
@@ -155,12 +159,12 @@ class Agent:
         elif self.paused and len(self.outbuf) < LOW_WATER:
             self.paused = False
             for fd in self.fd_owner:
-                self.sel.register(fd, selectors.EVENT_READ, "out")
+                self.sel.register(fd, lean.EVENT_READ, "out")
 
     def on_channel(self, mask: int) -> None:
-        if mask & selectors.EVENT_WRITE:
+        if mask & lean.EVENT_WRITE:
             self.flush()
-        if not mask & selectors.EVENT_READ:
+        if not mask & lean.EVENT_READ:
             return
         try:
             data = self.sock.recv(1 << 20)
@@ -250,7 +254,7 @@ class Agent:
             os.set_blocking(fd, False)
             self.fd_owner[fd] = child
             if not self.paused:
-                self.sel.register(fd, selectors.EVENT_READ, "out")
+                self.sel.register(fd, lean.EVENT_READ, "out")
         if stdin_fd is not None:
             os.set_blocking(stdin_fd, False)
         self.children[proc.pid] = child
@@ -295,13 +299,13 @@ class Agent:
         writing = bool(child.stdin_buf)
         is_pty = fd in child.fds
         if is_pty:
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
+            events = lean.EVENT_READ | (lean.EVENT_WRITE if writing else 0)
             if fd in self.fd_owner and not self.paused:
                 self.sel.modify(fd, events, "out")
             return
         registered = self.sel.get_map().get(fd) is not None
         if writing and not registered:
-            self.sel.register(fd, selectors.EVENT_WRITE, "stdin")
+            self.sel.register(fd, lean.EVENT_WRITE, "stdin")
         elif not writing and registered:
             self.sel.unregister(fd)
         if not writing and child.stdin_close_after:
@@ -367,9 +371,9 @@ class Agent:
 
     def on_output(self, fd: int, mask: int) -> None:
         child = self.fd_owner[fd]
-        if mask & selectors.EVENT_WRITE:
+        if mask & lean.EVENT_WRITE:
             self.pump_stdin(child)
-        if mask & selectors.EVENT_READ:
+        if mask & lean.EVENT_READ:
             self.read_output(child, fd, drain=False)
 
     def read_output(self, child: Child, fd: int, drain: bool) -> None:
