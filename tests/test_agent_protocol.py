@@ -3,7 +3,13 @@ the host maps every code, and both ends refuse what is not in it."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, UnionType
 from typing import Any, Literal, get_args, get_origin
@@ -117,11 +123,58 @@ def test_well_formed_events_pass() -> None:
         protocol.check_event({**exit_event, "box": {"oom_kills": "1"}})
 
 
+@pytest.fixture
+def agent() -> Iterator[socket.socket]:
+    """The real agent as a plain process (no box): the host end of its channel, after
+    ``ready``. Closing the channel ends it."""
+    host, guest = socket.socketpair()
+    config = {"fd": guest.fileno(), "uid": os.getuid(), "gid": os.getgid()}
+    script = Path(protocol.__file__).with_name("agent.py")
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-S", str(script), json.dumps(config)], pass_fds=[guest.fileno()]
+    )
+    guest.close()
+    host.settimeout(30)
+    try:
+        assert read_frames(host, 1)[0][0]["ev"] == "ready"
+        yield host
+    finally:
+        host.close()
+        assert proc.wait(timeout=30) == 0
+
+
+def read_frames(sock: socket.socket, count: int) -> list[tuple[dict[str, Any], bytes]]:
+    decoder = protocol.FrameDecoder()
+    frames: list[tuple[dict[str, Any], bytes]] = []
+    while len(frames) < count:
+        data = sock.recv(65536)
+        assert data, "the agent closed the channel"
+        frames += decoder.feed(data)
+    return frames
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "message"),
+    [
+        ({"op": "stats", "id": 1, "pid": "1"}, "protocol_error", "a bad 'pid'"),
+        ({"op": "reboot", "id": 2}, "protocol_error", "unknown operation 'reboot'"),
+        ({"op": "terminate", "id": 3, "pid": 99999, "grace": 0}, "process_not_found", "99999"),
+    ],
+)
+def test_the_agent_answers_a_bad_request_with_its_error_code(
+    agent: socket.socket, request_: dict[str, Any], code: str, message: str
+) -> None:
+    agent.sendall(protocol.encode(request_))
+    [(reply, _)] = read_frames(agent, 1)
+    assert reply["re"] == request_["id"] and reply["error"]["code"] == code
+    assert message in reply["error"]["message"]
+    agent.sendall(protocol.encode({"op": "ping", "id": 9}))  # and it serves on
+    assert read_frames(agent, 1)[0][0] == {"re": 9}
+
+
 @pytest.mark.needs_bwrap
-async def test_the_agent_answers_a_bad_request_with_protocol_error(sandbox: Sandbox) -> None:
-    """A real agent: a mistyped field is refused by name, and the box serves on."""
-    with pytest.raises(errors.ProtocolError, match="a bad 'pid'"):
+async def test_the_host_refuses_to_send_a_malformed_request(sandbox: Sandbox) -> None:
+    with pytest.raises(errors.SandboxError, match="a bad 'pid'") as caught:
         await sandbox._request("stats", pid="1")
-    with pytest.raises(errors.ProcessNotFound):
-        await sandbox._request("terminate", pid=99999, grace=0.0)
+    assert caught.value.code == errors.ErrorCode.INVALID_INPUT
     assert (await sandbox.run("echo ok")).stdout == "ok\n"

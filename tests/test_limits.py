@@ -18,7 +18,7 @@ async def test_memory_bomb_is_killed_and_reported(workspace: Path) -> None:
             ["python3", "-c", "x = bytearray(400 << 20); print('survived')"], timeout=60
         )
         assert r.exit_code == -9
-        assert r.oom_killed
+        assert r.oom_killed and r.ended == "oom_killed"
         assert "survived" not in r.stdout
         assert sb.stats().oom_kills >= 1
         assert (await sb.run("echo still-usable")).stdout == "still-usable\n"

@@ -59,10 +59,11 @@ async def test_tty_output_comes_as_stdout_and_stdin_works(sandbox: Sandbox) -> N
     assert not any(isinstance(e, Stderr) for e in events) and events[-1] == Exited(0)
 
 
-async def test_timeout_kills_the_command(sandbox: Sandbox) -> None:
+async def test_timeout_ends_the_command_with_term_first(sandbox: Sandbox) -> None:
     stream = await sandbox.exec_stream("sleep 60", timeout=0.3)
     events = await collect(stream)
-    assert stream.timed_out and events == [Exited(-9)]
+    assert stream.timed_out and events == [Exited(-15)]
+    assert stream.process.ended == "timed_out"
 
 
 async def test_wait_returns_the_status_and_large_output_is_complete(sandbox: Sandbox) -> None:

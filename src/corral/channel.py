@@ -94,6 +94,11 @@ class Channel:
         if self.lost.is_set() or self._writer is None:
             raise errors.SandboxBroken(f"the sandbox is gone: {self.lost_reason or 'not started'}")
         req_id = next(self._ids)
+        request = {"op": op, "id": req_id, **fields}
+        try:
+            protocol.check_request(request)  # a caller's mistake, named before it is sent
+        except protocol.FrameError as exc:
+            raise errors.SandboxError(str(exc), code=errors.ErrorCode.INVALID_INPUT) from None
         fut: asyncio.Future[tuple[dict[str, Any], bytes]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -102,7 +107,7 @@ class Channel:
         if on_reply is not None:
             self._hooks[req_id] = on_reply
         try:
-            self._writer.write(protocol.encode({"op": op, "id": req_id, **fields}, payload))
+            self._writer.write(protocol.encode(request, payload))
             await self._writer.drain()
             header, data = await fut
         except (ConnectionError, OSError) as exc:

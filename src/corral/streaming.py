@@ -97,13 +97,14 @@ class ExecStream:
 
     def _on_timeout(self) -> None:
         if self.process.exit_code is None:
-            self.timed_out = True
-            task = asyncio.get_running_loop().create_task(self._kill())
+            self.timed_out = self.process.timed_out = True
+            task = asyncio.get_running_loop().create_task(self._end())
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
-    async def _kill(self) -> None:
+    async def _end(self) -> None:
+        """A timeout ends the command as ``run``'s does: SIGTERM, the grace, SIGKILL."""
         with contextlib.suppress(errors.SandboxError):
-            await self.process.kill()
+            await self.process.terminate()
 
     def __aiter__(self) -> AsyncIterator[ExecEvent]:
         return self

@@ -339,3 +339,33 @@ async def test_agent_that_never_gets_ready() -> None:
     finally:
         guest.close()
         host.close()
+
+
+async def test_a_spawn_cancelled_before_its_reply_ends_the_command(
+    fake_sandbox: Callable[[Script], Awaitable[Sandbox]],
+) -> None:
+    """The agent started the command, but its caller was cancelled before the reply came:
+    nobody holds a handle, so the host ends the command itself (TERM, grace, KILL)."""
+    got_spawn, release, terminated = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def script(header: dict[str, Any]) -> bytes:
+        if header["op"] == "spawn":
+            got_spawn.set()
+            await release.wait()
+        if header["op"] == "terminate":
+            terminated.set()
+            exit_event = frame({"ev": "exit", "pid": 7, "exit_code": -15})
+            return ok_reply(header, delivered=True) + exit_event
+        return ok_reply(header)
+
+    sb = await fake_sandbox(script)
+    run = asyncio.create_task(sb.run("sleep 100"))
+    async with asyncio.timeout(5):
+        await got_spawn.wait()
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    release.set()
+    async with asyncio.timeout(5):
+        await terminated.wait()
+        assert (await sb.process(7).wait()).exit_code == -15
