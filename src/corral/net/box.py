@@ -155,6 +155,17 @@ class BoxNetwork:
         os.chown(socket_path, self.box_root, self.box_user_gid)
         socket_path.chmod(SOCKET_MODE)
 
+    def admit(self, uid: int, gid: int) -> None:
+        """Who connects to the sockets, when a backend knows better than the default (box
+        root ``HOST_UID_BASE``, box user group ``COMMAND_HOST_ID``): the box user's group
+        where commands act as the workspace owner, host root for gVisor (its file server
+        connects for the box, as host root without DAC override)."""
+        self.box_root, self.box_user_gid = uid, gid
+        if self._started:
+            for path in self.guest_dir.iterdir():
+                if path.is_socket():
+                    self._grant(path)
+
     @property
     def refusal_count(self) -> int:
         """Connections refused so far: a mark for :meth:`refusals_since`."""

@@ -215,6 +215,7 @@ class BwrapBackend(BackendBase):
         net = spec.network
         if net is not None:
             config["forwarders"] = net.forwarders()
+            net.admit(HOST_UID_BASE, shared.gid)  # the box user's group may be the owner's
         inputs = bwrap_args.BwrapInputs(
             workspace=shared.workspace,
             agent_dir=AGENT_DIR,

@@ -61,7 +61,7 @@ from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
-from corral.backends.users import BOX_UID, COMMAND_HOST_ID
+from corral.backends.users import BOX_UID, COMMAND_HOST_ID, HOST_UID_BASE
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
 
@@ -415,6 +415,9 @@ class OciBackend(BackendBase):
             # No user namespace in a gVisor box: the box user is host uid 1000 to its file
             # server, so shared paths are idmapped onto 1000 (COMMAND_HOST_ID otherwise).
             shared = idmap.share_paths(spec, host_id=BOX_UID if runtime.gvisor else COMMAND_HOST_ID)
+            if spec.network is not None:  # who connects to its sockets (gVisor: host root)
+                owner = (0, 0) if runtime.gvisor else (HOST_UID_BASE, shared.gid)
+                spec.network.admit(*owner)
             # full mode: the box joins a namespace corral made and fenced (by path: the
             # runtime's init is not dumpable, so pasta could not attach to it by pid).
             netns = await spec.network.make_netns() if spec.network is not None else None
