@@ -204,7 +204,8 @@ def test_the_agent_is_shipped_compiled_and_the_pycs_are_used(tmp_path: Path) -> 
     (tmp_path / "__pycache__").mkdir()
     for name, data in pycs.items():
         (tmp_path / "__pycache__" / name).write_bytes(data)
-    (tmp_path / "protocol.py").write_text("raise SystemExit('the source was compiled')\n")
+    for source in sources:  # every module's source a stub: only its pyc can make it work
+        (tmp_path / source.name).write_text("raise SystemExit('the source was compiled')\n")
     probe = "import sys; sys.path.insert(0, '.'); import protocol; print(protocol.__name__)"
     done = subprocess.run(
         [sys.executable, "-I", "-S", "-c", probe], cwd=tmp_path, capture_output=True, text=True
