@@ -575,3 +575,22 @@ def test_parser_reads_markers_sections_and_continuations(tmp_path: Path) -> None
     assert blocks[2].reason == "needs a GPU"
     assert blocks[2].prints == ["a b", "c"]
     assert blocks[1].text == "print(a)\n"
+
+
+def test_shell_commands_split_lines_pipes_prompts_and_exit_comments(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text(
+        "```console\n$ corral run -- false  # exits 1\noutput line\n$ make a && make b\n```\n"
+        "```sh\ncorral run \\\n  --json -- true | head -1\n```\n",
+        encoding="utf-8",
+    )
+    console, sh = parse_blocks(doc)
+    assert list(shell_commands(console)) == [
+        (["corral", "run", "--", "false"], "exits 1"),
+        (["make", "a"], ""),
+        (["make", "b"], ""),
+    ]
+    assert list(shell_commands(sh)) == [
+        (["corral", "run", "--json", "--", "true"], ""),
+        (["head", "-1"], ""),
+    ]
