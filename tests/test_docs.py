@@ -594,3 +594,12 @@ def test_shell_commands_split_lines_pipes_prompts_and_exit_comments(tmp_path: Pa
         (["corral", "run", "--json", "--", "true"], ""),
         (["head", "-1"], ""),
     ]
+
+
+def test_the_readme_lists_exactly_the_tools_the_mcp_server_serves() -> None:
+    from corral.tools import TOOLS
+
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    listed = re.search(r"serves the spec's tools \(([^)]*)\)", text)
+    assert listed, "README.md: the MCP paragraph no longer lists the tools"
+    assert set(re.findall(r"`([\w.]+)`", listed.group(1))) == {t.name for t in TOOLS}
