@@ -457,17 +457,33 @@ def inline_spans(path: Path) -> Iterator[tuple[int, str]]:
 
 
 SPANS = [(path, number, span) for path in DOCS for number, span in inline_spans(path)]
-REPO_PATH = re.compile(r"^(src|tests|bench|examples|docs|backends|agent|\.ci)/[\w./*-]*$")
+REPO_PATH = re.compile(r"^\.?[\w-][\w.-]*(/[\w.*-]+)*/?$")
+"""A relative path (``backends/bwrap/args.py``, ``tests/test_microvm*.py``, ``sandbox.py``)."""
+OUTSIDE_THE_REPO = {".cursor/mcp.json", "claude_desktop_config.json", "config.json"}
+"""Files the docs name that are not in this repository: an MCP client's config in a user's
+project or home, an OCI bundle's config.json."""
+
+
+def _names_a_file(span: str) -> bool:
+    return (
+        bool(REPO_PATH.match(span))
+        and ("/" in span or re.search(r"\.(py|md|toml|json|js|sh)$", span) is not None)
+        and span not in OUTSIDE_THE_REPO
+    )
+
+
+def _exists(span: str) -> bool:
+    name, src = span.rstrip("/"), ROOT / "src" / "corral"
+    return any(any(base.glob(name)) for base in (ROOT, src)) or any(src.rglob(name))
 
 
 def test_files_named_in_the_docs_exist() -> None:
-    """``backends/bwrap/args.py``, ``tests/test_microvm*.py``: a file the prose names exists
-    (in the repository, or for a module path under src/corral/)."""
+    """``backends/bwrap/args.py``, ``tests/test_microvm*.py``, ``sandbox.py``: a file the prose
+    names exists (from the repository's root, or in the package: src/corral/)."""
     missing = [
         f"{path.relative_to(ROOT)}:{number}: {span}"
         for path, number, span in SPANS
-        if REPO_PATH.match(span)
-        and not any(any(base.glob(span.rstrip("/"))) for base in (ROOT, ROOT / "src" / "corral"))
+        if _names_a_file(span) and not _exists(span)
     ]
     assert not missing, "the docs name files that do not exist:\n" + "\n".join(missing)
 
