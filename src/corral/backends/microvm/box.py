@@ -1028,6 +1028,16 @@ def host_report() -> list[tuple[str, bool, str, str]]:
         return rows
     if qemu is None:
         return rows
+    bwrap = shutil.which("bwrap")
+    detail = (
+        f"qemu runs as an unprivileged uid in namespaces of its own (bwrap: {bwrap}), on a "
+        "root of its own, under its -sandbox seccomp filter and a cgroup"
+        if bwrap
+        else "bubblewrap is not installed: qemu cannot be jailed, the backend is unavailable"
+    )
+    rows.append(
+        ("microvm: jail", bwrap is not None, detail, "" if bwrap else "apt-get install bubblewrap")
+    )
     try:
         boot = asyncio.run(probe(qemu, kernel, base, "auto"))
     except BackendUnavailable as exc:
