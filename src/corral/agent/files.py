@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from corral.agent import lean, protocol
-else:  # inside the box: a sibling module
+elif __package__:  # the host (tests of the user-space RESOLVE_BENEATH): corral.agent.files
+    from corral.agent import lean, protocol
+else:  # inside the box: sibling modules
     import lean  # its contextmanager: contextlib's import costs the agent's start ~5 ms
     import protocol
 
