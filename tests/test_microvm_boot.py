@@ -16,6 +16,7 @@ import pytest
 from corral.backends.base import AGENT_DIR
 from corral.backends.host.python import find_python
 from corral.backends.layout import Bind, Symlink
+from corral.backends.microvm import box as microvm_box
 from corral.backends.microvm import initramfs, jail, vmpython, vmsnap
 
 PLAN = initramfs.BootPlan(
@@ -248,3 +249,20 @@ def test_a_new_initramfs_keeps_the_archives_other_corrals_may_boot_from(tmp_path
 
 def test_a_cache_file_removed_by_another_process_reads_as_never_used(tmp_path: Path) -> None:
     assert vmsnap.last_used(tmp_path / "gone.vm") == 0.0
+
+
+def test_the_console_tail_reads_no_link_and_no_fifo_qemu_leaves(tmp_path: Path) -> None:
+    """qemu's run directory is qemu's: what corral reads there for an error message must be
+    the console log itself, never a file a compromised qemu points it to."""
+    secret = tmp_path / "secret"
+    secret.write_text("SECRET\n")
+    link = tmp_path / "console.log"
+    link.symlink_to(secret)
+    assert microvm_box.console_tail(link) == ""
+    fifo = tmp_path / "fifo.log"
+    os.mkfifo(fifo)
+    assert microvm_box.console_tail(fifo) == ""  # and it does not block
+    real = tmp_path / "real.log"
+    real.write_text("x" * 3000 + "the end\n")
+    tail = microvm_box.console_tail(real)
+    assert tail.endswith("the end") and len(tail) <= 1500

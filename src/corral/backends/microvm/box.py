@@ -42,6 +42,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
@@ -961,13 +962,23 @@ async def _until(
 
 
 def console_tail(path: Path, size: int = 1500) -> str:
-    """The end of the guest's console (kernel messages, the init's and the agent's errors)."""
+    """The end of the guest's console (kernel messages, the init's and the agent's errors).
+
+    The file is in qemu's run directory, which a compromised qemu controls: a symlink or
+    anything but a regular file is not read (its tail would go into an error message)."""
     try:
-        with path.open("rb") as f:
-            f.seek(max(0, path.stat().st_size - size))
-            return f.read().decode(errors="replace").strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return ""
+    with os.fdopen(fd, "rb") as f:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return ""
+            f.seek(max(0, st.st_size - size))
+            return f.read(size).decode(errors="replace").strip()
+        except OSError:
+            return ""
 
 
 async def _read_marker(channel: socket.socket) -> None:
