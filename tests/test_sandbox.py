@@ -166,6 +166,7 @@ def test_sync_facade_runs_commands(workspace: Path) -> None:
         assert sb.run("echo hi").stdout == "hi\n"
         p = sb.spawn(["sh", "-c", "exit 7"])
         assert p.wait(timeout=10).exit_code == 7
+        assert sb.spawn("sleep 30").terminate(0.5).exit_code == -15
         sb.files.write("f.txt", "data")
         assert sb.files.read_text("f.txt") == "data"
     assert (workspace / "f.txt").read_text() == "data"

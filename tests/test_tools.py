@@ -81,6 +81,23 @@ async def test_background_job_is_polled_with_wait_and_read(sandbox: Sandbox) -> 
     assert any(p["pid"] == pid and p["status"] == "exited" for p in listed["processes"])
 
 
+async def test_a_cancelled_wait_for_process_call_leaves_the_background_job_running(
+    sandbox: Sandbox,
+) -> None:
+    tools = box(sandbox)
+    started = await tools.call("run_command", {"command": "sleep 30", "wait": False})
+    call = asyncio.create_task(
+        tools.call("wait_for_process", {"pid": started["pid"], "timeout_ms": 60000})
+    )
+    await asyncio.sleep(0)  # the call is waiting
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    proc = sandbox.process(started["pid"])
+    assert (await proc.wait(0.2)).status == "timeout"  # still running
+    assert (await proc.terminate()).exit_code == -15
+
+
 @pytest.mark.parametrize(
     ("runtime", "code"),
     [

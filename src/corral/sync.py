@@ -75,6 +75,10 @@ class SyncProcess:
     def kill(self) -> bool:
         return self._loop.call(self._proc.kill())
 
+    def terminate(self, grace: float | None = None) -> WaitResult:
+        """SIGTERM to the group, SIGKILL after the grace, then the reap (``Process.terminate``)."""
+        return self._loop.call(self._proc.terminate(grace))
+
     def write(self, data: bytes | str, *, eof: bool = False) -> None:
         self._loop.call(self._proc.write(data, eof=eof))
 

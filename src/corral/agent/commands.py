@@ -116,7 +116,7 @@ def send_signal(uid: int, gid: int, pid: int, pty_fd: int | None, sig: int, grou
     return True
 
 
-class Ending:
+class Termination:
     """A command being terminated: SIGTERM to its groups now, SIGKILL at ``kill_at``, done
     once no process of them is left. The groups are the command's own (it leads a session)
     and, on a terminal, the foreground job's."""

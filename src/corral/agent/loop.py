@@ -52,7 +52,7 @@ class Child:
         self.started = time.monotonic()
         self.popen: Any = None  # the Popen, so reaping can set its returncode
         # Set by a ``terminate`` request: its exit is reported once its group is gone.
-        self.ending: commands.Ending | None = None
+        self.ending: commands.Termination | None = None
 
     @property
     def pty(self) -> int | None:
@@ -325,7 +325,7 @@ class Agent:
         if child.ending is not None:
             return {"delivered": True}  # already ending: its deadline stands
         kill_at = time.monotonic() + max(0.0, h["grace"])
-        child.ending = commands.Ending(self.uid, self.gid, child.pid, child.pty, kill_at)
+        child.ending = commands.Termination(self.uid, self.gid, child.pid, child.pty, kill_at)
         self.ending.append(child)
         return {"delivered": child.status is None}
 

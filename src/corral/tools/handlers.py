@@ -7,6 +7,7 @@ into the spec's JSON (the models of :mod:`corral.tools.results`). Errors are rai
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -100,7 +101,9 @@ class Handlers:
 
     async def wait_for_process(self, a: s.WaitForProcessArgs) -> r.WaitForProcessResult:
         proc = self.box.scope.find_visible(a.pid).process
-        waited = await proc.wait(a.timeout_ms / 1000)
+        # Shielded: a cancelled tool call stops waiting, never the background process (a
+        # cancelled Process.wait ends its process).
+        waited = await asyncio.shield(proc.wait(a.timeout_ms / 1000))
         return r.WaitForProcessResult.model_validate(waited.to_dict())
 
     async def read_process_output(self, a: s.ReadProcessOutputArgs) -> r.ReadProcessOutputResult:
