@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import os
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +84,88 @@ def backend_name(request: pytest.FixtureRequest) -> str:
     return name
 
 
+SLOW_CALLBACK_SECS = float(os.environ.get("CORRAL_SLOW_CALLBACK_MS", "20")) / 1000
+"""A callback (one step of a task) holding the event loop longer than this fails a contract
+test. 20 ms by default; ``CORRAL_SLOW_CALLBACK_MS`` changes it."""
+
+
+def _cpu_wait() -> tuple[float, float]:
+    """Seconds this thread has waited for a CPU while runnable (schedstat), and seconds in
+    which any task of the host waited for one (CPU pressure, "some"), both cumulative."""
+    own = stall = 0.0
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            own = int(f.read().split()[1]) / 1e9
+        with open("/proc/pressure/cpu", "rb") as f:
+            stall = int(f.readline().rsplit(b"=", 1)[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        pass
+    return own, stall
+
+
+class _SlowCallbacks(logging.Handler):
+    """Collects asyncio's debug-mode reports of callbacks over ``slow_callback_duration``.
+
+    asyncio measures wall time. On a shared, oversubscribed host a callback also "takes"
+    the time its thread, a thread it waits for (the GIL's holder) or a vforked child waited
+    for a CPU. So each report is checked against the time during that callback in which
+    this thread, or any task of the host, waited for a CPU (kept by :meth:`track`): on a
+    quiet host that is zero and the whole wall time counts."""
+
+    def __init__(self, threshold: float) -> None:
+        super().__init__(logging.WARNING)
+        self.threshold = threshold
+        self.reports: list[str] = []
+        self.last_wait = 0.0
+
+    def track(self, run: Callable[[asyncio.Handle], None]) -> Callable[[asyncio.Handle], None]:
+        def timed(handle: asyncio.Handle) -> None:
+            own, stall = _cpu_wait()
+            try:
+                run(handle)
+            finally:
+                own_after, stall_after = _cpu_wait()
+                self.last_wait = max(own_after - own, stall_after - stall)
+
+        return timed
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if not (message.startswith("Executing ") and " took " in message):
+            return
+        took = record.args[-1] if isinstance(record.args, tuple) else None
+        held = took - self.last_wait if isinstance(took, float) else None
+        if held is None or held >= self.threshold:
+            self.reports.append(f"{message} ({self.last_wait * 1000:.0f} ms waiting for a CPU)")
+
+
 @pytest.fixture
-def box_policy(backend_name: str) -> Policy:
-    """The default policy on the backend under test (build variants with model_copy)."""
+async def loop_watch(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
+    """The test's event loop in asyncio debug mode; the test fails if anything (the box's
+    start and close included) held the loop longer than :data:`SLOW_CALLBACK_SECS`."""
+    loop = asyncio.get_running_loop()
+    handler = _SlowCallbacks(SLOW_CALLBACK_SECS)
+    monkeypatch.setattr(asyncio.Handle, "_run", handler.track(asyncio.Handle._run))
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(handler)
+    debug, threshold = loop.get_debug(), loop.slow_callback_duration
+    loop.set_debug(True)
+    loop.slow_callback_duration = SLOW_CALLBACK_SECS
+    try:
+        yield
+    finally:
+        loop.set_debug(debug)
+        loop.slow_callback_duration = threshold
+        logger.removeHandler(handler)
+    if handler.reports:
+        limit = f"{SLOW_CALLBACK_SECS * 1000:g} ms"
+        pytest.fail(f"the event loop was held over {limit}: " + "; ".join(handler.reports))
+
+
+@pytest.fixture
+def box_policy(backend_name: str, loop_watch: None) -> Policy:
+    """The default policy on the backend under test (build variants with model_copy). Its
+    tests run with :func:`loop_watch`: nothing may block the event loop."""
     return backend_policy(backend_name)
 
 

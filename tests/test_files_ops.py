@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -35,7 +36,7 @@ async def test_write_read_list_exists_remove(sandbox: Sandbox, workspace: Path) 
 
 
 async def test_binary_and_large_files_roundtrip(sandbox: Sandbox) -> None:
-    blob = os.urandom(20 << 20)
+    blob = await asyncio.to_thread(os.urandom, 20 << 20)  # not on the loop under test
     await sandbox.files.write("blob.bin", blob)
     assert await sandbox.files.read("blob.bin", max_bytes=32 << 20) == blob
     r = await sandbox.run("wc -c < blob.bin")

@@ -38,6 +38,7 @@ from corral.backends.base import Backend
 from corral.backends.host import idmap, mounts
 from corral.backends.host.staging import new_entry, release_staging, sweep_staging
 from corral.backends.host.state import BOX_PREFIX
+from corral.backends.host.threads import blocking
 from corral.backends.layout import HostView, guest_path
 from corral.backends.users import COMMAND_HOST_ID
 from corral.models import CommandResult
@@ -201,12 +202,11 @@ class SandboxPool:
                 cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits, check=check
             )
         finally:
-            self._release(sb)
-            # Refilled only now: starting a box blocks the event loop for a few ms at a
-            # time (spawning bwrap, cgroup writes), which would slow the command down.
+            await self._release(sb)
+            # Refilled only now: a box starting competes for the CPU with the command.
             self._refill()
 
-    def _release(self, sb: Sandbox) -> None:
+    async def _release(self, sb: Sandbox) -> None:
         """Stop the box now and hand the workspace back; tear it down in the background.
 
         After ``stop`` no process of the box runs again, so nothing touches the workspace
@@ -216,7 +216,7 @@ class SandboxPool:
         if staging is not None:
             sb.stop()
             with contextlib.suppress(OSError):
-                mounts.umount(str(staging))
+                await blocking(mounts.umount, str(staging))  # waits for a grace period
         task = asyncio.get_running_loop().create_task(sb.aclose())
         self._teardown.add(task)
         task.add_done_callback(self._teardown.discard)
@@ -247,9 +247,16 @@ class SandboxPool:
         return sb
 
     async def _make(self) -> Sandbox:
-        # Synchronous (well under a millisecond): in a thread, a cancellation would leave
-        # the staging directory made and mounted but unknown to us.
-        staging = self._new_staging()
+        # In a thread (mount calls wait for grace periods); a cancellation waits for it, and
+        # what it made is released.
+        made: list[Path] = []
+        try:
+            await blocking(self._new_staging, made)
+        except BaseException:
+            for entry in made:
+                await blocking(release_staging, entry)
+            raise
+        staging = made[0]
         sb = Sandbox.on_staging(
             self.policy,
             staging / "ws",
@@ -264,8 +271,9 @@ class SandboxPool:
         self._staging[sb] = staging / "ws"
         return sb
 
-    def _new_staging(self) -> Path:
+    def _new_staging(self, made: list[Path]) -> None:
         entry = new_entry("pool", BOX_PREFIX + secrets.token_hex(6))
+        made.append(entry)
         ws = entry / "ws"
         # Owned by whom the box user is on the host: the command ids, or (without
         # idmapping) the owner, whose workspaces are the only ones served warm.
@@ -273,7 +281,6 @@ class SandboxPool:
         os.chown(ws, *ids)
         mounts.bind(str(ws), str(ws), recursive=False)
         mounts.make_shared(str(ws))
-        return entry
 
     def _attach(self, sb: Sandbox, ws: Path | None) -> None:
         """Mount the workspace (idmapped, or a plain bind where that is unavailable; nosuid,

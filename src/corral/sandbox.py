@@ -28,9 +28,10 @@ from typing import Any, Literal
 from corral import errors
 from corral.agent import protocol
 from corral.audit import AuditLog
-from corral.backends import backend_for
+from corral.backends import backend_for, backend_loaded
 from corral.backends.base import Backend, Box, BoxSpec, BoxStats
 from corral.backends.host.state import BOX_PREFIX, state_root
+from corral.backends.host.threads import blocking
 from corral.backends.layout import box_env
 from corral.channel import Channel
 from corral.files import Files
@@ -135,7 +136,13 @@ class Sandbox:
                 code=errors.ErrorCode.INVALID_INPUT,
             )
         assert self.workspace is not None
-        backend = self._backend or backend_for(self.policy)
+        backend = self._backend
+        if backend is None:
+            # The first use imports the backend and probes the host: in a thread.
+            if backend_loaded(self.policy):
+                backend = backend_for(self.policy)
+            else:
+                backend = await blocking(backend_for, self.policy)
         state_dir = state_root() / "boxes" / self.sandbox_id
         self._network = BoxNetwork.for_policy(
             self.policy.network, state_dir / "net", audit=self.audit, resolver=self._resolver
@@ -200,7 +207,7 @@ class Sandbox:
         for hook in self._after_close:
             await asyncio.to_thread(hook)
         if self._owned_workspace is not None:
-            shutil.rmtree(self._owned_workspace, ignore_errors=True)
+            await blocking(shutil.rmtree, self._owned_workspace, True)
         self.audit.record("sandbox", event="close", broken=self._broken)
         self.audit.close()
 

@@ -7,6 +7,7 @@ starting anything, why it cannot run here (used by ``corral doctor`` and the tes
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 from corral.errors import BackendUnavailable
@@ -38,6 +39,12 @@ def backend_for(policy: Policy) -> Backend:
     factory = getattr(module, class_name)
     backend: Backend = factory.for_policy(policy)
     return backend
+
+
+def backend_loaded(policy: Policy) -> bool:
+    """Whether ``policy``'s backend module is imported already: :func:`backend_for` is then
+    cheap enough for the event loop (the first call imports it and probes the host)."""
+    return _BACKENDS[policy.backend][0] in sys.modules
 
 
 def unavailable_reason(policy: Policy) -> str | None:

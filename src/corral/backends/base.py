@@ -28,13 +28,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from corral.backends.host.state import orphaned_boxes, state_root
+from corral.backends.host.threads import blocking
 from corral.backends.users import BOX_UID
+from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
 if TYPE_CHECKING:
     from corral.backends.host.cgroups import Cgroup
     from corral.backends.limits import LimitPlan
     from corral.net import BoxNetwork
+
 
 AGENT_DIR = Path(__file__).resolve().parent.parent / "agent"
 """Host directory holding the guest agent (stdlib-only Python files)."""
@@ -101,8 +104,6 @@ def sweep_boxes(backend: str, kill: Callable[[Path, dict[str, Any]], object]) ->
     """Remove the state of ``backend``'s boxes whose owner died: ``kill(dir, owner)`` ends
     what the box still runs (from what its ``owner.json`` recorded), then the network's
     leftovers and the state directory go. Blocking: backends run it in a thread."""
-    from corral.net import sweep as sweep_network  # the network layer imports host helpers
-
     removed: list[str] = []
     for entry, owner in orphaned_boxes(backend):
         with contextlib.suppress(Exception):
@@ -204,7 +205,9 @@ class BoxBase:
         try:
             await self._teardown()
         finally:
-            shutil.rmtree(self._spec.state_dir, ignore_errors=True)
+            # In a thread: an OCI bundle's root is dozens of directories that were mount
+            # points, and removing them took tens of ms.
+            await blocking(shutil.rmtree, self._spec.state_dir, True)
 
     async def _teardown(self) -> None:
         """Kill everything in the box and release what the backend holds for it."""
@@ -331,7 +334,7 @@ class BackendBase:
         last = _last_sweep.get(key)
         if last is not None and time.monotonic() - last < SWEEP_EVERY:
             return
-        await asyncio.to_thread(self._sweep_if_due, key)
+        await blocking(self._sweep_if_due, key)
 
     def _sweep_if_due(self, key: tuple[str, str]) -> None:
         with _sweep_lock:

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +44,7 @@ from corral.backends.host import cgroups, idmap, seccomp, staging
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
+from corral.backends.host.threads import blocking
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.users import HOST_UID_BASE, id_map
@@ -101,6 +103,24 @@ async def _read_info(fd: int, proc: asyncio.subprocess.Process) -> dict[str, Any
     return dict(json.loads(data[: data.index(b"}") + 1]))
 
 
+@dataclass
+class _Held:
+    """What a starting box holds on the host, as soon as each part exists."""
+
+    shared: idmap.SharedPaths | None = None
+    cgroup: cgroups.Cgroup | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def release(self, spec: BoxSpec) -> None:
+        """Undo a failed start (blocking): the cgroup, the idmapped mounts, the state dir."""
+        if self.cgroup is not None:
+            with contextlib.suppress(BackendError):
+                self.cgroup.remove()
+        if self.shared is not None:
+            self.shared.release()
+        shutil.rmtree(spec.state_dir, ignore_errors=True)
+
+
 def _setup_box_ids(spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int) -> None:
     """Record the owner (for the orphan sweep) and write the box's id maps.
 
@@ -152,7 +172,9 @@ class BwrapBox(CgroupAccounting, BoxBase):
             with contextlib.suppress(Exception):
                 await self._cgroup.remove_async()
         if self._shared is not None:
-            self._shared.release()  # unmounted before anything is deleted
+            await blocking(
+                self._shared.release
+            )  # umount waits for a grace period  # unmounted before anything is deleted
 
 
 class BwrapBackend(BackendBase):
@@ -202,46 +224,27 @@ class BwrapBackend(BackendBase):
         if problem is not None:
             raise PolicyError(problem)
         limits = plan_limits(policy.limits, self.limit_caps)
-        spec.state_dir.mkdir(parents=True, exist_ok=True)
-        masked_file, masked_dir, passwd = shared_files()
+        held = _Held()
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         sec_r, sec_w = os.pipe()
-        os.write(sec_w, seccomp.build_filter(policy.security.preset))
-        os.close(sec_w)
-        shared = idmap.share_paths(spec)
-        config = {**agent_config(spec), "fd": guest_end.fileno()}
-        net = spec.network
-        if net is not None:
-            config["forwarders"] = net.forwarders()
-            net.admit(HOST_UID_BASE, shared.gid)  # the box user's group may be the owner's
-        inputs = bwrap_args.BwrapInputs(
-            workspace=shared.workspace,
-            agent_dir=AGENT_DIR,
-            python=self.python,
-            masked_file=masked_file,
-            masked_dir=masked_dir,
-            passwd_file=passwd,
-            fds=bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r),
-            agent_args=(json.dumps(config, separators=(",", ":")),),
-            extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
-            sources=shared.sources,
-        )
-        argv = bwrap_args.bwrap_argv(policy, inputs)
-        argv[0] = self.bwrap or "bwrap"
-        cgroup: cgroups.Cgroup | None = None
-        warnings: list[str] = []
+        fds = bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r)
         proc: asyncio.subprocess.Process | None = None
         primed: asyncio.Future[None] | None = None
         try:
-            cgroup, warnings = self._make_cgroup(spec, limits)
+            # Directories, the seccomp filter, idmapped mounts, argv and the cgroup, in a
+            # thread: mount and cgroup v1 calls wait for RCU grace periods.
+            argv = await blocking(
+                self._prepare_box, spec, limits, held, fds, sec_w, guest_end.fileno()
+            )
+            sec_w = -1
+            cgroup, shared = held.cgroup, held.shared
+            assert shared is not None
             if cgroup is not None:  # the grace period of the move below passes meanwhile
                 primed = asyncio.ensure_future(
-                    asyncio.to_thread(cgroups.prime_migration, self.cgroup_support)
+                    blocking(cgroups.prime_migration, self.cgroup_support)
                 )
-            if shared.warning:
-                warnings.append(shared.warning)
             proc = await self._spawn(argv, (guest_end.fileno(), info_w, block_r, sec_r))
             os.close(info_w)
             info_w = -1
@@ -255,6 +258,7 @@ class BwrapBackend(BackendBase):
                     await primed
                 cgroup.add(child)
             _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid)
+            net = spec.network
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence and connect the netns first
             os.write(block_w, b"1")
@@ -265,20 +269,60 @@ class BwrapBackend(BackendBase):
             if proc is not None and proc.returncode is None:
                 kill_child(proc)
                 await proc.wait()
-            if cgroup is not None:
-                cgroup.remove()
-            shared.release()
             host_end.close()
-            shutil.rmtree(spec.state_dir, ignore_errors=True)
+            await blocking(held.release, spec)
             raise
         finally:
             guest_end.close()
-            for fd in (info_r, info_w, block_r, block_w, sec_r):
+            for fd in (info_r, info_w, block_r, block_w, sec_r, sec_w):
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
         host_end.setblocking(False)
-        return BwrapBox(spec, proc, host_end, cgroup, tuple(warnings), limits, shared)
+        return BwrapBox(spec, proc, host_end, cgroup, tuple(held.warnings), limits, shared)
+
+    def _prepare_box(
+        self,
+        spec: BoxSpec,
+        limits: LimitPlan,
+        held: _Held,
+        fds: bwrap_args.BwrapFds,
+        sec_w: int,
+        channel_fd: int,
+    ) -> list[str]:
+        """Everything of a start that happens before bwrap runs; what it makes goes into
+        ``held`` as soon as it exists (the caller releases it on failure). Blocking."""
+        policy = spec.policy
+        try:
+            os.write(sec_w, seccomp.build_filter(policy.security.preset))
+        finally:
+            os.close(sec_w)
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
+        masked_file, masked_dir, passwd = shared_files()
+        held.shared = shared = idmap.share_paths(spec)
+        config = {**agent_config(spec), "fd": channel_fd}
+        net = spec.network
+        if net is not None:
+            config["forwarders"] = net.forwarders()
+            net.admit(HOST_UID_BASE, shared.gid)  # the box user's group may be the owner's
+        inputs = bwrap_args.BwrapInputs(
+            workspace=shared.workspace,
+            agent_dir=AGENT_DIR,
+            python=self.python,
+            masked_file=masked_file,
+            masked_dir=masked_dir,
+            passwd_file=passwd,
+            fds=fds,
+            agent_args=(json.dumps(config, separators=(",", ":")),),
+            extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
+            sources=shared.sources,
+        )
+        argv = bwrap_args.bwrap_argv(policy, inputs)
+        argv[0] = self.bwrap or "bwrap"
+        held.cgroup, held.warnings = self._make_cgroup(spec, limits)
+        if shared.warning:
+            held.warnings.append(shared.warning)
+        return argv
 
     async def _spawn(
         self, argv: list[str], pass_fds: tuple[int, ...]

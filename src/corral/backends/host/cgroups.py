@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from corral.backends.host import mountinfo
+from corral.backends.host.threads import blocking
 from corral.backends.limits import Capabilities, LimitPlan, Mechanism, Swap
 from corral.errors import BackendError, BackendUnavailable
 
@@ -727,9 +728,10 @@ class Cgroup:
             time.sleep(pause)
 
     async def remove_async(self) -> None:
-        """:meth:`remove` for the event loop: its polls wait with ``asyncio.sleep``."""
-        for pause in self._remove_steps():
-            await asyncio.sleep(pause)
+        """:meth:`remove` for the event loop: the kill's polls wait with ``asyncio.sleep``,
+        the ``rmdir`` calls (a grace period each on cgroup v1) run in a thread."""
+        await self.kill_all_async()
+        await blocking(self.remove)  # empty by now: no polling left in there
 
     def _remove_steps(self) -> Iterator[float]:
         dirs = [d for d in self._unique_dirs() if d.exists()]

@@ -62,6 +62,7 @@ from corral.backends.base import (
 from corral.backends.host import cgroups, idmap, seccomp, staging
 from corral.backends.host.python import find_python
 from corral.backends.host.state import BOX_PREFIX, cache_root, state_root, write_owner
+from corral.backends.host.threads import blocking
 from corral.backends.layout import (
     SYSTEM_PATH,
     Bind,
@@ -333,10 +334,10 @@ def _saved_probe(key: str) -> Boot | None:
 async def probe(qemu: str, kernel: initramfs.Kernel, base: Path, accel: str) -> Boot:
     """The first (accel, machine, kernel file) that boots the raw initramfs; cached per host
     and inputs. The extracted kernel is tried before the bzImage (it boots seconds faster)."""
-    key, images = await asyncio.to_thread(_probe_inputs, qemu, kernel, accel)
+    key, images = await blocking(_probe_inputs, qemu, kernel, accel)
     if key in _probed:
         return _probed[key]
-    saved = await asyncio.to_thread(_saved_probe, key)
+    saved = await blocking(_saved_probe, key)
     if saved is not None:
         _probed[key] = saved
         return saved
@@ -625,7 +626,7 @@ class MicroVmBackend(BackendBase):
         await super().prepare()
         if self._base is None:
             try:
-                self._base = await asyncio.to_thread(_base_archive, self.kernel, self.python)
+                self._base = await blocking(_base_archive, self.kernel, self.python)
             except initramfs.KernelNotFound as exc:
                 raise BackendUnavailable(str(exc)) from None
             await asyncio.to_thread(jail.runtime, self.qemu)

@@ -31,19 +31,21 @@ host's mounts are untouched.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import os
 import shutil
 import socket
 import subprocess
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from corral.backends.base import (
     AGENT_DIR,
@@ -58,6 +60,7 @@ from corral.backends.host import cgroups, idmap, mountinfo, mounts, seccomp, sta
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
+from corral.backends.host.threads import blocking
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
@@ -70,6 +73,8 @@ RUNTIMES = ("crun", "runc", "runsc")
 RUNTIME_TIMEOUT = 15.0
 _PACKAGES = {"runc": "runc", "crun": "crun", "runsc": "runsc (gVisor, from gvisor.dev)"}
 _CLONE_NEWNS = 0x00020000
+_CLONE_FS = 0x00000200
+T = TypeVar("T")
 
 
 def hybrid_cgroup2_mount(path: str = mountinfo.PATH) -> str | None:
@@ -87,20 +92,53 @@ def hybrid_cgroup2_mount(path: str = mountinfo.PATH) -> str | None:
     return v2 if v1 and v2 else None
 
 
-def _hide_mount(path: str) -> Callable[[], None]:
-    """A pre-exec hook: a private mount namespace without ``path`` (for crun on hybrid)."""
+def _own_fs_context() -> None:
+    """Give the calling thread its own fs context (cwd, root, umask): a thread that shares
+    it with the process may not change mount namespaces."""
+    if mounts.libc().unshare(_CLONE_FS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_FS)")
+
+
+def _hide_mount(host_ns: int, path: str) -> None:
+    """Move the calling thread into a new private copy of the host's mount namespace
+    (``host_ns``, as it is now: the box's idmapped mounts included) without ``path``.
+    Linux lets a thread with its own fs context change mount namespaces; the processes it
+    spawns inherit the new one, the rest of this process keeps the host's."""
     libc = mounts.libc()
-    target = path.encode()
+    if libc.setns(host_ns, _CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "setns(host mount namespace)")
+    if libc.unshare(_CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+    if libc.mount(b"none", b"/", None, mounts.MS_REC | mounts.MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+    if libc.umount2(path.encode(), mounts.MNT_DETACH) != 0:
+        raise OSError(ctypes.get_errno(), f"umount {path}")
 
-    def hook() -> None:
-        if libc.unshare(_CLONE_NEWNS) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-        if libc.mount(b"none", b"/", None, mounts.MS_REC | mounts.MS_PRIVATE, None) != 0:
-            raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
-        if libc.umount2(target, mounts.MNT_DETACH) != 0:
-            raise OSError(ctypes.get_errno(), f"umount {path}")
 
-    return hook
+_hidden_threads: ThreadPoolExecutor | None = None
+_host_ns = -1
+_hidden_lock = threading.Lock()
+
+
+def _run_without(path: str, call: Callable[[], T]) -> T:
+    """``call()`` (which spawns crun) from a thread whose mount namespace is a fresh copy of
+    the host's without ``path``. A pre-exec hook instead forks this whole process with the
+    GIL held (tens of ms of a busy host's event loop, even from another thread), where a
+    plain spawn can vfork."""
+    global _hidden_threads, _host_ns
+    with _hidden_lock:
+        if _hidden_threads is None:
+            _host_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            _hidden_threads = ThreadPoolExecutor(
+                2, thread_name_prefix="corral-crun", initializer=_own_fs_context
+            )
+        threads, host_ns = _hidden_threads, _host_ns
+
+    def hidden() -> T:
+        _hide_mount(host_ns, path)
+        return call()
+
+    return threads.submit(hidden).result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,31 +174,30 @@ class Runtime:
             flags.append("--host-uds=open")
         return flags
 
-    def preexec(self) -> Callable[[], None] | None:
-        return _hide_mount(self.hidden_mount) if self.hidden_mount else None
-
     def run_sync(
-        self, *args: str, timeout: float = RUNTIME_TIMEOUT
+        self,
+        *args: str,
+        timeout: float = RUNTIME_TIMEOUT,
+        stdin: int = subprocess.DEVNULL,
+        stderr: int = subprocess.PIPE,
     ) -> subprocess.CompletedProcess[str]:
-        """A blocking call (orphan sweep, doctor): never from a running event loop's hot path."""
-        return subprocess.run(
+        """One runtime command to its end (killed after ``timeout``). Blocking: the event
+        loop calls it in a thread (:func:`blocking`)."""
+        call = functools.partial(
+            subprocess.run,
             self.argv(*args),
-            capture_output=True,
+            stdin=stdin,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
             text=True,
             timeout=timeout,
             check=False,
-            preexec_fn=self.preexec(),
-            env={"PATH": SYSTEM_PATH},
-        )
-
-    async def call(self, *args: str, **kwargs: Any) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            *self.argv(*args),
-            preexec_fn=self.preexec(),
             env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
             start_new_session=True,
-            **kwargs,
         )
+        if self.hidden_mount is None:
+            return call()
+        return _run_without(self.hidden_mount, call)
 
 
 def find_runtime(name: str) -> Runtime:
@@ -222,6 +259,14 @@ def sweep_orphans(runtimes: list[Runtime]) -> list[str]:
                 removed.append(name)
     staging.sweep_staging()  # idmapped workspaces of dead owners, once their boxes are gone
     return removed
+
+
+def _undo_start(spec: BoxSpec, held: list[idmap.SharedPaths]) -> None:
+    """What a failed start leaves once the runtime deleted the box (blocking)."""
+    _remove_cgroup_dirs(spec.sandbox_id)
+    for shared in held:
+        shared.release()
+    shutil.rmtree(spec.state_dir, ignore_errors=True)
 
 
 def _kill_cgroup(box_id: str) -> None:
@@ -306,33 +351,30 @@ class OciBox(CgroupAccounting, BoxBase):
             with contextlib.suppress(Exception):
                 await self._cgroup.remove_async()
         if self._shared is not None:
-            self._shared.release()
+            await blocking(self._shared.release)  # umount waits for a grace period
 
 
 async def _delete(runtime: Runtime, box_id: str) -> str:
     """``delete --force``: kills the box, removes the runtime's state and cgroups."""
-    proc = await runtime.call(
-        "delete",
-        "--force",
-        box_id,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
     try:
-        async with asyncio.timeout(RUNTIME_TIMEOUT):
-            _, err = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
+        done = await blocking(runtime.run_sync, "delete", "--force", box_id)
+    except subprocess.TimeoutExpired:
         return f"{runtime.name} delete timed out"
-    return err.decode(errors="replace").strip() if proc.returncode else ""
+    except OSError as exc:
+        return f"{runtime.name} delete failed: {exc}"
+    return done.stderr.strip() if done.returncode else ""
 
 
 async def _runtime_step(
     runtime: Runtime, spec: BoxSpec, channel_fd: int, bundle: Path, flags: list[str]
 ) -> None:
     """``run --detach`` one box, raising the runtime's error."""
+    await blocking(_run_detached, runtime, spec, channel_fd, bundle, flags)
+
+
+def _run_detached(
+    runtime: Runtime, spec: BoxSpec, channel_fd: int, bundle: Path, flags: list[str]
+) -> None:
     step = "run"
     pid_file = str(spec.state_dir / "init.pid")
     args = [*flags, step, "--detach", "--bundle", str(bundle), "--pid-file", pid_file]
@@ -341,24 +383,13 @@ async def _runtime_step(
     # agent's own stderr (diagnose()).
     stderr = os.open(spec.state_dir / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        proc = await runtime.call(
-            *args,
-            spec.sandbox_id,
-            stdin=channel_fd,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=stderr,
-        )
-    finally:
-        os.close(stderr)
-    try:
-        async with asyncio.timeout(RUNTIME_TIMEOUT):
-            code = await proc.wait()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
+        code = runtime.run_sync(*args, spec.sandbox_id, stdin=channel_fd, stderr=stderr).returncode
+    except subprocess.TimeoutExpired:
         raise BackendError(
             f"`{runtime.name} {step}` did not finish within {RUNTIME_TIMEOUT:g} s"
         ) from None
+    finally:
+        os.close(stderr)
     if code != 0:
         detail = (spec.state_dir / "stderr.log").read_text(errors="replace").strip()
         raise BackendError(f"`{runtime.name} {step}` failed to start the box: {detail[-4000:]}")
@@ -406,15 +437,13 @@ class OciBackend(BackendBase):
         if problem is not None:
             raise PolicyError(problem)
         limits = plan_limits(spec.policy.limits, self.limit_caps)
-        spec.state_dir.mkdir(parents=True, exist_ok=True)
-        write_owner(spec.state_dir, "oci", runtime=runtime.name, runtime_root=str(runtime.root))
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cgroup: cgroups.Cgroup | None = None
-        shared: idmap.SharedPaths | None = None
+        held: list[idmap.SharedPaths] = []
         try:
-            # No user namespace in a gVisor box: the box user is host uid 1000 to its file
-            # server, so shared paths are idmapped onto 1000 (COMMAND_HOST_ID otherwise).
-            shared = idmap.share_paths(spec, host_id=BOX_UID if runtime.gvisor else COMMAND_HOST_ID)
+            # Directories, owner.json and the idmapped mounts, then the bundle, in threads:
+            # mount calls wait for RCU grace periods, and a bundle is dozens of mkdirs.
+            shared = await blocking(self._share, spec, held)
             if spec.network is not None:  # who connects to its sockets (gVisor: host root)
                 owner = (0, 0) if runtime.gvisor else (HOST_UID_BASE, shared.gid)
                 spec.network.admit(*owner)
@@ -423,12 +452,9 @@ class OciBackend(BackendBase):
             netns = await spec.network.make_netns() if spec.network is not None else None
             compat, compat_warning = None, None
             if runtime.gvisor:
-                compat, compat_warning = await asyncio.to_thread(gvisor_compat_library)
-            result = self._bundle(spec, shared, limits, netns, compat)
+                compat, compat_warning = await blocking(gvisor_compat_library)
             bundle = spec.state_dir / "bundle"
-            bundle.mkdir()
-            _write_bundle(bundle, result)
-            runtime.root.mkdir(parents=True, exist_ok=True)
+            await blocking(self._write_bundle, spec, shared, limits, netns, compat, bundle)
             relays = spec.network is not None and bool(spec.network.forwarders())
             flags = runtime.run_flags(netns, relays)
             await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags)
@@ -436,16 +462,41 @@ class OciBackend(BackendBase):
         except BaseException:
             host_end.close()
             await _delete(runtime, spec.sandbox_id)
-            _remove_cgroup_dirs(spec.sandbox_id)
-            if shared is not None:
-                shared.release()
-            shutil.rmtree(spec.state_dir, ignore_errors=True)
+            await blocking(_undo_start, spec, held)
             raise
         finally:
             guest_end.close()
         host_end.setblocking(False)
         warnings = limits.warnings + tuple(w for w in (shared.warning, compat_warning) if w)
         return OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared)
+
+    def _share(self, spec: BoxSpec, held: list[idmap.SharedPaths]) -> idmap.SharedPaths:
+        """The state directory with owner.json (so a crash from here on is swept), then
+        the idmapped mounts (into ``held`` as soon as they exist). Blocking."""
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
+        runtime = self.runtime
+        write_owner(spec.state_dir, "oci", runtime=runtime.name, runtime_root=str(runtime.root))
+        # No user namespace in a gVisor box: the box user is host uid 1000 to its file
+        # server, so shared paths are idmapped onto 1000 (COMMAND_HOST_ID otherwise).
+        shared = idmap.share_paths(spec, host_id=BOX_UID if runtime.gvisor else COMMAND_HOST_ID)
+        held.append(shared)
+        return shared
+
+    def _write_bundle(
+        self,
+        spec: BoxSpec,
+        shared: idmap.SharedPaths,
+        limits: LimitPlan,
+        netns: str | None,
+        compat: Path | None,
+        bundle: Path,
+    ) -> oci_config.OciBundle:
+        """Translate the policy and write the bundle (config.json, root dir). Blocking."""
+        result = self._bundle(spec, shared, limits, netns, compat)
+        bundle.mkdir()
+        _write_bundle(bundle, result)
+        self.runtime.root.mkdir(parents=True, exist_ok=True)
+        return result
 
     def _bundle(
         self,

@@ -1,0 +1,62 @@
+"""Blocking host work off the event loop: one thread pool for every backend and loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+MAX_THREADS = 8
+STARTED_THREADS = 4
+"""Threads started together, by the pool's first thread rather than the event loop."""
+
+_threads: ThreadPoolExecutor | None = None
+_threads_lock = threading.Lock()
+
+
+def _host_threads() -> ThreadPoolExecutor:
+    """The threads every backend's blocking host work runs in, shared by all event loops of
+    the process. Starting a thread waits until it runs, which held a busy host's loop for
+    over 20 ms: a loop's own default executor starts its threads anew (one wait per thread,
+    per loop); this pool is started once, and its first thread starts the others."""
+    global _threads
+    with _threads_lock:
+        if _threads is None:
+            _threads = ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="corral-host")
+            _threads.submit(_start_more, _threads)
+        return _threads
+
+
+def _start_more(pool: ThreadPoolExecutor) -> None:
+    """Run by the pool's first thread: occupy :data:`STARTED_THREADS` threads at once, so the
+    pool starts them here (it starts one per job while none is idle)."""
+    together = threading.Barrier(STARTED_THREADS)
+    for _ in range(STARTED_THREADS - 1):
+        pool.submit(_meet, together)
+    _meet(together)
+
+
+def _meet(together: threading.Barrier) -> None:
+    with contextlib.suppress(threading.BrokenBarrierError):
+        together.wait(timeout=10)
+
+
+async def blocking(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread, off the event loop (cgroup v1 writes, umounts and other
+    syscalls that wait for an RCU grace period). A cancellation waits for ``fn`` to return
+    before it goes on, so the caller's cleanup sees everything ``fn`` did."""
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+    done = asyncio.get_running_loop().run_in_executor(_host_threads(), call)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await asyncio.wait({done})
+        raise
