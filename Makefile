@@ -3,10 +3,10 @@ SHELL := /bin/bash
 PY := /usr/bin/python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static
+APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static runsc
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-microvm lint bench clean security-report
+.PHONY: setup demo test test-microvm test-runsc lint bench clean security-report
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ test: setup lint
 # of them there: tests/test_microvm.py, tests/security/test_attack_microvm.py).
 test-microvm: setup
 	CORRAL_TEST_BACKENDS=microvm $(VPY) -m pytest -q -k microvm tests
+
+# The backend contract and attack suites on gVisor (runsc): the tests that take a box, with
+# the oci-runsc parameter only.
+test-runsc: setup
+	CORRAL_TEST_BACKENDS=oci-runsc $(VPY) -m pytest -q -k runsc tests
 
 # The attack suite with the issue's full stress counts (1000 boxes in a row, 100 at once),
 # then its table: category, attacks tried, contained; latency of a second box under attack.

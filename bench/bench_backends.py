@@ -5,7 +5,9 @@
 create-to-ready: from ``Sandbox.start()`` until the guest agent has said it is ready (the
 box exists, limits and seccomp apply, commands can run). Backends take turns round by
 round, so a noisy neighbour on this shared machine slows all of them alike. Each box is
-closed before the next starts; the close is timed too.
+closed before the next starts; the close is timed too. warm run: ``run(["true"])`` in a box
+that is already up (spawn, exit, output collected), and ``ls -l /usr/bin`` there (stat-heavy:
+under runsc every stat is served by gVisor's kernel and its file server).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ BACKENDS: dict[str, Policy] = {
     "bwrap": Policy(),
     "oci runc": Policy.from_dict({"backend": "oci", "runtime": "runc"}),
     "oci crun": Policy.from_dict({"backend": "oci", "runtime": "crun"}),
+    "oci runsc": Policy.from_dict({"backend": "oci", "runtime": "runsc"}),
 }
 
 
@@ -37,6 +40,22 @@ async def measure(policy: Policy) -> tuple[float, float]:
     t = time.perf_counter()
     await box.aclose()
     return ready, time.perf_counter() - t
+
+
+async def warm(policy: Policy, runs: int) -> tuple[list[float], list[float]]:
+    """Seconds per ``true`` and per ``ls -l /usr/bin`` in one box that is already up."""
+    true: list[float] = []
+    listing: list[float] = []
+    async with Sandbox(policy) as box:
+        await box.run(["true"])
+        for _ in range(runs):
+            t = time.perf_counter()
+            await box.run(["true"])
+            true.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await box.run(["ls", "-l", "/usr/bin"], check=True)
+            listing.append(time.perf_counter() - t)
+    return true, listing
 
 
 async def main(runs: int) -> None:
@@ -62,6 +81,14 @@ async def main(runs: int) -> None:
     p50 = {name: line(name, samples) for name, samples in ready.items()}
     print("close")
     for name, samples in close.items():
+        line(name, samples)
+    print("warm run: true")
+    listings = {}
+    for name, policy in usable.items():
+        true, listings[name] = await warm(policy, runs)
+        line(name, true)
+    print("warm run: ls -l /usr/bin")
+    for name, samples in listings.items():
         line(name, samples)
     print("ratios (p50 create-to-ready)")
     base = p50.get("bwrap")

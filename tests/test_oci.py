@@ -307,3 +307,58 @@ async def test_the_seccomp_rules_hold_under_the_runtime(runtime: str, workspace:
     async with Sandbox(oci_policy(runtime), workspace=workspace) as sb:
         r = await sb.run(["python3", "-c", PROBE])
         assert r.stdout.split() == ["EPERM", "ok", "ENOSYS", "EPERM", "EPERM"], r.stderr
+
+
+# ---- runsc (gVisor) --------------------------------------------------------------------------
+@pytest.fixture
+def runsc() -> Policy:
+    return backend_policy("oci-runsc")
+
+
+async def test_runsc_box_writes_as_the_workspace_owner(runsc: Policy, tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    os.chown(ws, 1234, 1235)
+    async with Sandbox(runsc, workspace=ws) as sb:
+        r = await sb.run("id -u; mkdir d && echo x > d/f && ls -ln d/f", check=True)
+        await sb.files.write("tool.txt", "y")
+    uid, listing = r.stdout.splitlines()
+    assert uid == "1000" and listing.split()[2:4] == ["1000", "1000"]  # the box user inside
+    for path in (ws / "d", ws / "d" / "f", ws / "tool.txt"):
+        st = path.stat()
+        assert (st.st_uid, st.st_gid) == (1234, 1235), path  # the owner on the host
+
+
+async def test_runsc_box_cannot_read_a_host_users_private_file(
+    runsc: Policy, workspace: Path, tmp_path: Path
+) -> None:
+    # Box uid 1000 is not host uid 1000: a 0600 file of that host user stays unreadable.
+    secret = Path("/var/tmp") / f"corral-test-{os.getpid()}"
+    secret.write_text("private")
+    os.chown(secret, 1000, 1000)
+    secret.chmod(0o600)
+    try:
+        async with Sandbox(runsc, workspace=workspace) as sb:
+            r = await sb.run(["cat", str(secret)])
+        assert r.exit_code != 0 and "private" not in r.stdout
+    finally:
+        secret.unlink()
+
+
+async def test_runsc_commands_see_gvisor_and_stat_works(runsc: Policy, workspace: Path) -> None:
+    async with Sandbox(runsc, workspace=workspace) as sb:
+        assert not sb.warnings
+        r = await sb.run("cat /proc/version; ls -ld /workspace; stat -c %u /workspace")
+    version, listing, owner = r.stdout.splitlines()
+    # gVisor's kernel answers, not the host's (it reports a fixed old version).
+    assert version != Path("/proc/version").read_text().strip()
+    assert listing.startswith("drwx") and owner == "1000"  # statx works (the compat library)
+
+
+async def test_runsc_refuses_full_network_mode_with_the_reason(
+    runsc: Policy, workspace: Path
+) -> None:
+    policy = runsc.model_copy(update={"network": NetworkPolicy(mode="full")})
+    with pytest.raises(BackendUnavailable, match="'full' is not available with runsc"):
+        async with Sandbox(policy, workspace=workspace):
+            pass

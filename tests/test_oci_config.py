@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -12,6 +13,7 @@ from corral import Policy
 from corral.backends.host import seccomp
 from corral.backends.layout import HostView, Symlink
 from corral.backends.limits import Capabilities, plan_limits
+from corral.backends.oci import config as oci_config
 from corral.backends.oci.config import OciBundle, OciInputs, oci_bundle
 from corral.backends.users import HOST_UID_BASE
 
@@ -224,3 +226,42 @@ def test_every_shared_mount_appears_exactly_once(guests: list[str]) -> None:
     bound = binds(bundle(Policy.from_dict({"filesystem": {"mounts": mounts}})).config)
     for g in guests:
         assert bound.count((g, g, False)) == 1
+
+
+# ---- runsc (gVisor) --------------------------------------------------------------------------
+def test_gvisor_box_makes_every_mount_point_and_keeps_the_user_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(oci_config, "_other_can_open", lambda _p: True)
+    b = bundle(gvisor=True, seccomp_file="/st/seccomp.bpf", compat_library="/st/c.so")
+    dirs = dict(b.dirs)
+    # Its file server, box root, cannot write the root dir: even points in /run are made.
+    assert {"/run", "/run/corral", "/run/corral/agent", "/home/user"} <= set(dirs)
+    assert {oci_config.GUEST_SECCOMP, oci_config.GUEST_COMPAT} <= set(b.files)
+    linux = b.config["linux"]
+    assert {"type": "user"} in linux["namespaces"]
+    assert linux["uidMappings"] == bundle().config["linux"]["uidMappings"]
+    assert "seccomp" not in linux  # the agent installs corral's own filter
+    assert ("/st/seccomp.bpf", oci_config.GUEST_SECCOMP, False) in binds(b.config)
+    assert mounts_at(b.config, "/sys")[0]["type"] == "sysfs"
+
+
+def test_gvisor_box_leaves_out_masks_of_paths_its_file_server_cannot_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(oci_config, "_other_can_open", lambda p: p != "/etc/shadow")
+    policy = Policy.from_dict({"filesystem": {"deny_read": ["/etc/shadow", "/etc/ssh", ".git"]}})
+    dests = [d for s, d, _ in binds(bundle(policy, gvisor=True).config) if "masked" in s]
+    # /etc/shadow: unreadable to an unmapped uid, so unreadable in the box without a mask;
+    # masks inside the workspace always stay (its files are the box user's).
+    assert dests == ["/etc/ssh", "/workspace/.git"]
+    assert "/etc/shadow" in [d for _, d, _ in binds(bundle(policy).config)]
+
+
+def test_other_can_open_follows_the_mode_bits(tmp_path: Path) -> None:
+    public = tmp_path / "public"
+    public.write_text("x")
+    public.chmod(0o644)
+    assert oci_config._other_can_open("/etc/passwd")
+    assert not oci_config._other_can_open("/etc/shadow")  # 0640 root:shadow
+    assert not oci_config._other_can_open(str(public))  # below pytest's 0700 directory

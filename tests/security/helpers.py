@@ -108,6 +108,12 @@ def refused_or_kept_in_the_vm(sb: Sandbox, *refusals: str | None) -> set[str | N
     return set(refusals) | ({None} if root_is_copy_on_write(sb) else set())
 
 
+def gvisor(sb: Sandbox) -> bool:
+    """The box runs on gVisor's kernel (runsc): the same refusal may come with another errno,
+    and host kernel interfaces (/proc knobs, host processes) are simply not there."""
+    return sb.policy.runtime == "runsc"
+
+
 def needs_x86_64() -> None:
     if platform.machine() not in ("x86_64", "amd64"):
         pytest.skip("raw syscall numbers of the attack suite are x86_64's")

@@ -101,6 +101,12 @@ async def test_kill_the_guest_agent_from_the_host(sandbox: Sandbox) -> None:
         if b"agent.py" in Path(f"/proc/{p}/cmdline").read_bytes()
         and Path(f"/proc/{p}/comm").read_text().strip() != "bwrap"
     ]
+    if sandbox.policy.runtime == "runsc":  # the agent is a task of gVisor's kernel: kill that
+        agents = [
+            p
+            for p in host_pids_mentioning(sandbox.sandbox_id)
+            if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"runsc-sandbox")
+        ]
     if sandbox.policy.backend == "microvm":
         agents = [(await sandbox.info())["qemu_pid"]]
     assert agents, "the agent is not visible on the host"

@@ -178,6 +178,13 @@ def check_oci_runtime(name: str) -> Check:
     except SandboxError as exc:
         return Check(name, False, f"OCI backend: {exc.message}", required=False)
     where = f"{runtime.path} ({_version([runtime.path, '--version'])})"
+    if runtime.gvisor:
+        compat, why = oci.gvisor_compat_library()
+        where += (
+            "; gVisor: commands run on its own kernel (ptrace platform), no user namespace, "
+            "network modes none/allowlist/ports"
+        )
+        where += f"; {why}" if compat is None else "; stat compatibility library built"
     if runtime.hidden_mount:
         where += (
             f"; this host mixes cgroup v1 and v2, which crun refuses, so corral runs it in a "

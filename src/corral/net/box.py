@@ -158,8 +158,7 @@ class BoxNetwork:
     def admit(self, uid: int, gid: int) -> None:
         """Who connects to the sockets, when a backend knows better than the default (box
         root ``HOST_UID_BASE``, box user group ``COMMAND_HOST_ID``): the box user's group
-        where commands act as the workspace owner, host root for gVisor (its file server
-        connects for the box, as host root without DAC override)."""
+        where commands act as the workspace owner."""
         self.box_root, self.box_user_gid = uid, gid
         if self._started:
             for path in self.guest_dir.iterdir():

@@ -31,7 +31,7 @@ from pathlib import Path
 from corral.backends.base import BoxSpec
 from corral.backends.host import mounts, staging
 from corral.backends.layout import expand
-from corral.backends.users import BOX_UID, COMMAND_HOST_ID, HOST_UID_BASE
+from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE
 
 _SYS_OPEN_TREE = 428
 _SYS_MOVE_MOUNT = 429
@@ -47,7 +47,7 @@ _MOUNT_ATTR_IDMAP = 0x0010_0000
 
 _lock = threading.Lock()
 _probe_lock = threading.Lock()
-_userns: dict[tuple[int, int, int], int] = {}
+_userns: dict[tuple[int, int, bool], int] = {}
 
 
 def _syscall_for(path: str, nr: int, *args: object) -> int:
@@ -58,18 +58,17 @@ def _syscall_for(path: str, nr: int, *args: object) -> int:
         raise OSError(exc.errno, exc.strerror, path) from None
 
 
-def userns_fd(uid: int, gid: int, host_id: int = COMMAND_HOST_ID) -> int:
-    """A user namespace mapping on-disk ``uid``/``gid`` to ``host_id`` (who the box user is
-    on the host: COMMAND_HOST_ID, or BOX_UID itself in a box without a user namespace).
+def userns_fd(uid: int, gid: int, box_root: bool = False) -> int:
+    """A user namespace mapping on-disk ``uid``/``gid`` to COMMAND_HOST_ID.
+
+    ``box_root``: on-disk HOST_UID_BASE maps to itself too, so the box's root may create
+    files (gVisor's file server, box root, creates every file, then chowns it to its creator:
+    the box user's land as the owner's, box root's as HOST_UID_BASE, never host root).
 
     Cached for the life of the process, one open fd per workspace owner (bounded by the
-    number of owners, not of boxes): making one costs a short-lived ``unshare`` process.
-
-    With ``host_id`` BOX_UID (a gVisor box) host root is mapped too, onto the unprivileged
-    HOST_UID_BASE on disk: gVisor's file server creates every file as root, then chowns it
-    to its creator (the box user: the owner on disk; the box's root: HOST_UID_BASE)."""
+    number of owners, not of boxes): making one costs a short-lived ``unshare`` process."""
     with _lock:
-        fd = _userns.get((uid, gid, host_id))
+        fd = _userns.get((uid, gid, box_root))
         if fd is not None:
             return fd
         proc = subprocess.Popen(
@@ -82,9 +81,9 @@ def userns_fd(uid: int, gid: int, host_id: int = COMMAND_HOST_ID) -> int:
             assert proc.stdout is not None and proc.stdin is not None
             if not proc.stdout.readline():
                 raise OSError(f"unshare --user failed (exit {proc.wait()})")
-            root = f"{HOST_UID_BASE} 0 1\n" if host_id == BOX_UID else ""
-            Path(f"/proc/{proc.pid}/uid_map").write_text(f"{uid} {host_id} 1\n{root}")
-            Path(f"/proc/{proc.pid}/gid_map").write_text(f"{gid} {host_id} 1\n{root}")
+            root = f"{HOST_UID_BASE} {HOST_UID_BASE} 1\n" if box_root else ""
+            Path(f"/proc/{proc.pid}/uid_map").write_text(f"{uid} {COMMAND_HOST_ID} 1\n{root}")
+            Path(f"/proc/{proc.pid}/gid_map").write_text(f"{gid} {COMMAND_HOST_ID} 1\n{root}")
             fd = os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             if proc.stdin is not None:
@@ -93,15 +92,15 @@ def userns_fd(uid: int, gid: int, host_id: int = COMMAND_HOST_ID) -> int:
             proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
-        _userns[(uid, gid, host_id)] = fd
+        _userns[(uid, gid, box_root)] = fd
         return fd
 
 
-def mount_idmapped(source: str, target: str, host_id: int = COMMAND_HOST_ID) -> None:
+def mount_idmapped(source: str, target: str, box_root: bool = False) -> None:
     """Mount ``source`` (recursively, nosuid, nodev) at ``target``, its owner's files
-    appearing as ``host_id``'s."""
+    appearing as COMMAND_HOST_ID's (``box_root``: see :func:`userns_fd`)."""
     st = os.stat(source)
-    ns_fd = userns_fd(st.st_uid, st.st_gid, host_id)
+    ns_fd = userns_fd(st.st_uid, st.st_gid, box_root)
     tree = _syscall_for(
         source,
         _SYS_OPEN_TREE,
@@ -163,15 +162,15 @@ def _probe() -> str | None:
 class IdmappedBinds:
     """The idmapped mount points of one box; ``release`` after the box is gone."""
 
-    def __init__(self, sandbox_id: str, host_id: int = COMMAND_HOST_ID) -> None:
+    def __init__(self, sandbox_id: str, box_root: bool = False) -> None:
         self.sandbox_id = sandbox_id
-        self.host_id = host_id
+        self.box_root = box_root
         self.entries: list[Path] = []
 
     def add(self, source: str | os.PathLike[str]) -> Path:
         entry = staging.new_entry("mnt", f"{self.sandbox_id}.{len(self.entries)}")
         self.entries.append(entry)
-        mount_idmapped(os.fspath(source), str(entry / "ws"), self.host_id)
+        mount_idmapped(os.fspath(source), str(entry / "ws"), self.box_root)
         return entry / "ws"
 
     def release(self) -> None:
@@ -199,25 +198,23 @@ class SharedPaths:
             self.binds.release()
 
 
-def share_paths(
-    spec: BoxSpec, home: str | None = None, host_id: int = COMMAND_HOST_ID
-) -> SharedPaths:
-    """Idmap the workspace, ``allow_write`` paths and ``mounts`` of a box about to start,
-    their owners' files appearing as ``host_id``'s (who the box user is on the host).
+def share_paths(spec: BoxSpec, home: str | None = None, box_root: bool = False) -> SharedPaths:
+    """Idmap the workspace, ``allow_write`` paths and ``mounts`` of a box about to start
+    (``box_root``: writable by the box's root too, see :func:`userns_fd`).
 
     Falls back to mapping the box user to the workspace owner where idmapped mounts are not
     available (the reason becomes a warning of the box)."""
     reason = unsupported_reason()
     if spec.workspace_prepared and reason is None:
-        return SharedPaths(workspace=spec.workspace, uid=host_id, gid=host_id)
+        return SharedPaths(workspace=spec.workspace)
     if reason is not None:
         st = spec.workspace.stat()
         return SharedPaths(spec.workspace, uid=st.st_uid, gid=st.st_gid, warning=reason)
     fs = spec.policy.filesystem
-    binds = IdmappedBinds(spec.sandbox_id, host_id)
+    binds = IdmappedBinds(spec.sandbox_id, box_root)
     home = home or os.path.expanduser("~")
     try:
-        shared = SharedPaths(binds.add(spec.workspace), uid=host_id, gid=host_id, binds=binds)
+        shared = SharedPaths(workspace=binds.add(spec.workspace), binds=binds)
         for raw in fs.allow_write:
             path = expand(raw, home)
             if os.path.isdir(path):

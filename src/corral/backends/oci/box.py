@@ -23,6 +23,15 @@ The agent is PID 1 of the box: when it exits (its channel closed because the hos
 died), the kernel kills the rest of the box. ``close()`` and the orphan sweep use the
 runtime's ``delete --force``, which also removes the cgroups it made in every hierarchy.
 
+runsc (gVisor) runs the same bundle on its own kernel, with four differences: its file
+server, the box's root in the box's user namespace, makes every mount point in the root dir
+and cannot open host paths only root may read (their masks are left out: the box cannot
+reach them either); the agent installs corral's compiled seccomp filter itself (runsc's own
+OCI seccomp turns every errno into EPERM); commands preload a small library
+(``gvisor_compat.c``) since this runsc rejects ``AT_NO_AUTOMOUNT`` in stat calls; and the
+network is gVisor's loopback only (``--network=none``, with ``--host-uds=open`` for the
+proxy and relay sockets), so ``full`` mode is refused.
+
 crun refuses a hybrid cgroup host (v1 controllers plus a cgroup2 mount that holds a
 controller), which is this machine's layout. Every crun call therefore runs in a private
 mount namespace where the cgroup2 mount is detached: crun sees a pure v1 host, and the
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import json
@@ -64,13 +74,16 @@ from corral.backends.host.threads import blocking
 from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
-from corral.backends.users import BOX_UID, COMMAND_HOST_ID, HOST_UID_BASE
+from corral.backends.users import HOST_UID_BASE
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
 
 RUNTIMES = ("crun", "runc", "runsc")
 """Tried in this order when the policy names none: crun starts fastest."""
 RUNTIME_TIMEOUT = 15.0
+GVISOR_OWN_PIDS = 256
+"""Host tasks a gVisor box holds besides its own processes (Go threads of its kernel and
+file server, about 90 to 140 when idle): added to ``pids.max`` like bwrap's init."""
 _PACKAGES = {"runc": "runc", "crun": "crun", "runsc": "runsc (gVisor, from gvisor.dev)"}
 _CLONE_NEWNS = 0x00020000
 _CLONE_FS = 0x00000200
@@ -436,7 +449,16 @@ class OciBackend(BackendBase):
         problem = unplaceable_mount(spec.policy)
         if problem is not None:
             raise PolicyError(problem)
-        limits = plan_limits(spec.policy.limits, self.limit_caps)
+        if runtime.gvisor and spec.policy.network.mode == "full":
+            raise BackendUnavailable(
+                "network mode 'full' is not available with runsc here: this gVisor release "
+                "does not take the interfaces of the network namespace corral prepares; use "
+                "network.mode 'allowlist' or 'ports', or runc/crun for 'full'"
+            )
+        caps = self.limit_caps
+        if runtime.gvisor:  # the sentry's and gofer's own threads live in the box's cgroup
+            caps = dataclasses.replace(caps, own_pids=GVISOR_OWN_PIDS)
+        limits = plan_limits(spec.policy.limits, caps)
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cgroup: cgroups.Cgroup | None = None
         held: list[idmap.SharedPaths] = []
@@ -444,9 +466,8 @@ class OciBackend(BackendBase):
             # Directories, owner.json and the idmapped mounts, then the bundle, in threads:
             # mount calls wait for RCU grace periods, and a bundle is dozens of mkdirs.
             shared = await blocking(self._share, spec, held)
-            if spec.network is not None:  # who connects to its sockets (gVisor: host root)
-                owner = (0, 0) if runtime.gvisor else (HOST_UID_BASE, shared.gid)
-                spec.network.admit(*owner)
+            if spec.network is not None:  # who connects to its sockets
+                spec.network.admit(HOST_UID_BASE, shared.gid)
             # full mode: the box joins a namespace corral made and fenced (by path: the
             # runtime's init is not dumpable, so pasta could not attach to it by pid).
             netns = await spec.network.make_netns() if spec.network is not None else None
@@ -476,9 +497,8 @@ class OciBackend(BackendBase):
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         runtime = self.runtime
         write_owner(spec.state_dir, "oci", runtime=runtime.name, runtime_root=str(runtime.root))
-        # No user namespace in a gVisor box: the box user is host uid 1000 to its file
-        # server, so shared paths are idmapped onto 1000 (COMMAND_HOST_ID otherwise).
-        shared = idmap.share_paths(spec, host_id=BOX_UID if runtime.gvisor else COMMAND_HOST_ID)
+        # gVisor's file server is the box's root: shared paths take its files too.
+        shared = idmap.share_paths(spec, box_root=runtime.gvisor)
         held.append(shared)
         return shared
 

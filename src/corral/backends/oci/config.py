@@ -17,6 +17,10 @@ agent, same users), expressed in the OCI runtime spec so that runc, crun or runs
     linux.resources    memory/pids/cpu limits the host's cgroups can enforce, in the
                        group ``cgroupsPath`` = ``/corral/<box id>`` (the bwrap path too)
 
+For runsc (``OciInputs.gvisor``) the seccomp filter is left to the agent, every mount
+point is made in the root dir, and masks over host paths an unmapped uid cannot open are
+left out (see :func:`_reachable_masks`).
+
 Symlinks of the host root (``/bin -> usr/bin``) and mount points outside the host binds
 cannot be expressed as mounts: :func:`oci_bundle` lists them for the driver to create in
 the root directory before the runtime starts.
@@ -67,7 +71,7 @@ GUEST_SECCOMP = "/run/corral/seccomp.bpf"
 GUEST_COMPAT = "/run/corral/gvisor-compat.so"
 """Where a gVisor box's commands find the library they preload (``gvisor_compat.c``)."""
 NAMESPACES = ("user", "pid", "ipc", "uts", "mount", "cgroup")
-"""Namespaces of a runc or crun box besides the network's (runsc: all but the user's)."""
+"""Namespaces of a box besides the network's."""
 # Mounted by the runtime itself, so never bound from the host.
 _OWN_MOUNTS = ("/proc", "/dev", "/sys", "/tmp", "/run", "/home")
 
@@ -101,9 +105,10 @@ class OciInputs:
     compat_library: str | None = None
     """gVisor: the compatibility library (host path), bound at :data:`GUEST_COMPAT`."""
     gvisor: bool = False
-    """runsc: no user namespace (gVisor's own kernel is the wall; box uid 1000 is host uid
-    1000 to its file server, so shared paths are idmapped onto 1000), every mount point made
-    in the root dir (its file server cannot write there), its own sysfs in every mode."""
+    """runsc: gVisor's file server runs as the box's root in the box's user namespace, so
+    every mount point is made in the root dir (it may not write there), and masks over host
+    paths it may not open are left out (out of the box's reach anyway); its own sysfs in
+    every network mode; the seccomp filter comes from the agent (see :func:`oci_bundle`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +235,39 @@ def _mount_points(
     return list(dirs.items()), [f for f in files if f not in dirs]
 
 
+def _other_can_open(path: str) -> bool:
+    """Whether a host uid with no grants (gVisor's file server: box root, an unmapped host
+    uid to every host file) can open ``path``: readable by others below searchable dirs."""
+    try:
+        if not os.stat(path).st_mode & 0o004:
+            return False
+        parent = os.path.dirname(os.path.normpath(path))
+        while parent not in ("/", ""):
+            if not os.stat(parent).st_mode & 0o001:
+                return False
+            parent = os.path.dirname(parent)
+    except OSError:
+        return True  # not on this host (pure tests): keep the mask
+    return True
+
+
+def _reachable_masks(binds: list[Bind], masks: set[str]) -> list[Bind]:
+    """The binds without the masks of host paths gVisor's file server cannot open.
+
+    It opens a mask's destination to mount over it, as box root: an unmapped host uid, so
+    a host path only root may read (``/etc/shadow``) fails the whole box. Such a path is out
+    of the box's reach already, for the same reason: every file a gVisor box reads, its file
+    server opens. Masks inside shared paths (their files are the box user's) always stay."""
+    shared = [b.dest for b in binds if b.writable or b.source not in masks | {b.dest}]
+    return [
+        b
+        for b in binds
+        if b.source not in masks
+        or any(b.dest == d or b.dest.startswith(d.rstrip("/") + "/") for d in shared)
+        or _other_can_open(b.dest)
+    ]
+
+
 def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> OciBundle:
     """Translate a policy into the OCI bundle (config.json and root dir) of one box."""
     host = host or HostView()
@@ -249,12 +287,13 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         *([Bind(inp.compat_library, GUEST_COMPAT)] if inp.compat_library else []),
         *policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources),
     ]
+    if inp.gvisor:
+        binds = _reachable_masks(binds, {str(inp.masked_file), str(inp.masked_dir)})
     mounts = _system_mounts(policy, own_sysfs) + [_bind(b, host) for b in binds]
     host_roots = {b.dest for b in root_binds}
     dirs, files = _mount_points(mounts, host_roots, host, everywhere=inp.gvisor)
     limits = inp.limits or plan_limits(policy.limits, Capabilities("cgroup v1"))
-    kinds = ("pid", "ipc", "uts", "mount", "cgroup") if inp.gvisor else NAMESPACES
-    namespaces: list[dict[str, str]] = [{"type": t} for t in kinds]
+    namespaces: list[dict[str, str]] = [{"type": t} for t in NAMESPACES]
     network = {"type": "network"}
     if inp.netns_path is not None:
         network["path"] = inp.netns_path
@@ -284,6 +323,8 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         "mounts": mounts,
         "linux": {
             "namespaces": namespaces,
+            "uidMappings": _mappings(inp.owner_uid),
+            "gidMappings": _mappings(inp.owner_gid),
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(PROC_READ_ONLY),
             "seccomp": seccomp.oci_seccomp(policy.security.preset),
@@ -295,9 +336,6 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         # runsc's OCI seccomp turns every errno into EPERM and is off by default: the agent
         # installs corral's compiled filter on itself instead, which gVisor's kernel enforces.
         del config["linux"]["seccomp"]
-    else:
-        config["linux"]["uidMappings"] = _mappings(inp.owner_uid)
-        config["linux"]["gidMappings"] = _mappings(inp.owner_gid)
     return OciBundle(
         config=config,
         dirs=tuple(dirs),
