@@ -8,6 +8,7 @@ the host's loopback.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -173,6 +174,11 @@ def test_corral_run_prints_the_refusals_after_the_command(workspace: Path) -> No
         "corral: network refused: denied.test:443 is not in network.allow_hosts; allow it with "
         "--allow-host denied.test",
     ]
+    r = subprocess.run(
+        [*argv[:4], "--json", *argv[4:]], capture_output=True, text=True, check=False
+    )
+    (refusal,) = json.loads(r.stdout)["network_refusals"]
+    assert (refusal["host"], refusal["port"], refusal["status"]) == ("denied.test", 443, 403)
 
 
 async def test_a_direct_connection_ignoring_the_proxy_fails(
