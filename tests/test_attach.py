@@ -34,6 +34,8 @@ from corral.sessions import attach
 from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match
 from corral.sessions.pty import PtySession
 from corral.sessions.terminal import DetachDetector, parse_detach_keys
+from corral.tools import Toolbox
+from corral.tools.mcp import ServerConfig
 
 pytestmark = pytest.mark.usefixtures("sessions_dir")
 
@@ -403,3 +405,16 @@ async def test_corral_shell_detaches_and_is_reattachable(
     back.type(b"exit 5\r")
     assert await back.exit_status() == 5
     assert await term.exit_status() == 5  # `corral shell` ends with its shell
+
+
+@pytest.mark.needs_bwrap
+async def test_agent_shells_are_attachable_only_when_the_toolbox_shares_them(
+    sandbox: Sandbox,
+) -> None:
+    assert ServerConfig().share_shells  # the MCP server's default: the human hand-off
+    private = await Toolbox(sandbox).call("open_shell", {})
+    assert await asyncio.to_thread(attach.list_sessions) == []
+    shared = await Toolbox(sandbox, share_shells=True).call("open_shell", {})
+    listed = await asyncio.to_thread(attach.list_sessions)
+    assert [s["session_id"] for _, s in listed] == [shared["session_id"]]
+    assert private["session_id"] != shared["session_id"]
