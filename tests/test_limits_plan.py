@@ -20,6 +20,7 @@ from corral.policy import (
 )
 
 V1 = Capabilities("cgroup v1", swap="capped", own_pids=1)
+GVISOR = Capabilities("cgroup v1", swap="capped", own_pids=256, own_memory_bytes=48 << 20)
 V2 = Capabilities("cgroup v2", swap="inactive")
 GUEST = Capabilities("guest cgroup v2", swap="inactive", vm_memory_mb=1280, vm_cpus=2)
 NONE = Capabilities("none", controllers=frozenset(), reason="cgroups are read-only here")
@@ -28,7 +29,7 @@ memory = st.one_of(st.none(), st.integers(MIN_MEMORY_BYTES, 1 << 40))
 quota = st.one_of(st.none(), st.floats(MIN_CPU_QUOTA, 64.0))
 pids = st.one_of(st.none(), st.integers(MIN_PIDS, 1 << 22))
 limits = st.builds(Limits, memory_bytes=memory, cpu_quota=quota, max_pids=pids)
-caps = st.sampled_from([V1, V2, NONE])
+caps = st.sampled_from([V1, V2, GVISOR, NONE])
 
 
 @given(limits, caps)
@@ -49,6 +50,8 @@ def test_effective_values_are_what_the_kernel_keeps(lim: Limits, cap: Capabiliti
     assert plan.max_pids == lim.max_pids
     if lim.max_pids is not None:
         assert plan.pids_max == lim.max_pids + cap.own_pids
+    if plan.memory_bytes is not None:
+        assert plan.memory_max == plan.memory_bytes + cap.own_memory_bytes
 
 
 @given(limits)

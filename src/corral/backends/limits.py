@@ -62,6 +62,8 @@ class Capabilities:
     own_pids: processes the backend itself keeps in the box's cgroup beside the guest agent
         (bwrap's init: 1). They are added to ``pids.max``, so ``max_pids`` leaves commands
         the same room on every backend.
+    own_memory_bytes: memory the backend's own processes charge to the box's cgroup (gVisor's
+        kernel), added to the cgroup's cap in the same way.
     vm_memory_mb, vm_cpus: a microVM's RAM and CPUs, which bound what its limits can mean.
     """
 
@@ -69,6 +71,7 @@ class Capabilities:
     controllers: frozenset[str] = frozenset({"memory", "cpu", "pids"})
     swap: Swap = "capped"
     own_pids: int = 0
+    own_memory_bytes: int = 0
     vm_memory_mb: int | None = None
     vm_cpus: int | None = None
     reason: str = ""
@@ -81,6 +84,8 @@ class LimitPlan:
     mechanism: Mechanism
     memory_bytes: int | None
     """The memory cap in bytes (whole pages), or None."""
+    memory_max: int | None
+    """What the cgroup's memory cap gets: ``memory_bytes`` plus the backend's own use."""
     swap_capped: bool
     """Cap memory+swap at ``memory_bytes`` too (v1 ``memsw``; v2 ``memory.swap.max`` = 0)."""
     cpu_quota_us: int | None
@@ -157,6 +162,7 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
     return LimitPlan(
         mechanism=caps.mechanism,
         memory_bytes=memory,
+        memory_max=None if memory is None else memory + caps.own_memory_bytes,
         swap_capped=memory_enforced and caps.swap == "capped",
         cpu_quota_us=quota,
         max_pids=pids,

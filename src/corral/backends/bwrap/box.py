@@ -351,7 +351,7 @@ class BwrapBackend(BackendBase):
         if plan.mechanism == "none":
             return None, warnings
         wanted = cgroups.CgroupLimits(
-            memory_bytes=plan.memory_bytes, cpu_quota=plan.cpu_quota, max_pids=plan.pids_max
+            memory_bytes=plan.memory_max, cpu_quota=plan.cpu_quota, max_pids=plan.pids_max
         )
         group = cgroups.Cgroup.create(spec.sandbox_id, wanted, self.cgroup_support)
         return group, warnings + cgroups.late_unenforced(group, plan)

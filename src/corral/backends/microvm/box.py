@@ -237,7 +237,7 @@ def boot_plan(
         deny_write=tuple(guest_path(p, policy, host) for p in fs.deny_write),
         minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
         passwd=passwd_text(uid, gid),
-        memory_max=limits.memory_bytes,
+        memory_max=limits.memory_max,
         pids_max=limits.pids_max,
         cpu_max_us=limits.cpu_quota_us,
     )

@@ -84,6 +84,9 @@ RUNTIME_TIMEOUT = 15.0
 GVISOR_OWN_PIDS = 256
 """Host tasks a gVisor box holds besides its own processes (Go threads of its kernel and
 file server, about 90 to 140 when idle): added to ``pids.max`` like bwrap's init."""
+GVISOR_OWN_MEMORY = 48 << 20
+"""What gVisor's kernel and file server charge to the box's cgroup (26-31 MiB measured): added
+to its memory cap, so a 16 MiB limit starts a box as on the other backends."""
 _PACKAGES = {"runc": "runc", "crun": "crun", "runsc": "runsc (gVisor, from gvisor.dev)"}
 _CLONE_NEWNS = 0x00020000
 _CLONE_FS = 0x00000200
@@ -457,7 +460,9 @@ class OciBackend(BackendBase):
             )
         caps = self.limit_caps
         if runtime.gvisor:  # the sentry's and gofer's own threads live in the box's cgroup
-            caps = dataclasses.replace(caps, own_pids=GVISOR_OWN_PIDS)
+            caps = dataclasses.replace(
+                caps, own_pids=GVISOR_OWN_PIDS, own_memory_bytes=GVISOR_OWN_MEMORY
+            )
         limits = plan_limits(spec.policy.limits, caps)
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cgroup: cgroups.Cgroup | None = None

@@ -193,11 +193,11 @@ def _resources(plan: LimitPlan) -> dict[str, Any]:
     res: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
     if plan.mechanism == "none":
         return res
-    if plan.memory_bytes is not None and "memory_bytes" not in plan.unenforced:
-        res["memory"] = {"limit": plan.memory_bytes}
+    if plan.memory_max is not None and "memory_bytes" not in plan.unenforced:
+        res["memory"] = {"limit": plan.memory_max}
         if plan.swap_capped:
             # OCI's swap is memory + swap: equal to the limit means no swap at all.
-            res["memory"]["swap"] = plan.memory_bytes
+            res["memory"]["swap"] = plan.memory_max
     if plan.pids_max is not None and "max_pids" not in plan.unenforced:
         res["pids"] = {"limit": plan.pids_max}
     if plan.cpu_quota_us is not None and "cpu_quota" not in plan.unenforced:
