@@ -3,6 +3,7 @@
 Inside a box there is no ``corral`` package: the backend starts ``python3 -I -S agent.py``
 with this directory on ``sys.path``, and the modules import each other as top-level siblings.
 The host imports the shared parts (:mod:`protocol`, :mod:`vmlink`) as ``corral.agent.*``.
+Start with :mod:`protocol` (what the host may ask, what the agent answers), then :mod:`loop`.
 
 =============  ===========================================================================
 module         concern
@@ -16,6 +17,7 @@ info.py        what the box reports: kernel and memory, a process group's use, c
 relays.py      loopback listeners relaying to host unix sockets (egress proxy, ports)
 vmlink.py      a microVM's network link: connections multiplexed over a port device
 vminit.py      a microVM's PID 1: preload, snapshot point, mounts, switch root, clock
-seccomp.py     install the host's compiled seccomp filter on the agent (microVM)
+seccomp.py     install the host's compiled seccomp filter on the agent (microVM, gVisor)
+lean.py        json and a poller from the C modules alone (a faster start)
 =============  ===========================================================================
 """
