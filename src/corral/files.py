@@ -95,6 +95,10 @@ class Files:
         self.on_denied: Callable[[str, str, str], None] | None = None
         """Called with (operation, path, reason) for every refused operation (audit log)."""
 
+    def use_policy(self, policy: Policy) -> None:
+        """The policy with its paths resolved, once the sandbox knows its workspace."""
+        self._policy = policy
+
     def _resolve(self, path: str) -> Resolved:
         try:
             return resolve(path, self._policy)

@@ -8,6 +8,8 @@ mirrors the spec's ``SandboxConfig``. Sizes accept integers (bytes) or strings s
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -103,12 +105,39 @@ def _no_core_dumps() -> dict[RlimitName, int]:
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    def __init__(self, **data: Any) -> None:
+        """Validate; a bad field is a :class:`PolicyError` naming it, never pydantic's raw
+        ``ValidationError``."""
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise PolicyError(_describe(exc)) from None
+
+    # Nested models are validated by pydantic directly, as with BaseModel's own __init__
+    # (pydantic's RootModel marks its __init__ the same way); only the outer call converts.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+
+def _one_or_many(value: object) -> object:
+    """A single string where a list is expected (``deny_read = "~/.ssh"``) is one entry."""
+    if isinstance(value, (str, Path)):
+        return (str(value),)
+    return value
+
+
+def _one_port_or_many(value: object) -> object:
+    return (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+Paths = Annotated[tuple[str, ...], BeforeValidator(_one_or_many)]
+Names = Annotated[tuple[str, ...], BeforeValidator(_one_or_many)]
+
 
 class Mount(_Model):
     """A host directory shared into the box (the spec's shared directories)."""
 
     host: Path
-    """Directory on the host."""
+    """Directory on the host; a relative path is relative to the workspace."""
     guest: str
     """Absolute path inside the box."""
     mode: Literal["ro", "rw"] = "ro"
@@ -124,11 +153,12 @@ class Mount(_Model):
 class FilesystemPolicy(_Model):
     inherit_readable: bool = True
     """See the host root read-only (true), or only a minimal root for sh/python3/node (false)."""
-    allow_write: tuple[str, ...] = ()
-    """Extra host paths writable inside (at the same path). The workspace is always writable."""
-    deny_write: tuple[str, ...] = ()
+    allow_write: Paths = ()
+    """Extra host paths writable inside (at the same path). The workspace is always writable.
+    A relative path is relative to the workspace (see :meth:`Policy.for_workspace`)."""
+    deny_write: Paths = ()
     """Paths made read-only inside, even within writable areas (e.g. ``/workspace/.git``)."""
-    deny_read: tuple[str, ...] = DEFAULT_DENY_READ
+    deny_read: Paths = DEFAULT_DENY_READ
     """Paths masked inside: neither readable nor listable."""
     mounts: tuple[Mount, ...] = ()
     """Host directories shared into the box."""
@@ -144,11 +174,13 @@ class NetworkPolicy(_Model):
     """``none``: loopback only. ``allowlist``: egress only through corral's proxy to
     ``allow_hosts``. ``ports``: only the host loopback ``ports`` are reachable inside.
     ``full``: user-mode NAT, with the host's loopback and private ranges blocked."""
-    allow_hosts: tuple[str, ...] = ()
+    allow_hosts: Names = ()
     """``host`` or ``host:port`` entries; ``*.example.com`` matches every subdomain."""
-    ports: tuple[Annotated[int, Field(gt=0, lt=65536)], ...] = ()
+    ports: Annotated[
+        tuple[Annotated[int, Field(gt=0, lt=65536)], ...], BeforeValidator(_one_port_or_many)
+    ] = ()
     """Host loopback TCP ports exposed inside the box at the same number."""
-    allow_private: tuple[str, ...] = ()
+    allow_private: Names = ()
     """Addresses or CIDRs reachable although private, loopback or link-local."""
 
 
@@ -289,19 +321,72 @@ class Policy(_Model):
             raise PolicyError(_describe(exc)) from None
 
     @classmethod
-    def load(cls, path: str | Path) -> Policy:
-        """Load a TOML policy file (``corral run --policy corral.toml``)."""
+    def load(cls, path: str | os.PathLike[str]) -> Policy:
+        """Load a policy file (``corral run --policy corral.toml``): TOML, or JSON when the
+        name ends in ``.json``."""
         p = Path(path)
         try:
-            data = tomllib.loads(p.read_text())
+            text = p.read_text()
         except FileNotFoundError:
             raise PolicyError(f"policy file not found: {p}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise PolicyError(f"policy file {p} is not valid TOML: {exc}") from None
+        except IsADirectoryError:
+            raise PolicyError(
+                f"policy file {p} is a directory; give a .toml or .json file"
+            ) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PolicyError(f"policy file {p} cannot be read: {exc}") from None
+        data: object
+        if p.suffix.lower() == ".json":
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise PolicyError(f"policy file {p} is not valid JSON: {exc}") from None
+        else:
+            try:
+                data = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as exc:
+                raise PolicyError(f"policy file {p} is not valid TOML: {exc}") from None
+        if not isinstance(data, dict):
+            raise PolicyError(f"policy file {p} must hold a table of fields, not {data!r:.40}")
         try:
             return cls.from_dict(data)
         except PolicyError as exc:
             raise PolicyError(f"{p}: {exc.message}") from None
+
+    def for_workspace(self, workspace: str | os.PathLike[str]) -> Policy:
+        """This policy with relative host paths resolved against ``workspace``: an
+        ``allow_write`` entry inside the workspace is dropped (the workspace is writable
+        already), one outside it (``../shared``) becomes absolute; a mount's relative ``host``
+        becomes absolute. ``deny_*`` entries stay relative: they name paths in the box's
+        workspace. Returns ``self`` when nothing is relative."""
+        fs = self.filesystem
+        if all(_anchored(p) for p in fs.allow_write) and all(
+            m.host.is_absolute() for m in fs.mounts
+        ):
+            return self
+        ws = Path(workspace).resolve()
+        allow: list[str] = []
+        for raw in fs.allow_write:
+            if _anchored(raw):
+                allow.append(raw)
+                continue
+            path = Path(os.path.normpath(ws / raw))
+            if path != ws and not path.is_relative_to(ws):
+                allow.append(str(path))
+        mounts = tuple(
+            m if m.host.is_absolute() else m.model_copy(update={"host": ws / m.host})
+            for m in fs.mounts
+        )
+        # Rebuilt through validation, not model_copy: the result is checked like any policy.
+        data = self.model_dump()
+        data["filesystem"]["allow_write"] = tuple(allow)
+        data["filesystem"]["mounts"] = [m.model_dump() for m in mounts]
+        return Policy.model_validate(data)
+
+
+def _anchored(path: str) -> bool:
+    """Absolute or under the home (``~``): not relative to the workspace."""
+    return path.startswith(("/", "~/")) or path == "~"
 
 
 def vm_room(memory_mb: int) -> int:

@@ -43,7 +43,7 @@ from corral.backends.layout import HostView, guest_path
 from corral.backends.users import COMMAND_HOST_ID
 from corral.models import CommandResult
 from corral.policy import Policy, RlimitName
-from corral.sandbox import Command, Sandbox
+from corral.sandbox import Command, Sandbox, as_policy
 
 
 def needs_fresh_box(policy: Policy) -> str | None:
@@ -51,6 +51,8 @@ def needs_fresh_box(policy: Policy) -> str | None:
     if policy.backend != "bwrap":
         return f"the warm pool supports the bwrap backend, not {policy.backend!r}"
     fs = policy.filesystem
+    if policy.for_workspace("/") is not policy:
+        return "relative allow_write or mount paths are resolved when a box starts"
     for raw in (*fs.deny_read, *fs.deny_write):
         guest = guest_path(raw, policy, HostView())
         if guest == policy.workdir or guest.startswith(policy.workdir.rstrip("/") + "/"):
@@ -86,7 +88,7 @@ class SandboxPool:
 
     def __init__(
         self,
-        policy: Policy | None = None,
+        policy: Policy | str | os.PathLike[str] | None = None,
         *,
         size: int = 2,
         owner: tuple[int, int] | None = None,
@@ -96,7 +98,7 @@ class SandboxPool:
             raise errors.SandboxError(
                 f"pool size must be at least 1, got {size}", code=errors.ErrorCode.INVALID_INPUT
             )
-        self.policy = policy or Policy()
+        self.policy = as_policy(policy)
         self.size = size
         self.owner = owner or (os.getuid(), os.getgid())
         """Workspaces of this uid/gid are served warm; others get a fresh box."""

@@ -20,7 +20,8 @@ import shlex
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -68,23 +69,62 @@ def _invalid(message: str) -> errors.SandboxError:
     return errors.SandboxError(message, code=errors.ErrorCode.INVALID_INPUT)
 
 
+_RLIMIT_NAMES: tuple[str, ...] = typing.get_args(RlimitName)
+
+
+def _checked_rlimits(
+    rlimits: Mapping[RlimitName, int] | Mapping[str, int] | None,
+) -> dict[str, int]:
+    """A call's rlimits, refused as a PolicyError naming the entry when the agent could not
+    set it (an unknown name, a value that is not a count)."""
+    out: dict[str, int] = {}
+    for name, value in (rlimits or {}).items():
+        if name not in _RLIMIT_NAMES:
+            raise errors.PolicyError(
+                f"rlimits.{name}: unknown rlimit; use one of {', '.join(_RLIMIT_NAMES)}"
+            )
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise errors.PolicyError(f"rlimits.{name}: {value!r} is not a count >= 0")
+        out[name] = value
+    return out
+
+
+def as_policy(
+    policy: Policy | str | os.PathLike[str] | None, workspace: Path | None = None
+) -> Policy:
+    """A :class:`Policy` from a policy, a policy file's path, or None (the default policy),
+    with relative host paths resolved against ``workspace`` when it is known."""
+    if policy is None:
+        policy = Policy()
+    elif isinstance(policy, (str, os.PathLike)):
+        policy = Policy.load(policy)
+    elif not isinstance(policy, Policy):
+        raise errors.PolicyError(
+            f"policy must be a corral.Policy or the path of a policy file, "
+            f"not {type(policy).__name__}"
+        )
+    return policy.for_workspace(workspace) if workspace is not None else policy
+
+
 class Sandbox:
     """A Linux sandbox running the guest agent. Use as ``async with Sandbox(...) as sb``."""
 
     def __init__(
         self,
-        policy: Policy | None = None,
+        policy: Policy | str | os.PathLike[str] | None = None,
         *,
         workspace: str | os.PathLike[str] | None = None,
         backend: Backend | None = None,
         resolver: Resolver | None = None,
     ) -> None:
-        """``resolver``: how the egress proxy (network mode ``allowlist``) resolves names;
-        default the host's resolver. A :class:`corral.net.StaticResolver` pins names."""
-        self.policy = policy or Policy()
+        """``policy``: a :class:`Policy`, or the path of a policy file (TOML or JSON, see
+        :meth:`Policy.load`). ``resolver``: how the egress proxy (network mode ``allowlist``)
+        resolves names; default the host's resolver. A :class:`corral.net.StaticResolver`
+        pins names."""
+        self._workspace_arg = Path(workspace).resolve() if workspace is not None else None
+        self.policy = as_policy(policy, self._workspace_arg)
         self._resolver = resolver
         self._network: BoxNetwork | None = None
-        self._workspace_arg = Path(workspace).resolve() if workspace is not None else None
         self._backend = backend
         self._box: Box | None = None
         self._channel: Channel | None = None
@@ -130,6 +170,10 @@ class Sandbox:
         if self._workspace_arg is None:
             self._owned_workspace = Path(tempfile.mkdtemp(prefix="corral-ws-"))
             self.workspace = self._owned_workspace
+            resolved = self.policy.for_workspace(self._owned_workspace)
+            if resolved is not self.policy:
+                self.policy = resolved
+                self.files.use_policy(resolved)
         elif not self._workspace_arg.is_dir():
             raise errors.SandboxError(
                 f"workspace {self._workspace_arg} is not a directory; create it or pick another",
@@ -362,7 +406,7 @@ class Sandbox:
             "argv": argv,
             "cwd": self._cwd(cwd),
             "env": {**box_env(self.policy), **(env or {})},
-            "rlimits": {**self.policy.limits.rlimits, **(rlimits or {})},
+            "rlimits": {**self.policy.limits.rlimits, **_checked_rlimits(rlimits)},
             "pty": pty,
             "cols": cols,
             "rows": rows,

@@ -118,7 +118,7 @@ class SyncSandbox:
 
     def __init__(
         self,
-        policy: Policy | None = None,
+        policy: Policy | str | os.PathLike[str] | None = None,
         *,
         workspace: str | os.PathLike[str] | None = None,
         resolver: Resolver | None = None,

@@ -1,0 +1,112 @@
+"""Policy input as users write it: errors in corral's words, a policy given as a file, a
+string where a list is expected, relative paths resolved against the workspace, and a bad
+rlimit name refused before it reaches the box."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import corral
+from corral import Policy, PolicyError, Sandbox
+from corral.errors import ErrorCode
+from corral.policy import FilesystemPolicy, Limits, Mount
+
+
+def test_a_bad_field_is_a_policy_error_naming_it() -> None:
+    with pytest.raises(PolicyError) as info:
+        Policy(limits={"cpu_quota": -1})
+    assert isinstance(info.value, ValueError)
+    assert info.value.code is ErrorCode.INVALID_POLICY
+    assert "limits.cpu_quota" in info.value.message
+    assert "pydantic" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: Limits(max_pids=1),
+        lambda: FilesystemPolicy(tmp_size=-1),
+        lambda: Mount(host=Path("/tmp"), guest="relative"),
+        lambda: Policy(bogus=1),  # type: ignore[call-arg]
+    ],
+)
+def test_every_policy_model_raises_policy_error(build: object) -> None:
+    with pytest.raises(PolicyError, match="invalid policy: "):
+        build()  # type: ignore[operator]
+
+
+def test_a_string_where_a_list_is_expected_is_one_entry() -> None:
+    p = Policy.from_dict(
+        {
+            "filesystem": {"deny_read": "~/.ssh", "allow_write": "/srv/out"},
+            "network": {"allow_hosts": "pypi.org", "ports": 8080},
+        }
+    )
+    assert p.filesystem.deny_read == ("~/.ssh",)
+    assert p.filesystem.allow_write == ("/srv/out",)
+    assert p.network.allow_hosts == ("pypi.org",)
+    assert p.network.ports == (8080,)
+
+
+def test_relative_paths_resolve_against_the_workspace(tmp_path: Path) -> None:
+    p = Policy(
+        filesystem=FilesystemPolicy(
+            allow_write=(".", "build", "../shared", "/srv/x", "~/cache"),
+            mounts=(Mount(host=Path("data"), guest="/data"),),
+        )
+    )
+    ws = tmp_path / "ws"
+    r = p.for_workspace(ws)
+    # Inside the workspace: writable already; outside: absolute; anchored: unchanged.
+    assert r.filesystem.allow_write == (str(tmp_path / "shared"), "/srv/x", "~/cache")
+    assert r.filesystem.mounts[0].host == ws / "data"
+    plain = Policy()
+    assert plain.for_workspace(ws) is plain
+
+
+def test_policy_files_toml_and_json(tmp_path: Path) -> None:
+    toml = tmp_path / "p.toml"
+    toml.write_text('[filesystem]\ndeny_read = "~/.ssh"\n[limits]\nmax_pids = 64\n')
+    assert Policy.load(toml).limits.max_pids == 64
+    js = tmp_path / "p.json"
+    js.write_text(json.dumps({"limits": {"max_pids": 32}}))
+    assert Policy.load(js).limits.max_pids == 32
+    assert Sandbox(policy=str(js)).policy.limits.max_pids == 32
+    assert Sandbox(policy=toml).policy.filesystem.deny_read == ("~/.ssh",)
+    with pytest.raises(PolicyError, match="not found"):
+        Sandbox(policy=str(tmp_path / "missing.toml"))
+    with pytest.raises(PolicyError, match="is a directory"):
+        Policy.load(tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(PolicyError, match="table of fields"):
+        Policy.load(bad)
+    with pytest.raises(PolicyError, match=r"corral\.Policy or the path"):
+        Sandbox(policy=42)  # type: ignore[arg-type]
+
+
+async def test_allow_write_dot_starts_and_the_workspace_is_writable(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    policy = Policy(filesystem=FilesystemPolicy(allow_write=(".",)))
+    async with Sandbox(policy, workspace=ws) as sb:
+        r = await sb.run("echo hi > made && cat made")
+    assert r.exit_code == 0, r.stderr
+    assert (ws / "made").read_text() == "hi\n"
+
+
+async def test_a_bad_rlimit_name_is_a_policy_error(tmp_path: Path) -> None:
+    async with Sandbox(workspace=tmp_path) as sb:
+        with pytest.raises(PolicyError, match=r"rlimits\.Nofile: unknown rlimit"):
+            await sb.run("true", rlimits={"Nofile": 10})  # type: ignore[dict-item]
+        with pytest.raises(PolicyError, match=r"rlimits\.nofile"):
+            await sb.run("true", rlimits={"nofile": -1})
+        r = await sb.run("ulimit -n", rlimits={"nofile": 77})
+    assert r.stdout.strip() == "77"
+
+
+def test_policy_error_is_exported() -> None:
+    assert corral.PolicyError is PolicyError
