@@ -102,8 +102,8 @@ def test_run_without_command_is_usage_error() -> None:
 
 def test_missing_program_is_reported_without_traceback(workspace: Path) -> None:
     r = corral("run", "--workspace", str(workspace), "--", "no-such-tool")
-    assert r.returncode == 125
-    assert "spawn_failed" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 127  # as a shell says it
+    assert "no-such-tool: command not found" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_doctor_reports_and_passes_here() -> None:

@@ -70,9 +70,12 @@ async def test_check_raises_with_the_result(sandbox: Sandbox) -> None:
     assert info.value.result.exit_code == 2  # type: ignore[attr-defined]
 
 
-async def test_missing_program_is_a_structured_spawn_error(sandbox: Sandbox) -> None:
+async def test_missing_program_is_a_result_with_127(sandbox: Sandbox) -> None:
+    r = await sandbox.run(["no-such-program"])
+    assert (r.exit_code, r.ended) == (127, "not_started")
+    assert "no-such-program: command not found" in r.stderr
     with pytest.raises(SpawnFailed, match="no-such-program"):
-        await sandbox.run(["no-such-program"])
+        await sandbox.spawn(["no-such-program"])
     with pytest.raises(SpawnFailed, match="working directory"):
         await sandbox.run(["true"], cwd="does/not/exist")
 

@@ -28,10 +28,14 @@ ERRORS: dict[str, type[errors.SandboxError]] = {
     _Code.INVALID_INPUT: errors.SandboxError,  # with code invalid_input (error_from_reply)
     _Code.PROCESS_NOT_FOUND: errors.ProcessNotFound,
     _Code.SPAWN_FAILED: errors.SpawnFailed,
+    _Code.COMMAND_NOT_FOUND: errors.CommandNotFound,
+    _Code.NOT_EXECUTABLE: errors.NotExecutable,
     _Code.FILE_NOT_FOUND: errors.FileNotFound,
     _Code.PERMISSION_DENIED: errors.FilePermissionDenied,
     _Code.PATH_OUTSIDE_SANDBOX: errors.PathOutsideSandbox,
     _Code.FILE_TOO_LARGE: errors.FileTooLarge,
+    _Code.IS_A_DIRECTORY: errors.IsADirectory,
+    _Code.NOT_A_DIRECTORY: errors.NotADirectory,
     _Code.FILE_ERROR: errors.FileOpError,
     _Code.AGENT_ERROR: errors.BackendError,
 }

@@ -16,6 +16,8 @@ that names the cause and, where there is one, the fix.
     ├── ProcessError
     │   ├── ProcessNotFound          process_not_found
     │   ├── SpawnFailed              spawn_failed
+    │   │   ├── CommandNotFound      command_not_found  (run(): a result with exit 127)
+    │   │   └── NotExecutable        not_executable     (run(): a result with exit 126)
     │   └── CommandFailed            command_failed   (check=True and exit != 0)
     ├── SessionError
     │   ├── SessionNotFound          session_not_found
@@ -24,7 +26,9 @@ that names the cause and, where there is one, the fix.
     │   ├── PathOutsideSandbox       path_outside_sandbox
     │   ├── FileNotFound             file_not_found
     │   ├── FileTooLarge             file_too_large
-    │   └── FilePermissionDenied     permission_denied
+    │   ├── FilePermissionDenied     permission_denied
+    │   ├── IsADirectory             is_a_directory
+    │   └── NotADirectory            not_a_directory
     └── Timeout (TimeoutError)       timeout
 
 A non-zero exit status is a result, not an error (see ``CommandResult``), unless the caller
@@ -49,6 +53,8 @@ class ErrorCode(enum.StrEnum):
     PROTOCOL_ERROR = "protocol_error"
     PROCESS_NOT_FOUND = "process_not_found"
     SPAWN_FAILED = "spawn_failed"
+    COMMAND_NOT_FOUND = "command_not_found"
+    NOT_EXECUTABLE = "not_executable"
     COMMAND_FAILED = "command_failed"
     SESSION_NOT_FOUND = "session_not_found"
     SESSION_BUSY = "session_busy"
@@ -56,6 +62,8 @@ class ErrorCode(enum.StrEnum):
     FILE_NOT_FOUND = "file_not_found"
     FILE_TOO_LARGE = "file_too_large"
     PERMISSION_DENIED = "permission_denied"
+    IS_A_DIRECTORY = "is_a_directory"
+    NOT_A_DIRECTORY = "not_a_directory"
     FILE_ERROR = "file_error"
     TIMEOUT = "timeout"
     # Agent-tool layer (corral.tools): results handed to a model, never raised to it.
@@ -120,6 +128,18 @@ class SpawnFailed(ProcessError):
     code = ErrorCode.SPAWN_FAILED
 
 
+class CommandNotFound(SpawnFailed):
+    """The program does not exist. ``run`` returns a result with exit 127 instead."""
+
+    code = ErrorCode.COMMAND_NOT_FOUND
+
+
+class NotExecutable(SpawnFailed):
+    """The program exists but cannot be executed. ``run`` returns a result with exit 126."""
+
+    code = ErrorCode.NOT_EXECUTABLE
+
+
 class CommandFailed(ProcessError):
     """Raised by ``run(..., check=True)``; ``result`` carries the full CommandResult."""
 
@@ -160,6 +180,14 @@ class FileTooLarge(FileOpError):
 
 class FilePermissionDenied(FileOpError, PermissionError):
     code = ErrorCode.PERMISSION_DENIED
+
+
+class IsADirectory(FileOpError, IsADirectoryError):
+    code = ErrorCode.IS_A_DIRECTORY
+
+
+class NotADirectory(FileOpError, NotADirectoryError):
+    code = ErrorCode.NOT_A_DIRECTORY
 
 
 class Timeout(SandboxError, TimeoutError):

@@ -6,11 +6,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 ProcessStatus = Literal["running", "exited"]
-Ending = Literal["exited", "signalled", "timed_out", "oom_killed", "lost"]
+Ending = Literal["exited", "signalled", "timed_out", "oom_killed", "lost", "not_started"]
 """How a command ended: it ``exited`` by itself (any status), a signal killed it
 (``signalled``), its timeout ended it (``timed_out``: SIGTERM, then SIGKILL after
-``limits.kill_grace_secs``), the box's memory limit killed it (``oom_killed``), or the box died
-under it (``lost``)."""
+``limits.kill_grace_secs``), the box's memory limit killed it (``oom_killed``), the box died
+under it (``lost``), or it never started (``not_started``: exit 127, the program was not
+found, or 126, it is not executable; ``stderr`` says which, as a shell would)."""
 
 
 @dataclass(frozen=True, slots=True)

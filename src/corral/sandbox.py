@@ -474,7 +474,27 @@ class Sandbox:
         oom_before = self._oom_kills()
         pids_before = self._pids_limit_hits()
         refusals_before = self._network.refusal_count if self._network is not None else 0
-        proc = await self.spawn(cmd, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits)
+        try:
+            proc = await self.spawn(cmd, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits)
+        except (errors.CommandNotFound, errors.NotExecutable) as exc:
+            # As a shell reports it: a result with 127 / 126 and the reason on stderr.
+            status = 127 if isinstance(exc, errors.CommandNotFound) else 126
+            result = CommandResult(
+                exit_code=status,
+                stdout="",
+                stderr=exc.message + "\n",
+                timed_out=False,
+                duration=0.0,
+                truncated=False,
+                pid=0,
+                timeout=timeout,
+                ended="not_started",
+            )
+            if check:
+                raise errors.CommandFailed(
+                    f"command {to_argv(cmd)!r} did not start: {exc.message}", result
+                ) from None
+            return result
         waited = await proc.wait(timeout)
         if waited.status == "timeout":
             proc.timed_out = True

@@ -13,11 +13,12 @@ if TYPE_CHECKING:
     import signal
     from typing import Any
 
-    from corral.agent import files
+    from corral.agent import files, protocol
 else:
     import _signal as signal  # signal's Python layer imports enum (see lean.py)
 
     import files
+    import protocol
 
 POLL = 0.02
 """Seconds between two looks at a terminated group whose leader is reaped but whose other
@@ -27,13 +28,32 @@ GIVE_UP = 2.0
 process the command user cannot signal would stay)."""
 
 
-def spawn_error(exc: OSError, program: str, cwd: str | None) -> str:
-    target = "working directory " + str(cwd) if cwd and exc.filename == cwd else program
+def spawn_error(exc: OSError, program: str, cwd: str | None, path: str) -> tuple[str, str]:
+    """(error code, sentence) for a command that could not start: ``command_not_found``,
+    ``not_executable`` (the host makes both a result with exit 127 / 126, as a shell does)
+    or ``spawn_failed`` (its working directory)."""
+    import errno
+
+    c = protocol.ErrorCode
+    if cwd and exc.filename == cwd:
+        what = "not found" if isinstance(exc, FileNotFoundError) else exc.strerror or str(exc)
+        return c.SPAWN_FAILED, f"working directory {cwd}: {what}"
     if isinstance(exc, FileNotFoundError):
-        return f"{target}: not found" + ("" if target != program else " (check PATH)")
-    if isinstance(exc, PermissionError):
-        return f"{target}: permission denied"
-    return f"cannot start {program}: {exc.strerror or exc}"
+        if "/" in program:
+            return c.COMMAND_NOT_FOUND, f"{program}: no such file"
+        return c.COMMAND_NOT_FOUND, f"{program}: command not found (PATH={path})"
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.EISDIR):
+        import stat
+
+        try:
+            is_dir = "/" in program and stat.S_ISDIR(
+                os.stat(os.path.join(cwd or "/", program)).st_mode
+            )
+        except OSError:
+            is_dir = False
+        why = "is a directory" if is_dir else exc.strerror or "permission denied"
+        return c.NOT_EXECUTABLE, f"{program}: not executable ({why.lower()})"
+    return c.SPAWN_FAILED, f"cannot start {program}: {exc.strerror or exc}"
 
 
 def set_winsize(fd: int, rows: int, cols: int) -> None:

@@ -223,20 +223,22 @@ class Agent:
         # checked as the command sees it (setreuid then drops the saved root id too).
         try:
             with files.as_user(self.uid, self.gid):
-                proc = subprocess.Popen(
-                    argv,
-                    cwd=cwd,
-                    env=env,
-                    user=self.uid,
-                    group=self.gid,
-                    start_new_session=not use_pty,
-                    preexec_fn=preexec,
-                    close_fds=True,
-                    **stdio,
-                )
-        except OSError as exc:
-            message = commands.spawn_error(exc, argv[0], cwd)
-            raise AgentError(protocol.ErrorCode.SPAWN_FAILED, message) from None
+                try:
+                    proc = subprocess.Popen(
+                        argv,
+                        cwd=cwd,
+                        env=env,
+                        user=self.uid,
+                        group=self.gid,
+                        start_new_session=not use_pty,
+                        preexec_fn=preexec,
+                        close_fds=True,
+                        **stdio,
+                    )
+                except OSError as exc:  # explained as the command user sees it
+                    path = env.get("PATH", "")
+                    code, message = commands.spawn_error(exc, argv[0], cwd, path)
+                    raise AgentError(code, message) from None
         finally:
             if use_pty:
                 os.close(slave)

@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from corral import errors
 from corral.sandbox import Sandbox
 from corral.sessions.expect import Case
 from corral.sessions.pty import PtySession
@@ -206,12 +205,9 @@ class Handlers:
         # Resolved here, at process start, and only into the child's environment.
         env = self.box.secrets.resolve(a.secrets) if a.secrets else None
         argv = [*EXEC_ARGV[a.runtime], a.code]
-        try:
-            done = await self.sb.run(argv, timeout=a.timeout_ms / 1000, stdin=a.stdin, env=env)
-        except errors.SpawnFailed as exc:
-            if "not found" in exc.message:
-                return r.ToolError.of("runtime_not_found", f"runtime not found: {a.runtime}")
-            raise
+        done = await self.sb.run(argv, timeout=a.timeout_ms / 1000, stdin=a.stdin, env=env)
+        if done.ended == "not_started" and done.exit_code == 127:
+            return r.ToolError.of("runtime_not_found", f"runtime not found: {a.runtime}")
         if done.timed_out:
             return r.SandboxExecResult(
                 error=r.ErrorInfo(code="timeout", message="timeout"),
