@@ -818,7 +818,9 @@ class _VmStart:
             memory_mb=vm_memory_mb(policy),
             serial=f"file:{jail.RUN}/console.log",
         )
-        argv += [*self.devices, "-sandbox", jail.SANDBOX]
+        # The box's id names the VM (``ps`` on the host shows which box a qemu is: its
+        # paths are the jail's, the same for every box).
+        argv += ["-name", spec.sandbox_id, *self.devices, "-sandbox", jail.SANDBOX]
         # The saved VM is read from a descriptor qemu inherits (and written to one it gets
         # over QMP: vmsnap.save).
         snap_fd = -1
