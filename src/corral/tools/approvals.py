@@ -12,6 +12,16 @@ deny       nothing runs
 
 When several rules match, the strictest outcome wins (deny > ask > allow), so adding an
 ``allow`` rule can never silently undo a ``deny``.
+
+Every path by which text reaches a shell passes the same gate: ``shell_write``, the ``send``
+steps of ``shell_batch`` and the ``respond`` text of ``shell_expect_cases`` cases (also inside
+batch steps). In ``read-only`` mode none of them runs. A command regex is searched in the text
+as given *and* in each simple command it contains after normalising (see
+:func:`command_variants`): line continuations joined, split on ``; && || | &`` and newlines,
+quotes removed, ``VAR=value`` prefixes and wrappers (``env``, ``command``, ``exec``, ``nohup``,
+``time``, ``sudo``) dropped, ``/usr/bin/git`` read as ``git``, and ``sh -c '...'`` looked into.
+A rule is a tripwire for the spellings it can see, not a promise: a shell can build a command
+at runtime (``$(printf 'gi%s' t) push``, a script written to a file first, an alias).
 """
 
 from __future__ import annotations
@@ -57,7 +67,106 @@ class Rule(BaseModel):
             return False
         if self.command is None:
             return True
-        return command_line is not None and re.search(self.command, command_line) is not None
+        if command_line is None:
+            return False
+        pattern = re.compile(self.command)
+        return any(pattern.search(text) for text in command_variants(command_line))
+
+
+_SEPARATORS = re.compile(r"&&|\|\||;;?|\|&?|&|\n|\(|\)|`|\$\(")
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_WRAPPERS = frozenset({"env", "command", "exec", "nohup", "time", "sudo", "doas", "builtin"})
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash", "busybox"})
+_MAX_DEPTH = 4
+
+
+def _split_commands(text: str) -> list[str]:
+    """Simple commands of a shell line: separators outside quotes end a command."""
+    parts: list[str] = []
+    current: list[str] = []
+    quote = ""
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            current.append(ch)
+            if ch == quote:
+                quote = ""
+            elif ch == "\\" and quote == '"' and i + 1 < len(text):
+                current.append(text[i + 1])
+                i += 1
+            i += 1
+            continue
+        if ch in "'\"":
+            quote = ch
+            current.append(ch)
+            i += 1
+            continue
+        if ch == "\\" and i + 1 < len(text):
+            current.append(text[i : i + 2])
+            i += 2
+            continue
+        found = _SEPARATORS.match(text, i)
+        if found:
+            parts.append("".join(current))
+            current = []
+            i = found.end()
+            continue
+        current.append(ch)
+        i += 1
+    parts.append("".join(current))
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _words(command: str) -> list[str]:
+    try:
+        return shlex.split(command, comments=True)
+    except ValueError:  # an unclosed quote: still look at what is there
+        return command.replace("'", " ").replace('"', " ").split()
+
+
+def _normalise(words: list[str], depth: int) -> list[str]:
+    """The simple command as it will run, plus what ``sh -c`` would run inside it."""
+    while words and (_ASSIGNMENT.match(words[0]) or words[0].rsplit("/", 1)[-1] in _WRAPPERS):
+        words = words[1:]
+        while words and words[0].startswith("-") and words[0] != "-c":  # env -i, sudo -u x
+            words = words[1:]
+    if not words:
+        return []
+    program = words[0].rsplit("/", 1)[-1] or words[0]
+    words = [program, *words[1:]]
+    out = [" ".join(words)]
+    if program in _SHELLS and depth < _MAX_DEPTH:
+        rest = words[1:]
+        if program == "busybox" and rest and rest[0] in _SHELLS:
+            rest = rest[1:]
+        for index, word in enumerate(rest):
+            if word == "-c" or (word.startswith("-") and not word.startswith("--") and "c" in word):
+                if index + 1 < len(rest):
+                    out.extend(_variants(rest[index + 1], depth + 1))
+                break
+    return out
+
+
+def _variants(text: str, depth: int) -> list[str]:
+    out: list[str] = []
+    for command in _split_commands(text):
+        out.extend(_normalise(_words(command), depth))
+    return out
+
+
+def command_variants(text: str) -> list[str]:
+    """``text`` itself, then each simple command in it, normalised (what rules search).
+
+    ``"FOO=1 /usr/bin/git  'push' && sh -c 'rm -rf /'"`` gives the text, ``git push``,
+    ``sh -c rm -rf /`` and ``rm -rf /``.
+    """
+    joined = re.sub(r"\\\r?\n", "", text)
+    out = [text]
+    for variant in [joined, *_variants(joined, 0)]:
+        if variant not in out:
+            out.append(variant)
+    return out
 
 
 # What a careful operator asks about by default: irreversible or outward-facing actions.
@@ -95,6 +204,34 @@ class Verdict:
     reason: str
 
 
+def _responds(cases: Any) -> list[str]:
+    if not isinstance(cases, list):
+        return []
+    return [str(c["respond"]) for c in cases if isinstance(c, dict) and c.get("respond")]
+
+
+def typed_text(tool: str, arguments: dict[str, Any]) -> list[str]:
+    """Every piece of text the call may type into a shell, in order (empty: types nothing).
+
+    A ``respond`` may insert capture groups (``$1``) from the box's output: the text that is
+    typed can then hold words no rule saw.
+    """
+    if tool == "shell_write":
+        return [str(arguments.get("input", ""))]
+    if tool == "shell_expect_cases":
+        return _responds(arguments.get("cases"))
+    if tool == "shell_batch":
+        out: list[str] = []
+        for step in arguments.get("steps") or []:
+            if not isinstance(step, dict):
+                continue
+            if step.get("type") == "send":
+                out.append(str(step.get("input", "")))
+            out.extend(_responds(step.get("cases")))
+        return out
+    return []
+
+
 def command_line(tool: str, arguments: dict[str, Any]) -> str | None:
     """The text rules match against: what the call would run or type."""
     if tool == "run_command":
@@ -103,11 +240,10 @@ def command_line(tool: str, arguments: dict[str, Any]) -> str | None:
         return shlex.join([cmd, *map(str, args)]) if args else cmd
     if tool == "sandbox.exec":
         return str(arguments.get("code", ""))
-    if tool == "shell_write":
-        return str(arguments.get("input", ""))
-    if tool == "shell_batch":
-        steps = arguments.get("steps") or []
-        return "".join(str(s.get("input", "")) for s in steps if isinstance(s, dict))
+    if tool in ("shell_write", "shell_expect_cases", "shell_batch"):
+        typed = typed_text(tool, arguments)
+        # Each piece on its own line: a rule matches one command, never a seam between two.
+        return "\n".join(typed) if typed else None
     if tool.startswith("vfs_"):
         return str(arguments.get("path", ""))
     return None
@@ -130,6 +266,10 @@ class Gate:
         spec = TOOLS_BY_NAME.get(tool)
         if self.mode == "read-only" and (spec is None or not spec.read_only):
             return Verdict("deny", f"permission mode 'read-only' does not allow {tool}")
+        if self.mode == "read-only" and typed_text(tool, arguments):
+            return Verdict(
+                "deny", f"permission mode 'read-only' types nothing into a shell ({tool})"
+            )
         line = command_line(tool, arguments)
         worst: Rule | None = None
         for rule in self.rules:
