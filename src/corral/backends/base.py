@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from corral.backends.host.state import orphaned_boxes, state_root
+from corral.backends.host.state import orphaned_boxes, pid_alive, state_root
 from corral.backends.host.threads import blocking
 from corral.backends.users import BOX_UID
 from corral.net import sweep as sweep_network
@@ -307,15 +308,46 @@ class Backend(Protocol):
 
 
 SWEEP_EVERY = 60.0
-"""Seconds between two orphan sweeps of one backend in one process."""
+"""Seconds between two full orphan sweeps of one backend in one process; in between, a
+start sweeps again only when the owner of a box it saw before has died since."""
 
 _sweep_lock = threading.Lock()
 _last_sweep: dict[tuple[str, str], float] = {}
+_owners: dict[Path, tuple[str, int]] = {}
+"""State dirs seen by :func:`_dead_owner_seen` -> (backend, owner pid)."""
+
+
+def _dead_owner_seen(backend: str) -> bool:
+    """Whether a box of ``backend`` has an owner that died: a directory listing and one
+    kill(pid, 0) per box, and one small read per box not seen before (cheap enough for the
+    event loop, unlike the sweep itself)."""
+    boxes = state_root() / "boxes"
+    try:
+        entries = list(os.scandir(boxes))
+    except OSError:
+        return False
+    for entry in entries:
+        path = Path(entry.path)
+        known = _owners.get(path)
+        if known is None:
+            try:
+                owner = json.loads((path / "owner.json").read_bytes())
+                known = (str(owner.get("backend", "bwrap")), int(owner.get("host_pid", 0)))
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue  # a box starting now, or one the full sweep judges by its age
+            _owners[path] = known
+        if known[0] == backend and not pid_alive(known[1]):
+            return True
+    if len(_owners) > 4 * len(entries) + 64:  # forget boxes that are gone
+        for path in [p for p in _owners if not p.exists()]:
+            del _owners[path]
+    return False
 
 
 class BackendBase:
-    """What every backend does alike: sweep the boxes of dead owners before it starts a box
-    (once per process, then at most every :data:`SWEEP_EVERY` seconds), in a thread."""
+    """What every backend does alike: sweep the boxes of dead owners before it starts a box,
+    in a thread: at the first start of a process, then when a box's owner has died, and at
+    least every :data:`SWEEP_EVERY` seconds."""
 
     name: str = ""
 
@@ -333,13 +365,14 @@ class BackendBase:
         key = (self.sweep_key(), str(state_root()))
         last = _last_sweep.get(key)
         if last is not None and time.monotonic() - last < SWEEP_EVERY:
-            return
-        await blocking(self._sweep_if_due, key)
+            if not _dead_owner_seen(self.name):
+                return
+            last = None  # due now: someone's box was orphaned since
+        await blocking(self._sweep_if_due, key, last)
 
-    def _sweep_if_due(self, key: tuple[str, str]) -> None:
+    def _sweep_if_due(self, key: tuple[str, str], seen: float | None) -> None:
         with _sweep_lock:
-            last = _last_sweep.get(key)
-            if last is not None and time.monotonic() - last < SWEEP_EVERY:
+            if _last_sweep.get(key) != seen and seen is not None:
                 return  # another start swept meanwhile
             self.sweep_orphans()
             _last_sweep[key] = time.monotonic()
