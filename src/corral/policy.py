@@ -12,6 +12,7 @@ import json
 import os
 import re
 import tomllib
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from corral import specconfig
 from corral.errors import PolicyError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -313,12 +315,33 @@ class Policy(_Model):
         return self
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Policy:
-        """Validate a mapping; errors become one PolicyError naming every bad field."""
+    def from_dict(cls, data: Mapping[str, Any]) -> Policy:
+        """Validate a mapping; errors become one PolicyError naming every bad field. A
+        mapping in the spec's ``SandboxConfig`` shape is mapped first (see
+        :meth:`from_spec_config`)."""
+        if specconfig.is_spec_config(data):
+            return cls.from_spec_config(data)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             raise PolicyError(_describe(exc)) from None
+
+    @classmethod
+    def from_spec_config(cls, data: Mapping[str, Any]) -> Policy:
+        """A policy from the spec's ``SandboxConfig`` (``enabled``, ``isolation``,
+        ``filesystem``, ``network.enabled``, ``security.standard``, ``resources``,
+        ``process_tracking``), mapped as :mod:`corral.specconfig` and docs/spec-config.md
+        say; corral's own fields may stand beside them. Errors name the spec's fields."""
+        try:
+            mapped = specconfig.spec_to_policy_dict(data, DEFAULT_DENY_READ)
+        except specconfig.SpecConfigError as exc:
+            raise PolicyError(f"invalid policy: {exc}") from None
+        try:
+            return cls.model_validate(mapped)
+        except ValidationError as exc:
+            raise PolicyError(
+                _describe(exc, lambda where: specconfig.spec_field(where, data))
+            ) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Policy:
@@ -427,7 +450,7 @@ def vm_memory_problem(policy: Policy) -> str | None:
     )
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError, rename: Callable[[str], str] | None = None) -> str:
     parts = []
     for err in exc.errors():
         msg = err["msg"].removeprefix("Value error, ")
@@ -435,6 +458,8 @@ def _describe(exc: ValidationError) -> str:
             parts.append(msg)
             continue
         where = ".".join(str(x) for x in err["loc"])
+        if rename is not None:
+            where = rename(where)
         if err["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; see corral.Policy for the fields)"
         parts.append(f"{where}: {msg} (got {err.get('input')!r})")
