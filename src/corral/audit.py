@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from corral.backends.host.safepath import open_regular
 from corral.policy import Policy
 
 AuditKind = str
@@ -48,9 +49,9 @@ class AuditLog:
             try:
                 if self._fd is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
-                    self._fd = os.open(
-                        self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
-                    )
+                    # No link as the file, no FIFO: only a regular file is appended to.
+                    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                    self._fd = open_regular(self.path, flags, 0o600)
                 os.write(self._fd, line)
             except OSError:
                 pass

@@ -37,6 +37,7 @@ ERRORS: dict[str, type[errors.SandboxError]] = {
     _Code.IS_A_DIRECTORY: errors.IsADirectory,
     _Code.NOT_A_DIRECTORY: errors.NotADirectory,
     _Code.FILE_ERROR: errors.FileOpError,
+    _Code.NOT_A_REGULAR_FILE: errors.NotARegularFile,
     _Code.AGENT_ERROR: errors.BackendError,
 }
 """Every agent error code -> the error the caller gets (a test holds it complete)."""

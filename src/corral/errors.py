@@ -28,7 +28,8 @@ that names the cause and, where there is one, the fix.
     │   ├── FileTooLarge             file_too_large
     │   ├── FilePermissionDenied     permission_denied
     │   ├── IsADirectory             is_a_directory
-    │   └── NotADirectory            not_a_directory
+    │   ├── NotADirectory            not_a_directory
+    │   └── NotARegularFile          not_a_regular_file (a FIFO, socket or device node)
     └── Timeout (TimeoutError)       timeout
 
 A non-zero exit status is a result, not an error (see ``CommandResult``), unless the caller
@@ -65,6 +66,7 @@ class ErrorCode(enum.StrEnum):
     IS_A_DIRECTORY = "is_a_directory"
     NOT_A_DIRECTORY = "not_a_directory"
     FILE_ERROR = "file_error"
+    NOT_A_REGULAR_FILE = "not_a_regular_file"
     TIMEOUT = "timeout"
     # Agent-tool layer (corral.tools): results handed to a model, never raised to it.
     ACCESS_DENIED = "access_denied"
@@ -188,6 +190,12 @@ class IsADirectory(FileOpError, IsADirectoryError):
 
 class NotADirectory(FileOpError, NotADirectoryError):
     code = ErrorCode.NOT_A_DIRECTORY
+
+
+class NotARegularFile(FileOpError):
+    """A read or write of a FIFO, socket or device node (refused without blocking)."""
+
+    code = ErrorCode.NOT_A_REGULAR_FILE
 
 
 class Timeout(SandboxError, TimeoutError):

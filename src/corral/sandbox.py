@@ -31,9 +31,10 @@ from corral.agent import protocol
 from corral.audit import AuditLog
 from corral.backends import backend_for, backend_loaded
 from corral.backends.base import Backend, Box, BoxSpec, BoxStats
+from corral.backends.host.safepath import check_sources, refuse_inside
 from corral.backends.host.state import BOX_PREFIX, state_root
 from corral.backends.host.threads import blocking
-from corral.backends.layout import box_env
+from corral.backends.layout import box_env, shared_sources, writable_areas
 from corral.channel import Channel
 from corral.files import Files
 from corral.models import CommandResult, ProcessInfo
@@ -180,6 +181,11 @@ class Sandbox:
                 code=errors.ErrorCode.INVALID_INPUT,
             )
         assert self.workspace is not None
+        # The audit log is appended to by the host (often root): never in a writable area.
+        areas = writable_areas(self.policy, self.workspace)
+        refuse_inside("audit_log", self.policy.audit_log, areas)
+        refuse_inside("secrets_file", self.policy.secrets_file, areas)
+        await blocking(check_sources, shared_sources(self.policy), areas)
         backend = self._backend
         if backend is None:
             # The first use imports the backend and probes the host: in a thread.

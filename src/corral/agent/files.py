@@ -29,6 +29,7 @@ else:  # inside the box: sibling modules
 
 SYS_OPENAT2 = 437  # the same number on every architecture (new-style syscall table)
 RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
 MAX_READ = 15 << 20
 MAX_ENTRIES = 10000
@@ -76,10 +77,17 @@ class _Openat2:
         self.libc = ctypes.CDLL(None, use_errno=True)
         self.libc.syscall.restype = ctypes.c_long
 
-    def open(self, dirfd: int, rel: str, flags: int, mode: int = 0) -> int:
+    def open(
+        self, dirfd: int, rel: str, flags: int, mode: int = 0, no_symlinks: bool = False
+    ) -> int:
+        """``rel`` beneath ``dirfd``; with ``no_symlinks`` no symlink is followed at all (the
+        host's opens of paths a box can change: :mod:`corral.backends.host.safepath`)."""
         if self.missing:
-            return open_beneath(dirfd, rel, flags, mode)
-        how = self.how_type(flags | os.O_CLOEXEC, mode, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+            return open_beneath(dirfd, rel, flags, mode, no_symlinks)
+        resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS
+        if no_symlinks:
+            resolve |= RESOLVE_NO_SYMLINKS
+        how = self.how_type(flags | os.O_CLOEXEC, mode, resolve)
         fd = self.libc.syscall(
             SYS_OPENAT2, dirfd, os.fsencode(rel), self.ctypes.byref(how), self.ctypes.sizeof(how)
         )
@@ -87,7 +95,7 @@ class _Openat2:
             err = self.ctypes.get_errno()
             if err == errno.ENOSYS:  # gVisor before 2023: resolve in user space instead
                 self.missing = True
-                return open_beneath(dirfd, rel, flags, mode)
+                return open_beneath(dirfd, rel, flags, mode, no_symlinks)
             raise OSError(err, os.strerror(err), rel)
         return int(fd)
 
@@ -114,8 +122,11 @@ def _open_component(dirfd: int, name: str, flags: int | None, mode: int) -> int:
     return fd
 
 
-def open_beneath(root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
-    """``openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`` done one component at a time.
+def open_beneath(
+    root_fd: int, rel: str, flags: int, mode: int = 0, no_symlinks: bool = False
+) -> int:
+    """``openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`` done one component at a time
+    (with ``no_symlinks``, ``RESOLVE_NO_SYMLINKS`` too: any symlink fails with ELOOP).
 
     Every component is opened with O_NOFOLLOW relative to the fd of the directory before it,
     so nothing a command renames or swaps meanwhile can redirect the walk. A symlink is read
@@ -147,7 +158,7 @@ def open_beneath(root_fd: int, rel: str, flags: int, mode: int = 0) -> int:
                 if exc.errno == errno.EINVAL:  # not a symlink: O_NOFOLLOW refused a non-dir
                     raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), rel) from None
                 raise
-            if last and flags & os.O_NOFOLLOW:
+            if no_symlinks or (last and flags & os.O_NOFOLLOW):
                 raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), rel)
             links += 1
             if links > MAX_SYMLINKS:
@@ -178,9 +189,28 @@ def _fail(exc: OSError, path: str) -> FileOpFailed:
         errno.ENOSPC: (c.FILE_ERROR, "no space left on device"),
         errno.EFBIG: (c.FILE_TOO_LARGE, "file too large for the box's limits"),
         errno.EDQUOT: (c.FILE_ERROR, "disk quota exceeded"),
+        errno.ENXIO: (c.NOT_A_REGULAR_FILE, "not a regular file (a fifo or socket)"),
     }
     code, text = codes.get(exc.errno or 0, (c.FILE_ERROR, exc.strerror or str(exc)))
     return FileOpFailed(code, f"{text}: {path}")
+
+
+def _regular(st: os.stat_result, path: str) -> None:
+    """Refuse I/O on a FIFO, socket or device node (opened O_NONBLOCK, so nothing blocked)."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = _special(st.st_mode) if _kind(st.st_mode) == "other" else _kind(st.st_mode)
+        code = protocol.ErrorCode.NOT_A_REGULAR_FILE
+        raise FileOpFailed(code, f"not a regular file (a {kind}): {path}")
+
+
+def _special(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "fifo"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device node"
+    return "special file"
 
 
 def _kind(mode: int) -> protocol.FileType:
@@ -260,11 +290,13 @@ class FileOps:
         offset = h.get("offset", 0)
         limit = min(h.get("limit", MAX_READ), MAX_READ)
         with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):
-            fd = self._open(root_fd, rel, os.O_RDONLY)
+            # O_NONBLOCK: a FIFO a command left must not block the agent on open.
+            fd = self._open(root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
             try:
                 st = os.fstat(fd)
                 if stat.S_ISDIR(st.st_mode):
                     raise OSError(21, "is a directory")
+                _regular(st, h["path"])
                 chunks = []
                 remaining = limit
                 pos = offset
@@ -288,8 +320,10 @@ class FileOps:
                 parent = os.path.dirname(rel)
                 if parent:
                     self._makedirs(root_fd, parent)
-            fd = self._open(root_fd, rel, flags, h.get("perm", 0o644))
+            fd = self._open(root_fd, rel, flags | os.O_NONBLOCK, h.get("perm", 0o644) & 0o777)
             try:
+                _regular(os.fstat(fd), h["path"])
+                os.set_blocking(fd, True)
                 view = memoryview(payload)
                 while view:
                     n = os.write(fd, view)

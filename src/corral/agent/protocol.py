@@ -76,6 +76,9 @@ class ErrorCode:
     NOT_A_DIRECTORY = "not_a_directory"
     """A file operation met a file where it needs a directory."""
     FILE_ERROR = "file_error"
+    NOT_A_REGULAR_FILE = "not_a_regular_file"
+    """read/write of a FIFO, socket or device node: refused, never opened for I/O (a FIFO
+    a command left would block the agent; a device node is not the file it seems)."""
     AGENT_ERROR = "agent_error"
     """A bug in the agent: this request failed, the agent serves on."""
 

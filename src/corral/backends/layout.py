@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from corral.backends.users import GUEST_HOME
+from corral.errors import PolicyError
 from corral.net import env as net_env
 from corral.policy import Policy
 
@@ -47,6 +48,20 @@ class HostView:
     islink: Callable[[str], bool] = os.path.islink
     owner: Callable[[str], tuple[int, int]] = lambda p: _owner(p)
     searchable: Callable[[str, int, int], bool] = lambda p, u, g: _searchable(p, u, g)
+    ident: Callable[[str], tuple[int, int] | None] = lambda p: _ident(p)
+    """(st_dev, st_ino) of a host path, following the host's links; None if it is missing."""
+    placeholder: Callable[[str, str], None] | None = None
+    """Make the empty directory ``rel`` beneath the writable ``area``, following no link
+    (:func:`corral.backends.host.safepath.make_dirs`, given by the backends: layout imports
+    no host module)."""
+
+
+def _ident(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def _owner(path: str) -> tuple[int, int]:
@@ -168,21 +183,119 @@ def policy_binds(
     binds += [
         Bind(src.get(str(m.host), str(m.host)), m.guest, writable=m.mode == "rw") for m in fs.mounts
     ]
+    # Where each writable host directory appears in the box: masks must follow the host
+    # object (by st_dev/st_ino) to every path the box sees it at, not only the one spelled.
+    shown = [(b.source, b.dest) for b in binds if b.writable]
+    areas = [(_host_path(b.dest, policy, workspace), b.dest) for b in binds if b.writable]
     for raw in fs.deny_write:
         guest = guest_path(raw, policy, host)
         source = _host_path(guest, policy, workspace)
-        if host.lexists(source):
-            binds.append(Bind(source, guest))
+        _no_link_below("deny_write", raw, source, areas, host)
+        if not host.lexists(source):
+            area = _area(source, areas)
+            if area is None:
+                continue  # on the read-only root: nothing can be written there anyway
+            # Not there yet: the box must not create it. An empty directory, masked read-only.
+            if host.placeholder is None:
+                raise PolicyError(f"filesystem.deny_write {raw!r}: {source} does not exist")
+            host.placeholder(area[0], os.path.relpath(source, area[0]))
+            binds.append(Bind(str(masked_dir), guest))
+            continue
+        for dest in _everywhere(source, guest, shown, host):
+            binds.append(Bind(source, dest))
     uid, gid = host.owner(str(workspace))
     for raw in fs.deny_read:
         guest = guest_path(raw, policy, host)
         source = _host_path(guest, policy, workspace)
+        _no_link_below("deny_read", raw, source, areas, host)
         if not host.lexists(source):
             continue  # nothing to hide, and no mount point can be made on a read-only root
+        mask = str(masked_dir if host.isdir(source) else masked_file)
+        dests = _everywhere(source, guest, shown, host)
         if not host.searchable(source, uid, gid):
-            continue  # out of the box's reach already (e.g. /root/.ssh for a user's workspace)
-        binds.append(Bind(str(masked_dir if host.isdir(source) else masked_file), guest))
+            dests.remove(guest)  # out of reach at its own path (/root/.ssh for a user's box)
+        binds += [Bind(mask, dest) for dest in dests]
     return binds
+
+
+def _area(path: str, areas: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The writable (host directory, guest path) holding the host ``path``, or None."""
+    for source, dest in areas:
+        if path == source or path.startswith(source.rstrip("/") + "/"):
+            return (source, dest)
+    return None
+
+
+def _no_link_below(
+    field: str, raw: str, path: str, areas: list[tuple[str, str]], host: HostView
+) -> None:
+    """A mask inside a writable area whose path is (or passes through) a symlink would be
+    bound wherever that link points: fail closed, naming the path, instead."""
+    area = _area(path, areas)
+    if area is None:
+        return
+    root = area[0].rstrip("/")
+    current = root
+    for part in os.path.relpath(path, root).split("/"):
+        if part in ("", "."):
+            continue
+        current = f"{current}/{part}"
+        if host.islink(current):
+            raise PolicyError(
+                f"filesystem.{field} {raw!r}: {current} is a symlink in a writable area (left "
+                "by an earlier box?); a mask cannot follow it: remove the link, or drop the entry"
+            )
+        if not host.lexists(current):
+            return
+
+
+def _everywhere(source: str, guest: str, shown: list[tuple[str, str]], host: HostView) -> list[str]:
+    """Every guest path at which the host object ``source`` is visible: its own ``guest``
+    path, plus its path below each writable bind whose host directory is one of its
+    ancestors (compared by st_dev/st_ino: with workspace = $HOME, ``~/.ssh`` is also
+    ``/workspace/.ssh``)."""
+    dests = [guest]
+    for spelled in dict.fromkeys([source, os.path.realpath(source)]):
+        ancestors: list[str] = []
+        parent = spelled
+        while True:
+            ancestors.append(parent)
+            if parent in ("/", ""):
+                break
+            parent = os.path.dirname(parent)
+        for bind_source, bind_dest in shown:
+            wanted = host.ident(bind_source)
+            if wanted is None:
+                continue
+            for ancestor in ancestors:
+                if host.ident(ancestor) == wanted:
+                    rest = os.path.relpath(spelled, ancestor)
+                    dest = bind_dest if rest == "." else posixpath.join(bind_dest, rest)
+                    if dest not in dests:
+                        dests.append(dest)
+                    break
+    return dests
+
+
+def writable_areas(policy: Policy, workspace: Path, home: str | None = None) -> list[str]:
+    """Every host directory a box can write: the workspace, ``allow_write`` and rw mounts.
+    Host code opens nothing there but through :mod:`corral.backends.host.safepath`."""
+    home = home if home is not None else os.path.expanduser("~")
+    areas = [str(workspace)]
+    areas += [expand(raw, home) for raw in policy.filesystem.allow_write]
+    areas += [str(m.host) for m in policy.filesystem.mounts if m.mode == "rw"]
+    return areas
+
+
+def shared_sources(policy: Policy, home: str | None = None) -> list[tuple[str, str]]:
+    """(field, host path) of every ``allow_write`` path and ``mounts`` source."""
+    home = home if home is not None else os.path.expanduser("~")
+    fs = policy.filesystem
+    named = [
+        (f"filesystem.allow_write[{i}]", expand(p, home)) for i, p in enumerate(fs.allow_write)
+    ]
+    named += [(f"filesystem.mounts[{i}].host", str(m.host)) for i, m in enumerate(fs.mounts)]
+    return named
 
 
 def unplaceable_mount(policy: Policy, host: HostView | None = None) -> str | None:

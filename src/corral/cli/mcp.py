@@ -43,12 +43,19 @@ def register(sub: SubParsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    from corral.backends.host.safepath import refuse_inside
+    from corral.backends.layout import writable_areas
     from corral.tools.mcp import ServerConfig, parse_capabilities
 
     policy = Policy.load(args.policy) if args.policy else Policy()
     for name in args.preset:
         policy = PRESETS[name](policy)
     secrets = SecretStore.from_env()
+    if args.workspace:
+        areas = writable_areas(policy, Path(args.workspace).resolve())
+        refuse_inside("secrets_file", policy.secrets_file, areas)
+        refuse_inside("--secrets", Path(args.secrets) if args.secrets else None, areas)
+        refuse_inside("audit_log", policy.audit_log, areas)
     if policy.secrets_file is not None:
         secrets = secrets.merged(SecretStore.from_file(policy.secrets_file))
     if args.secrets:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from corral import errors
+from corral.backends.host.safepath import open_regular
 
 ENV_PREFIX = "CORRAL_SECRET_"
 HANDLE = re.compile(r"^\{\{\s*secret:([A-Za-z0-9_.-]{1,128})\s*\}\}$")
@@ -69,7 +70,9 @@ class SecretStore:
         """A file of ``NAME=value`` lines (``#`` comments and blank lines are skipped)."""
         p = Path(path)
         try:
-            text = p.read_text(encoding="utf-8")
+            fd = open_regular(p, os.O_RDONLY)  # no link, no FIFO: a regular file
+            with open(fd, encoding="utf-8") as f:
+                text = f.read()
         except OSError as exc:
             raise errors.PolicyError(f"cannot read secrets file {p}: {exc.strerror}") from None
         store = cls()

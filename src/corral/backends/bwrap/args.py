@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from corral.backends.host import safepath
 from corral.backends.layout import (
     GUEST_AGENT_DIR,
     PROC_READ_ONLY,
@@ -93,7 +94,7 @@ def _root_args(policy: Policy, inp: BwrapInputs, host: HostView) -> list[str]:
 
 def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -> list[str]:
     """Translate a policy into the full bwrap command line that starts the guest agent."""
-    host = host or HostView()
+    host = host or HostView(placeholder=safepath.make_dirs)
     fs = policy.filesystem
     args = [
         "bwrap",

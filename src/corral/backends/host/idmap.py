@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from corral.backends.base import BoxSpec
-from corral.backends.host import mounts, staging
+from corral.backends.host import mounts, safepath, staging
 from corral.backends.layout import expand
 from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE
 
@@ -96,18 +96,28 @@ def userns_fd(uid: int, gid: int, box_root: bool = False) -> int:
         return fd
 
 
-def mount_idmapped(source: str, target: str, box_root: bool = False) -> None:
+def mount_idmapped(
+    source: str, target: str, box_root: bool = False, areas: tuple[str, ...] = ()
+) -> None:
     """Mount ``source`` (recursively, nosuid, nodev) at ``target``, its owner's files
-    appearing as COMMAND_HOST_ID's (``box_root``: see :func:`userns_fd`)."""
-    st = os.stat(source)
-    ns_fd = userns_fd(st.st_uid, st.st_gid, box_root)
-    tree = _syscall_for(
-        source,
-        _SYS_OPEN_TREE,
-        ctypes.c_int(_AT_FDCWD),
-        os.fsencode(source),
-        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE),
-    )
+    appearing as COMMAND_HOST_ID's (``box_root``: see :func:`userns_fd`).
+
+    The source is opened first (beneath its writable area without following any symlink
+    when it lies in one of ``areas``: :mod:`corral.backends.host.safepath`) and the tree is
+    cloned from that fd, so a path a box swapped cannot redirect the mount."""
+    src_fd = safepath.open_path(source, os.O_PATH | os.O_DIRECTORY, areas)
+    try:
+        st = os.fstat(src_fd)
+        ns_fd = userns_fd(st.st_uid, st.st_gid, box_root)
+        tree = _syscall_for(
+            source,
+            _SYS_OPEN_TREE,
+            ctypes.c_int(src_fd),
+            b"",
+            ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE | _AT_EMPTY_PATH),
+        )
+    finally:
+        os.close(src_fd)
     try:
         attr = struct.pack(
             "QQQQ", _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, ns_fd
@@ -162,15 +172,19 @@ def _probe() -> str | None:
 class IdmappedBinds:
     """The idmapped mount points of one box; ``release`` after the box is gone."""
 
-    def __init__(self, sandbox_id: str, box_root: bool = False) -> None:
+    def __init__(
+        self, sandbox_id: str, box_root: bool = False, areas: tuple[str, ...] = ()
+    ) -> None:
         self.sandbox_id = sandbox_id
         self.box_root = box_root
+        self.areas = areas
+        """Writable areas: a source inside one is opened following no symlink."""
         self.entries: list[Path] = []
 
     def add(self, source: str | os.PathLike[str]) -> Path:
         entry = staging.new_entry("mnt", f"{self.sandbox_id}.{len(self.entries)}")
         self.entries.append(entry)
-        mount_idmapped(os.fspath(source), str(entry / "ws"), self.box_root)
+        mount_idmapped(os.fspath(source), str(entry / "ws"), self.box_root, self.areas)
         return entry / "ws"
 
     def release(self) -> None:
@@ -211,8 +225,8 @@ def share_paths(spec: BoxSpec, home: str | None = None, box_root: bool = False) 
         st = spec.workspace.stat()
         return SharedPaths(spec.workspace, uid=st.st_uid, gid=st.st_gid, warning=reason)
     fs = spec.policy.filesystem
-    binds = IdmappedBinds(spec.sandbox_id, box_root)
     home = home or os.path.expanduser("~")
+    binds = IdmappedBinds(spec.sandbox_id, box_root, (str(spec.workspace),))
     try:
         shared = SharedPaths(workspace=binds.add(spec.workspace), binds=binds)
         for raw in fs.allow_write:
@@ -220,7 +234,7 @@ def share_paths(spec: BoxSpec, home: str | None = None, box_root: bool = False) 
             if os.path.isdir(path):
                 shared.sources[path] = str(binds.add(path))
         for mount in fs.mounts:
-            if mount.host.is_dir():
+            if safepath.is_dir(mount.host, binds.areas):
                 shared.sources[str(mount.host)] = str(binds.add(mount.host))
     except OSError as exc:
         # A path this filesystem can't idmap (or holding a mount that already is): the box

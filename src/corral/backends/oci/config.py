@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corral.backends.host import seccomp
+from corral.backends.host import safepath, seccomp
 from corral.backends.host.cgroups import PARENT
 from corral.backends.layout import (
     GUEST_AGENT_DIR,
@@ -270,7 +270,7 @@ def _reachable_masks(binds: list[Bind], masks: set[str]) -> list[Bind]:
 
 def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> OciBundle:
     """Translate a policy into the OCI bundle (config.json and root dir) of one box."""
-    host = host or HostView()
+    host = host or HostView(placeholder=safepath.make_dirs)
     roots = root_entries(policy, inp.python, host) + passwd_binds(policy, inp.passwd_file)
     # The runtime mounts its own /proc, /dev and /sys (bwrap binds the host's /sys).
     root_binds = [e for e in roots if isinstance(e, Bind) and e.dest not in _OWN_MOUNTS]
