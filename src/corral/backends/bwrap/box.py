@@ -40,12 +40,12 @@ from corral.backends.base import (
     sweep_boxes,
 )
 from corral.backends.bwrap import args as bwrap_args
-from corral.backends.host import cgroups, idmap, seccomp, staging
+from corral.backends.host import cgroups, idmap, safepath, seccomp, staging
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.host.threads import blocking
-from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
+from corral.backends.layout import SYSTEM_PATH, Bind, HostView, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.users import HOST_UID_BASE, id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
@@ -317,7 +317,8 @@ class BwrapBackend(BackendBase):
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             sources=shared.sources,
         )
-        argv = bwrap_args.bwrap_argv(policy, inputs)
+        make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
+        argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
         argv[0] = self.bwrap or "bwrap"
         held.cgroup, held.warnings = self._make_cgroup(spec, limits)
         if shared.warning:

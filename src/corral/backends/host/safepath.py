@@ -22,7 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from corral import errors
@@ -173,3 +173,18 @@ def check_sources(named: Sequence[tuple[str, str]], areas: Sequence[str]) -> Non
                 f"following a link ({exc.strerror}; left by an earlier box?): remove the link "
                 "or point the field at a path outside the workspace"
             ) from None
+
+
+def placeholder_maker(
+    workspace: str | os.PathLike[str], shown: str | os.PathLike[str], sources: dict[str, str]
+) -> Callable[[str, str], None]:
+    """:func:`make_dirs` on the real host directory of a writable area the layout names by
+    its idmapped mount point (``shown`` for the workspace, ``sources`` for the rest): a
+    directory made through an idmapped mount as root has no owner it can map (EOVERFLOW)."""
+    real = {os.fspath(shown): os.fspath(workspace)}
+    real.update({mounted: host for host, mounted in sources.items()})
+
+    def make(area: str, rel: str) -> None:
+        make_dirs(real.get(area, area), rel)
+
+    return make

@@ -65,6 +65,14 @@ Choices worth explaining:
   interfaces, which is the most common first step of a kernel exploit. ``CLONE_NEWTIME``
   sits inside ``CSIGNAL`` for ``clone`` (the exit-signal byte); no valid signal has that bit,
   so checking it there refuses nothing legitimate.
+* **No setuid or setgid bit** on a file a command creates or changes: ``chmod``,
+  ``fchmod``, ``fchmodat(2)``, ``mknod(at)`` and ``creat`` with ``S_ISUID``/``S_ISGID`` in
+  the mode, and ``open``/``openat`` with ``O_CREAT`` or ``O_TMPFILE`` and such a mode, get
+  EPERM. The workspace outlives the box and its files belong to the workspace owner on the
+  host (root, when root owns it): a setuid binary a box left there would run as that owner
+  for any local user. ``openat2`` keeps its mode in a struct seccomp cannot read, so it gets
+  ENOSYS (as ``clone3``): programs fall back to ``openat`` (the guest agent walks the path
+  with ``O_NOFOLLOW`` instead, :func:`corral.agent.files.open_beneath`).
 * **personality** is allowed only for ``PER_LINUX`` (0), ``PER_LINUX32`` (8, as used by
   ``setarch``/``linux32``, it only changes ``uname``) and the ``0xffffffff`` query. Anything
   else is refused, notably ``ADDR_NO_RANDOMIZE`` (turns off ASLR for the next ``execve``)
@@ -187,6 +195,16 @@ _UNIFIED: Final[Mapping[str, int]] = {
 }
 
 _X86_64: Final[Mapping[str, int]] = {
+    "open": 2,
+    "creat": 85,
+    "chmod": 90,
+    "fchmod": 91,
+    "mknod": 133,
+    "openat": 257,
+    "mknodat": 259,
+    "fchmodat": 268,
+    "openat2": 437,
+    "fchmodat2": 452,
     "ioctl": 16,
     "socket": 41,
     "clone": 56,
@@ -243,6 +261,12 @@ _X86_64: Final[Mapping[str, int]] = {
 }
 
 _AARCH64: Final[Mapping[str, int]] = {
+    "mknodat": 33,
+    "fchmod": 52,
+    "fchmodat": 53,
+    "openat": 56,
+    "openat2": 437,
+    "fchmodat2": 452,
     "lookup_dcookie": 18,
     "ioctl": 29,
     "umount2": 39,
@@ -309,7 +333,10 @@ _ARCHES: Final[Mapping[str, _Arch]] = {
         "aarch64",
         _AUDIT_ARCH_AARCH64,
         _AARCH64,
-        frozenset({"uselib", "iopl", "ioperm", "modify_ldt", "sysfs", "ustat", "_sysctl"}),
+        frozenset(
+            {"uselib", "iopl", "ioperm", "modify_ldt", "sysfs", "ustat", "_sysctl"}
+            | {"open", "creat", "chmod", "mknod"}
+        ),
         x32_bit=False,
     ),
 }
@@ -432,9 +459,28 @@ _RESTRICTED_EXTRA_DENY: Final[frozenset[str]] = frozenset(
     }
 )
 
-_ENOSYS: Final[frozenset[str]] = frozenset({"clone3"})
+_ENOSYS: Final[frozenset[str]] = frozenset({"clone3", "openat2"})
+
+# No setuid/setgid bit on any file a command makes or changes: the workspace outlives the box
+# and its files are the workspace owner's on the host (root's, when root owns it), so a
+# setuid binary left there would run as that owner for any local user who runs it.
+_SET_ID: Final = 0o6000  # S_ISUID | S_ISGID
+_O_CREAT: Final = 0o100  # the same on x86_64 and aarch64
+_O_TMPFILE: Final = 0o20000000  # __O_TMPFILE (its mode is the new file's too)
+_SET_ID_RULES: Final[Mapping[str, tuple[_Rule, ...]]] = {
+    "chmod": (_Rule((_AnyBit(1, _SET_ID),)),),
+    "fchmod": (_Rule((_AnyBit(1, _SET_ID),)),),
+    "fchmodat": (_Rule((_AnyBit(2, _SET_ID),)),),
+    "fchmodat2": (_Rule((_AnyBit(2, _SET_ID),)),),
+    "creat": (_Rule((_AnyBit(1, _SET_ID),)),),
+    "open": (_Rule((_AnyBit(1, _O_CREAT | _O_TMPFILE), _AnyBit(2, _SET_ID))),),
+    "openat": (_Rule((_AnyBit(2, _O_CREAT | _O_TMPFILE), _AnyBit(3, _SET_ID))),),
+    "mknod": (_Rule((_AnyBit(1, _SET_ID),)),),
+    "mknodat": (_Rule((_AnyBit(2, _SET_ID),)),),
+}
 
 _BASELINE_ARG_RULES: Final[Mapping[str, tuple[_Rule, ...]]] = {
+    **_SET_ID_RULES,
     # x86_64 and aarch64 both pass clone's flags in args[0].
     "clone": (_Rule((_AnyBit(0, _NAMESPACE_FLAGS),)),),
     "unshare": (_Rule((_AnyBit(0, _NAMESPACE_FLAGS),)),),

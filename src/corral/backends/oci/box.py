@@ -66,12 +66,12 @@ from corral.backends.base import (
     agent_config,
     sweep_boxes,
 )
-from corral.backends.host import cgroups, idmap, mountinfo, mounts, seccomp, staging
+from corral.backends.host import cgroups, idmap, mountinfo, mounts, safepath, seccomp, staging
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.host.threads import blocking
-from corral.backends.layout import SYSTEM_PATH, Bind, unplaceable_mount
+from corral.backends.layout import SYSTEM_PATH, Bind, HostView, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
 from corral.backends.users import HOST_UID_BASE
@@ -563,7 +563,8 @@ class OciBackend(BackendBase):
             compat_library=str(compat) if compat else None,
             gvisor=self.runtime.gvisor,
         )
-        return oci_config.oci_bundle(spec.policy, inputs)
+        make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
+        return oci_config.oci_bundle(spec.policy, inputs, HostView(placeholder=make))
 
 
 _COMPAT_SOURCE = Path(__file__).with_name("gvisor_compat.c")
