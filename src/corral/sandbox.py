@@ -107,6 +107,15 @@ def as_policy(
     return policy.for_workspace(workspace) if workspace is not None else policy
 
 
+def _check_host_paths(policy: Policy, workspace: Path) -> None:
+    """Host files corral uses itself (the audit log root appends to, the secrets file) never
+    lie in an area a box can write, and no shared source there is a link (blocking)."""
+    areas = writable_areas(policy, workspace)
+    refuse_inside("audit_log", policy.audit_log, areas)
+    refuse_inside("secrets_file", policy.secrets_file, areas)
+    check_sources(shared_sources(policy), areas)
+
+
 class Sandbox:
     """A Linux sandbox running the guest agent. Use as ``async with Sandbox(...) as sb``."""
 
@@ -181,11 +190,7 @@ class Sandbox:
                 code=errors.ErrorCode.INVALID_INPUT,
             )
         assert self.workspace is not None
-        # The audit log is appended to by the host (often root): never in a writable area.
-        areas = writable_areas(self.policy, self.workspace)
-        refuse_inside("audit_log", self.policy.audit_log, areas)
-        refuse_inside("secrets_file", self.policy.secrets_file, areas)
-        await blocking(check_sources, shared_sources(self.policy), areas)
+        await blocking(_check_host_paths, self.policy, self.workspace)
         backend = self._backend
         if backend is None:
             # The first use imports the backend and probes the host: in a thread.
