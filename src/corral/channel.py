@@ -104,6 +104,12 @@ class Channel:
             protocol.check_request(request)  # a caller's mistake, named before it is sent
         except protocol.FrameError as exc:
             raise errors.SandboxError(str(exc), code=errors.ErrorCode.INVALID_INPUT) from None
+        try:
+            frame = protocol.encode(request, payload)
+        except protocol.FrameError as exc:
+            raise errors.RequestTooLarge(
+                f"{op} request too large to send to the box: {exc}"
+            ) from None
         fut: asyncio.Future[tuple[dict[str, Any], bytes]] = (
             asyncio.get_running_loop().create_future()
         )
@@ -112,7 +118,7 @@ class Channel:
         if on_reply is not None:
             self._hooks[req_id] = on_reply
         try:
-            self._writer.write(protocol.encode(request, payload))
+            self._writer.write(frame)
             await self._writer.drain()
             header, data = await fut
         except (ConnectionError, OSError) as exc:

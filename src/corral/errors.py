@@ -13,6 +13,7 @@ that names the cause and, where there is one, the fix.
     ├── SandboxClosed                sandbox_closed
     ├── SandboxBroken                sandbox_broken
     ├── ProtocolError                protocol_error
+    ├── RequestTooLarge (ValueError) request_too_large
     ├── ProcessError
     │   ├── ProcessNotFound          process_not_found
     │   ├── SpawnFailed              spawn_failed
@@ -52,6 +53,7 @@ class ErrorCode(enum.StrEnum):
     SANDBOX_CLOSED = "sandbox_closed"
     SANDBOX_BROKEN = "sandbox_broken"
     PROTOCOL_ERROR = "protocol_error"
+    REQUEST_TOO_LARGE = "request_too_large"
     PROCESS_NOT_FOUND = "process_not_found"
     SPAWN_FAILED = "spawn_failed"
     COMMAND_NOT_FOUND = "command_not_found"
@@ -116,6 +118,13 @@ class SandboxBroken(SandboxError):
 
 class ProtocolError(SandboxError):
     code = ErrorCode.PROTOCOL_ERROR
+
+
+class RequestTooLarge(SandboxError, ValueError):
+    """A request larger than one message to the box can carry (a command line and
+    environment beyond 16 MiB once encoded); the kernel's own limits come back as results."""
+
+    code = ErrorCode.REQUEST_TOO_LARGE
 
 
 class ProcessError(SandboxError):

@@ -116,6 +116,11 @@ def _check_host_paths(policy: Policy, workspace: Path) -> None:
     check_sources(shared_sources(policy), areas)
 
 
+STDIN_CHUNK = 8 << 20
+"""``stdin=`` data beyond this goes to the box in chunks of this size (a message carries at
+most 16 MiB); the guest agent feeds them to the command as it reads."""
+
+
 class Sandbox:
     """A Linux sandbox running the guest agent. Use as ``async with Sandbox(...) as sb``."""
 
@@ -423,6 +428,7 @@ class Sandbox:
             "rows": rows,
         }
         payload = b""
+        rest = b""
         if stdin == "pipe" or pty:
             fields["stdin"] = "pipe"
         elif stdin is None:
@@ -430,6 +436,9 @@ class Sandbox:
         else:
             fields["stdin"] = "data"
             payload = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+            if len(payload) > STDIN_CHUNK:  # the rest follows in ``write`` chunks
+                fields["stdin"] = "pipe"
+                payload, rest = payload[:STDIN_CHUNK], payload[STDIN_CHUNK:]
         holder: list[Process] = []
 
         def register(reply: dict[str, Any]) -> None:
@@ -454,12 +463,30 @@ class Sandbox:
             started.add_done_callback(lambda _: _end_orphan(started, holder))
             raise
         proc = holder[0]
+        if rest:
+            await self._stream_stdin(proc, rest)
         if self.audit.enabled:
             self._spawn_marks[proc.pid] = self._oom_kills()
             self.audit.record(
                 "command", event="spawn", argv=argv, cwd=fields["cwd"], pid=proc.pid, pty=pty
             )
         return proc
+
+    async def _stream_stdin(self, proc: Process, data: bytes) -> None:
+        """The rest of a large ``stdin=`` in chunks, then end of input. A command that stops
+        reading (exits, closes its stdin) ends the upload, as a broken pipe would."""
+        view = memoryview(data)
+        for start in range(0, len(view), STDIN_CHUNK):
+            last = start + STDIN_CHUNK >= len(view)
+            chunk = bytes(view[start : start + STDIN_CHUNK])
+            try:
+                await self._request("write", chunk, pid=proc.pid, eof=last)
+            except (errors.ProcessNotFound, errors.SpawnFailed):
+                return
+            except errors.SandboxError as exc:
+                if exc.code is errors.ErrorCode.INVALID_INPUT:  # its stdin is closed
+                    return
+                raise
 
     def _cwd(self, cwd: str | None) -> str:
         if cwd is None:

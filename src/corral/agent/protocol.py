@@ -41,8 +41,12 @@ else:  # the guest agent: a sibling module (json's import costs the agent's star
     import lean
 
 HEADER = struct.Struct(">II")
-MAX_HEADER = 1 << 20
+MAX_HEADER = 16 << 20
+"""Room for a command line as long as a kernel takes (ARG_MAX: a quarter of the stack limit,
+2 MiB by default, more with a larger stack) after JSON's escaping, with its environment."""
 MAX_PAYLOAD = 16 << 20
+"""Per frame; larger data goes in several frames (stdin in ``write`` chunks, files in
+``file_read``/``file_write`` ranges)."""
 
 VM_SNAPSHOT_MARKER = b"corral-snapshot-point\n"
 """What a microVM's agent writes on its channel once it is up with every import done, before
