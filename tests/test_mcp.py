@@ -198,11 +198,11 @@ async def test_stdio_asks_the_human_through_elicitation(mode: Any) -> None:
     assert len(asked) == 2
 
 
-async def test_stdio_without_elicitation_returns_approval_required() -> None:
+async def test_stdio_without_elicitation_returns_approval_unavailable() -> None:
     async with asyncio.timeout(30), Client(stdio_params("--capabilities", "run_command")) as client:
         assert [t.name for t in (await client.list_tools()).tools] == ["run_command"]
         result = await call(client, "run_command", {"command": "git push origin main"})
-        assert result["error"]["code"] == "approval_required"
+        assert result["error"]["code"] == "approval_unavailable"
         assert result["approval"]["command"] == "git push origin main"
 
 

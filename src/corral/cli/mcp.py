@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +40,17 @@ def register(sub: SubParsers) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[])
     p.add_argument("--secrets", metavar="FILE", help="NAME=value lines (plus CORRAL_SECRET_*)")
     p.add_argument("--http", metavar="HOST:PORT", help="streamable HTTP instead of stdio")
+    p.add_argument(
+        "--token",
+        metavar="TOKEN",
+        help="bearer token for --http (default: $CORRAL_MCP_TOKEN, else a new one written to "
+        "a 0600 file under $XDG_RUNTIME_DIR/corral)",
+    )
+    p.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="serve --http on loopback without a token: any local user can drive the sandbox",
+    )
     p.set_defaults(func=cmd_mcp)
 
 
@@ -69,13 +81,25 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def _say(line: str) -> None:
+    # stdout is the protocol channel on stdio: everything else goes to stderr.
+    print(f"corral mcp: {line}", file=sys.stderr, flush=True)
+
+
 def cmd_mcp(args: argparse.Namespace) -> int:
-    from corral.tools.mcp import serve_http, serve_stdio
+    from corral.tools.mcp import (
+        LOOPBACK,
+        describe_config,
+        new_token,
+        serve_http,
+        serve_stdio,
+        write_token_file,
+    )
 
     config = config_from_args(args)
-    # stdout is the protocol channel on stdio: logs go to stderr only.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if not args.http:
+        _say(f"serving on stdio; {describe_config(config)}")
         asyncio.run(serve_stdio(config))
         return 0
     host, _, port = args.http.rpartition(":")
@@ -83,6 +107,30 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         raise errors.SandboxError(
             f"--http wants HOST:PORT, got {args.http!r}", code=errors.ErrorCode.INVALID_INPUT
         )
-    token = os.environ.get("CORRAL_MCP_TOKEN") or None
-    asyncio.run(serve_http(config, host.strip("[]"), int(port), token=token))
+    host = host.strip("[]")
+    token = args.token or os.environ.get("CORRAL_MCP_TOKEN") or None
+    insecure = bool(args.insecure_no_token) and token is None
+    if insecure and host not in LOOPBACK:
+        raise errors.PolicyError(f"--insecure-no-token is for loopback only, not {host}")
+    # Bound before the line is printed: whoever reads it can connect at once (and port 0
+    # shows the port the kernel picked).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, int(port)))
+    sock.listen(128)
+    bound = sock.getsockname()[1]
+    where = "no token (--insecure-no-token: any local user can connect)"
+    if token is None and not insecure:
+        token = new_token()
+        path = write_token_file(token, f"mcp-{host}-{bound}.token")
+        where = f"token in {path} (send Authorization: Bearer <token>)"
+    elif token is not None:
+        where = "token from --token" if args.token else "token from CORRAL_MCP_TOKEN"
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}/mcp"
+    _say(f"serving streamable HTTP on {url}; {where}; {describe_config(config)}")
+    with sock:
+        asyncio.run(
+            serve_http(config, host, bound, token=token, insecure_no_token=insecure, sock=sock)
+        )
     return 0

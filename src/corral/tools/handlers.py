@@ -8,6 +8,7 @@ into the spec's JSON (the models of :mod:`corral.tools.results`). Errors are rai
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -64,6 +65,25 @@ def bind(ctx: ToolContext) -> dict[str, Callable[[Any], Awaitable[r.ToolResult]]
         "sandbox.exec": h.sandbox_exec,
         "sandbox_info": h.sandbox_info,
     }
+
+
+def _entry(name: str, kind: Any, size: int) -> r.VfsEntry:
+    """A listing row; a name that is not UTF-8 is escaped and carried exactly in base64."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            raw = name.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raw = name.encode("utf-8", "surrogatepass")
+        return r.VfsEntry(
+            name=raw.decode("utf-8", "backslashreplace"),
+            type=kind,
+            size=size,
+            name_escaped=True,
+            name_base64=base64.b64encode(raw).decode("ascii"),
+        )
+    return r.VfsEntry(name=name, type=kind, size=size)
 
 
 def _cases(cases: list[s.CaseArgs]) -> list[Case]:
@@ -180,10 +200,7 @@ class Handlers:
 
     async def vfs_list(self, a: s.VfsListArgs) -> r.VfsListResult:
         entries = await self.sb.files.list(a.path)
-        rows = sorted(
-            (r.VfsEntry(name=e.name, type=e.type, size=e.size) for e in entries),
-            key=lambda row: row.name,
-        )
+        rows = sorted((_entry(e.name, e.type, e.size) for e in entries), key=lambda row: row.name)
         out = r.VfsListResult(path=a.path, entries=rows[:MAX_LIST_ENTRIES])
         if len(rows) > MAX_LIST_ENTRIES:
             out.truncated = True

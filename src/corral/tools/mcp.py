@@ -18,13 +18,18 @@ import contextlib
 import hmac
 import json
 import logging
+import os
+import secrets
 import socket
+import stat
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import h11
 import mcp_types as types
 import uvicorn
 from mcp.server.context import ServerRequestContext
@@ -32,6 +37,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from corral import errors
 from corral.policy import Policy
@@ -146,6 +152,23 @@ def _to_result(result: dict[str, Any]) -> types.CallToolResult:
     )
 
 
+def _approval_unavailable(result: dict[str, Any]) -> dict[str, Any]:
+    """``approval_required`` when no human can be asked: a retry would fail the same way."""
+    message = (
+        f"{_approval_prompt(result)}. This call needs a human's approval, and this MCP client "
+        "cannot ask one (it does not support elicitation), so retrying it will fail the same "
+        "way: do not retry; tell the user what you wanted to run and why. The operator can "
+        "use an MCP client with elicitation, start the server with --permission-mode auto, "
+        "or change the approval rules."
+    )
+    out: dict[str, Any] = {
+        "error": {"code": "approval_unavailable", "message": message, "retryable": False}
+    }
+    if "approval" in result:
+        out["approval"] = result["approval"]
+    return out
+
+
 def _approval_prompt(result: dict[str, Any]) -> str:
     approval = result.get("approval") or {}
     what = approval.get("command") or approval.get("tool") or "this call"
@@ -216,11 +239,22 @@ def build_server(
                     }
                 }
             )
-        toolbox = await ctx.lifespan_context.toolbox(key)
+        try:
+            toolbox = await ctx.lifespan_context.toolbox(key)
+        except errors.SandboxError as exc:
+            # The documented error object, not the SDK's bare "Internal server error".
+            logger.warning("session %s: sandbox failed to start: %s", key, exc)
+            return _to_result(exc.to_dict())
+        except Exception as exc:
+            logger.exception("session %s: sandbox failed to start", key)
+            message = f"the sandbox failed to start: {type(exc).__name__}: {exc}"
+            return _to_result({"error": {"code": "sandbox_start_failed", "message": message}})
         arguments = params.arguments or {}
         result = await toolbox.call(params.name, arguments)
         code = result.get("error", {}).get("code")
-        if code == "approval_required" and _wants_elicitation(ctx):
+        if code == "approval_required" and not _wants_elicitation(ctx):
+            return _to_result(_approval_unavailable(result))
+        if code == "approval_required":
             answer = await _ask_human(ctx, params, result)
             if isinstance(answer, types.InputRequiredResult):
                 return answer
@@ -316,21 +350,161 @@ async def _unauthorized(send: Send) -> None:
 
 
 def build_http_app(
-    config: ServerConfig, *, host: str = "127.0.0.1", token: str | None = None
+    config: ServerConfig,
+    *,
+    host: str = "127.0.0.1",
+    token: str | None = None,
+    insecure_no_token: bool = False,
 ) -> HttpApp:
-    """The streamable HTTP app (path ``/mcp``). A token is required off loopback.
+    """The streamable HTTP app (path ``/mcp``), behind a bearer token.
+
+    Any local user can connect to a loopback port, so a token is required there too unless
+    ``insecure_no_token`` says otherwise; off loopback it is required always.
 
     Raises:
-        PolicyError: ``host`` is not a loopback address and no ``token`` was given.
+        PolicyError: no ``token`` and not ``insecure_no_token``, or not loopback and no token.
     """
-    if host not in LOOPBACK and not token:
+    if not token and (host not in LOOPBACK or not insecure_no_token):
+        where = "" if host in LOOPBACK else f" on {host} (not loopback)"
         raise errors.PolicyError(
-            f"serving MCP on {host} (not loopback) needs a bearer token: set CORRAL_MCP_TOKEN"
+            f"serving MCP over HTTP{where} needs a bearer token: pass --token or set "
+            "CORRAL_MCP_TOKEN (corral mcp generates one when neither is given)"
         )
     sessions = Sessions(config)
     server = build_server(config, http=True, sessions=sessions)
     app = server.streamable_http_app(host=host, session_idle_timeout=config.idle_timeout)
     return HttpApp(app, sessions, token)
+
+
+# ---- connection limits -----------------------------------------------------------------------
+HEADER_TIMEOUT = 10.0
+"""Seconds a connection may take to send a complete request head (first or next request)."""
+MAX_CONNECTIONS = 256
+"""Open connections; past it the oldest one with no request in flight is closed."""
+MAX_HEAD_BYTES = 64 << 10
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header timeout and a connection cap that evicts.
+
+    uvicorn's ``timeout_keep_alive`` starts only after a first response, and
+    ``limit_concurrency`` answers 503 to the *new* client once idle sockets fill it, so a
+    thousand silent connections would starve a real one. Here a connection that has not
+    sent a whole request head within ``HEADER_TIMEOUT`` is closed, and a new connection past
+    ``MAX_CONNECTIONS`` evicts the oldest idle connection rather than being turned away.
+    """
+
+    header_timeout = HEADER_TIMEOUT
+    max_connections = MAX_CONNECTIONS
+    _order = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        GuardedH11Protocol._order += 1
+        self._made = GuardedH11Protocol._order
+        self._arm_head_timer()
+        if len(self.connections) > self.max_connections:
+            idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._idle()]
+            victim = min(idle, key=lambda c: c._made) if idle else self
+            logger.warning("more than %d MCP connections: closing one", self.max_connections)
+            victim._close()
+
+    def _arm_head_timer(self) -> None:
+        timer = getattr(self, "_head_timer", None)
+        if timer is not None:
+            timer.cancel()
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timeout)
+
+    def _idle(self) -> bool:
+        """No request in flight: waiting for (the rest of) a request head."""
+        in_flight = self.cycle is not None and not self.cycle.response_complete
+        return not in_flight and self.conn.their_state is h11.IDLE
+
+    def _head_timeout(self) -> None:
+        if self._idle():
+            self._close()
+
+    def _close(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_timer.cancel()
+        super().connection_lost(exc)
+
+
+def http_server_config(
+    app: ASGIApp,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    *,
+    header_timeout: float = HEADER_TIMEOUT,
+    max_connections: int = MAX_CONNECTIONS,
+) -> uvicorn.Config:
+    """The uvicorn configuration ``serve_http`` uses: bounded heads, idle time and sockets."""
+    protocol = type(
+        "CorralH11Protocol",
+        (GuardedH11Protocol,),
+        {"header_timeout": header_timeout, "max_connections": max_connections},
+    )
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        ws="none",
+        log_level="warning",
+        timeout_keep_alive=5,
+        # Requests (not sockets) past this get a 503; sockets are capped by eviction above.
+        limit_concurrency=max_connections * 2,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        timeout_graceful_shutdown=5,
+    )
+
+
+# ---- the token file --------------------------------------------------------------------------
+def runtime_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/corral`` (or ``/run/user/UID/corral``, else a 0700 temp dir)."""
+    uid = os.getuid()
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
+    root = Path(base) if os.path.isdir(base) else Path(tempfile.gettempdir())
+    where = root / ("corral" if root == Path(base) else f"corral-{uid}")
+    with contextlib.suppress(FileExistsError):
+        where.mkdir(mode=0o700)
+    info = os.lstat(where)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+        raise errors.PolicyError(f"{where} is not a private directory of uid {uid}")
+    return where
+
+
+def write_token_file(token: str, name: str) -> Path:
+    """Write ``token`` to a 0600 file of the current user (never through a symlink)."""
+    path = runtime_dir() / name
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(token + "\n")
+    return path
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def describe_config(config: ServerConfig) -> str:
+    """One line about what the agent may do (for the start-up message)."""
+    policy = config.policy
+    tools = len(allowed_tools(config.capabilities, config.permission_mode))
+    workspace = str(config.workspace) if config.workspace else "fresh temp dir per session"
+    return (
+        f"backend {policy.backend}, network {policy.network.mode}, "
+        f"permission mode {config.permission_mode}, {tools} tools, workspace {workspace}"
+    )
 
 
 async def serve_http(
@@ -339,9 +513,10 @@ async def serve_http(
     port: int = 8765,
     *,
     token: str | None = None,
+    insecure_no_token: bool = False,
     sock: socket.socket | None = None,
 ) -> None:
     """Serve until cancelled. Pass a bound, listening ``sock`` to pick the port yourself."""
-    app = build_http_app(config, host=host, token=token)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    app = build_http_app(config, host=host, token=token, insecure_no_token=insecure_no_token)
+    server = uvicorn.Server(http_server_config(app, host, port))
     await server.serve(sockets=[sock] if sock is not None else None)

@@ -215,6 +215,12 @@ class VfsEntry(_Part):
     name: str
     type: Literal["file", "dir", "symlink", "other"]
     size: int
+    name_escaped: bool | None = Field(
+        default=None,
+        description="Present (true) when the name is not UTF-8: name shows it with \\xNN "
+        "escapes and name_base64 holds its exact bytes.",
+    )
+    name_base64: str | None = None
 
 
 class VfsListResult(ToolResult):
