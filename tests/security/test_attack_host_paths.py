@@ -169,11 +169,19 @@ async def test_mask_below_a_renamed_parent_fails_closed(
 # ---- class 2: files a box leaves -------------------------------------------------------------
 
 
+def _special_files_held(sb: Sandbox, exit_code: int, stderr: str) -> None:
+    """The microVM's workspace is a 9p share, which holds no FIFO or socket (ENXIO): the
+    attack cannot be set up there. Elsewhere making one must work."""
+    if sb.policy.backend == "microvm" and exit_code != 0 and "No such device" in stderr:
+        pytest.skip("the microVM's 9p workspace holds no FIFOs or sockets (ENXIO)")
+    assert exit_code == 0, stderr
+
+
 async def test_fifo_read_through_the_file_tools_is_refused_at_once(
     sandbox: Sandbox, workspace: Path
 ) -> None:
     r = await sandbox.run(["mkfifo", "/workspace/pipe"])
-    assert r.exit_code == 0, r.stderr
+    _special_files_held(sandbox, r.exit_code, r.stderr)
     with pytest.raises(NotARegularFile, match="fifo"):
         await asyncio.wait_for(sandbox.files.read("/workspace/pipe"), BOUND)
     with pytest.raises(NotARegularFile):
@@ -184,7 +192,7 @@ async def test_fifo_read_through_the_file_tools_is_refused_at_once(
 async def test_socket_read_through_the_file_tools_is_refused(sandbox: Sandbox) -> None:
     code = "import socket; s = socket.socket(socket.AF_UNIX); s.bind('/workspace/sock')"
     r = await sandbox.run(["python3", "-c", code])
-    assert r.exit_code == 0, r.stderr
+    _special_files_held(sandbox, r.exit_code, r.stderr)
     with pytest.raises(NotARegularFile):
         await asyncio.wait_for(sandbox.files.read("/workspace/sock"), BOUND)
     with pytest.raises(NotARegularFile):

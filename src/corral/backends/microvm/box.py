@@ -59,7 +59,7 @@ from corral.backends.base import (
     kill_if_named,
     sweep_boxes,
 )
-from corral.backends.host import cgroups, idmap, seccomp, staging
+from corral.backends.host import cgroups, idmap, safepath, seccomp, staging
 from corral.backends.host.python import find_python
 from corral.backends.host.state import BOX_PREFIX, cache_root, state_root, write_owner
 from corral.backends.host.threads import blocking
@@ -69,7 +69,7 @@ from corral.backends.layout import (
     HostView,
     Symlink,
     expand,
-    guest_path,
+    policy_binds,
     root_entries,
 )
 from corral.backends.limits import Capabilities, LimitPlan, plan_limits
@@ -190,6 +190,28 @@ def limit_plan(policy: Policy) -> LimitPlan:
     return plan_limits(policy.limits, caps)
 
 
+def _masks(spec: BoxSpec, shared: idmap.SharedPaths) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The guest paths to hide and to make read-only: the masks of :func:`layout.policy_binds`
+    (the same rules as every backend: no mask follows a link, a missing ``deny_write`` path is
+    made and masked, a masked object is masked wherever a share shows it), by guest path."""
+    policy = spec.policy
+    fs = policy.filesystem
+    masked_file, masked_dir = Path("/corral-masked-file"), Path("/corral-masked-dir")
+    make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
+    binds = policy_binds(
+        policy,
+        shared.workspace,
+        masked_file,
+        masked_dir,
+        HostView(placeholder=make),
+        shared.sources,
+    )
+    masks = binds[1 + len(fs.allow_write) + len(fs.mounts) :]
+    hidden = tuple(b.dest for b in masks if b.source in (str(masked_file), str(masked_dir)))
+    read_only = tuple(b.dest for b in masks if b.dest not in hidden)
+    return hidden, read_only
+
+
 def boot_plan(
     spec: BoxSpec, shared: idmap.SharedPaths, limits: LimitPlan
 ) -> tuple[initramfs.BootPlan, list[HostShare], list[jail.Share]]:
@@ -226,6 +248,7 @@ def boot_plan(
     }
     if spec.network is not None:  # forwarders over the corral-net port (no NIC, no 9p sockets)
         config["vmlink"] = vmlink.guest_config(spec.network)
+    deny_read, deny_write = _masks(spec, shared)
     plan = initramfs.BootPlan(
         shares=tuple(shares),
         hostname="corral",  # as on the other backends
@@ -233,8 +256,8 @@ def boot_plan(
         gid=gid,
         tmp_size=fs.tmp_size,
         agent_config=json.dumps(config, separators=(",", ":")),
-        deny_read=tuple(guest_path(p, policy, host) for p in fs.deny_read),
-        deny_write=tuple(guest_path(p, policy, host) for p in fs.deny_write),
+        deny_read=deny_read,
+        deny_write=deny_write,
         minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
         passwd=passwd_text(uid, gid),
         memory_max=limits.memory_max,
