@@ -13,7 +13,8 @@ unmounted, then ``rmdir`` only, never a recursive delete.
 
 Where idmapped mounts are not available (an old kernel, a filesystem without support), the
 backend falls back to mapping the box user to the workspace owner, and says so in the box's
-warnings.
+warnings. It never maps the box user to host root: a workspace owned by root (uid or gid 0)
+that cannot be idmapped is refused (:func:`owner_ids`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from corral import errors
 from corral.backends.base import BoxSpec
 from corral.backends.host import mounts, safepath, staging
 from corral.backends.layout import expand
@@ -212,6 +214,19 @@ class SharedPaths:
             self.binds.release()
 
 
+def owner_ids(workspace: Path, why: str) -> tuple[int, int]:
+    """The workspace owner's host ids, which the box user becomes when idmapping is not
+    possible; refused when that would make the box user host root."""
+    st = workspace.stat()
+    if st.st_uid == 0 or st.st_gid == 0:
+        raise errors.BackendError(
+            f"{why}, and the workspace {workspace} belongs to root: corral does not run the "
+            "box user as host root. Use a workspace owned by an unprivileged user "
+            f"(e.g. chown 1000:1000 {workspace}) on a filesystem that supports idmapped mounts"
+        )
+    return st.st_uid, st.st_gid
+
+
 def share_paths(spec: BoxSpec, home: str | None = None, box_root: bool = False) -> SharedPaths:
     """Idmap the workspace, ``allow_write`` paths and ``mounts`` of a box about to start
     (``box_root``: writable by the box's root too, see :func:`userns_fd`).
@@ -222,8 +237,8 @@ def share_paths(spec: BoxSpec, home: str | None = None, box_root: bool = False) 
     if spec.workspace_prepared and reason is None:
         return SharedPaths(workspace=spec.workspace)
     if reason is not None:
-        st = spec.workspace.stat()
-        return SharedPaths(spec.workspace, uid=st.st_uid, gid=st.st_gid, warning=reason)
+        uid, gid = owner_ids(spec.workspace, reason)
+        return SharedPaths(spec.workspace, uid=uid, gid=gid, warning=reason)
     fs = spec.policy.filesystem
     home = home or os.path.expanduser("~")
     binds = IdmappedBinds(spec.sandbox_id, box_root, (str(spec.workspace),))
@@ -240,10 +255,10 @@ def share_paths(spec: BoxSpec, home: str | None = None, box_root: bool = False) 
         # A path this filesystem can't idmap (or holding a mount that already is): the box
         # still starts, with the box user mapped to the workspace owner, and says so.
         binds.release()
-        st = spec.workspace.stat()
         why = f"{exc.strerror or exc} while idmapping {exc.filename or 'a shared path'}"
+        uid, gid = owner_ids(spec.workspace, f"idmapped mounts failed ({why})")
         warning = f"idmapped mounts failed ({why}); commands act as the workspace owner"
-        return SharedPaths(spec.workspace, uid=st.st_uid, gid=st.st_gid, warning=warning)
+        return SharedPaths(spec.workspace, uid=uid, gid=gid, warning=warning)
     except BaseException:
         binds.release()
         raise
