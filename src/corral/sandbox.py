@@ -37,7 +37,7 @@ from corral.backends.host.threads import blocking
 from corral.backends.layout import box_env, shared_sources, writable_areas
 from corral.channel import Channel
 from corral.files import Files
-from corral.models import CommandResult, ProcessInfo
+from corral.models import CommandResult, NetworkRefusal, ProcessInfo
 from corral.net import BoxNetwork, Resolver
 from corral.policy import Policy, RlimitName
 from corral.processes import Process, ProcessRegistry, end_in_background
@@ -562,6 +562,10 @@ class Sandbox:
             why = "timed out" if result.timed_out else f"exited with status {result.exit_code}"
             raise errors.CommandFailed(f"command {proc.command!r} {why}", result)
         return result
+
+    def network_refusals(self) -> tuple[NetworkRefusal, ...]:
+        """Connections the egress proxy refused in this box so far (the most recent ones)."""
+        return self._network.refusals_since(0) if self._network is not None else ()
 
     def _oom_kills(self) -> int:
         return self._box.oom_kills() if self._box is not None else 0

@@ -2,14 +2,20 @@
 
 Each command lives in its own module with a ``register(subparsers)``; this module only builds
 the parser and maps corral errors to a one-line message and a non-zero exit (no traceback):
-2 for bad input, 125 when the sandbox itself failed (like ``docker run``).
+2 for bad input, 125 when the sandbox itself failed (like ``docker run``). With ``--json`` the
+error is a JSON object on stdout too. A reader that goes away (``corral doctor --json | head``)
+ends corral quietly with 141, like any program killed by SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from corral import errors
 from corral.cli import audit, doctor, interactive, mcp, run
@@ -17,27 +23,88 @@ from corral.cli.options import EXIT_SANDBOX, EXIT_USAGE, build_policy
 
 __all__ = ["build_policy", "main", "make_parser"]
 
+EXIT_PIPE = 141
+
+
+class UsageError(Exception):
+    """A bad command line: reported on one line (or as JSON), exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("corral")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="corral", description="Run commands and code inside Linux sandboxes."
-    )
+    parser = _Parser(prog="corral", description="Run commands and code inside Linux sandboxes.")
+    parser.add_argument("--version", action="version", version=f"corral {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     for command in (run, doctor, interactive, mcp, audit):
         command.register(sub)
     return parser
 
 
+def _wants_json(argv: Sequence[str]) -> bool:
+    for arg in argv:
+        if arg == "--":
+            return False
+        if arg == "--json":
+            return True
+    return False
+
+
+def _fail(message: str, code: str, status: int, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"error": {"code": code, "message": message}}))
+    else:
+        print(
+            f"corral: {message}" if not message.startswith("corral") else message, file=sys.stderr
+        )
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = make_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = _wants_json(argv)
     try:
-        return int(args.func(args))
-    except errors.PolicyError as exc:
-        print(f"corral: {exc.message}", file=sys.stderr)
-        return EXIT_USAGE
-    except errors.SandboxError as exc:
-        print(f"corral: [{exc.code}] {exc.message}", file=sys.stderr)
-        return EXIT_USAGE if exc.code == errors.ErrorCode.INVALID_INPUT else EXIT_SANDBOX
-    except KeyboardInterrupt:
-        return 130
+        try:
+            args = make_parser().parse_args(argv)
+        except UsageError as exc:
+            return _fail(str(exc), str(errors.ErrorCode.INVALID_INPUT), EXIT_USAGE, as_json)
+        try:
+            return int(args.func(args))
+        except errors.PolicyError as exc:
+            return _fail(exc.message, str(exc.code), EXIT_USAGE, as_json)
+        except errors.SandboxError as exc:
+            usage = exc.code == errors.ErrorCode.INVALID_INPUT
+            message = exc.message if usage or as_json else f"[{exc.code}] {exc.message}"
+            return _fail(message, str(exc.code), EXIT_USAGE if usage else EXIT_SANDBOX, as_json)
+        except KeyboardInterrupt:
+            return 130
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_PIPE
+    except OSError as exc:
+        if exc.errno != errno.EPIPE:
+            raise
+        _quiet_stdout()
+        return EXIT_PIPE
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout is gone: point stdout at /dev/null so the flush at exit does not
+    raise again (Python's own advice for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

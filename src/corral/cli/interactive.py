@@ -34,7 +34,9 @@ def register(sub: SubParsers) -> None:
 
     shell = sub.add_parser("shell", help="an interactive shell in a fresh sandbox")
     add_sandbox_options(shell)
-    shell.add_argument("--shell", default="/bin/sh", help="shell in the box (default: /bin/sh)")
+    shell.add_argument(
+        "--shell", default=None, help="shell in the box (default: bash if the box has it, else sh)"
+    )
     _detach_option(shell)
     shell.set_defaults(func=cmd_shell)
 
@@ -83,23 +85,43 @@ def _report(outcome: AttachOutcome, session_id: str) -> int:
     if outcome.reason == "lost":
         _say(f"the process owning session {session_id} went away")
         return 1
+    if outcome.exit_code == -9:
+        _say(
+            f"session {session_id} ended: its shell was killed (SIGKILL), usually because the "
+            "sandbox owning it closed (its corral process was interrupted or ended)"
+        )
     return _status(outcome.exit_code)
 
 
 def cmd_shell(args: argparse.Namespace) -> int:
-    from corral.cli.options import build_policy
+    from corral import errors
+    from corral.cli.options import build_policy, checked_workspace
     from corral.sandbox import Sandbox
 
     keys = parse_detach_keys(args.detach_keys)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise errors.SandboxError(
+            "corral shell needs a terminal on stdin and stdout; for piped input use "
+            "corral run --stdin -- sh",
+            code=errors.ErrorCode.INVALID_INPUT,
+        )
+    workspace = checked_workspace(args)
     policy = build_policy(args)
 
     async def go() -> int:
-        async with Sandbox(policy, workspace=args.workspace) as sb:
+        async with Sandbox(policy, workspace=workspace) as sb:
             for warning in sb.warnings:
                 print(f"corral: warning: {warning}", file=sys.stderr)
-            session = await sb.shell(args.shell)
+            shell = args.shell or await _default_shell(sb)
+            session = await sb.shell(shell)
             sid = session.session_id
             server = await sb.share(session)  # this terminal is its first attach
+            print(
+                f"corral: {shell} in a fresh box (session {sid}); {args.detach_keys} detaches, "
+                "exit ends it",
+                file=sys.stderr,
+                flush=True,
+            )
             outcome = await attach_terminal(server, sid, detach_keys=keys)
             if outcome.reason != "detached":
                 return _status(await session.wait_closed())
@@ -111,6 +133,13 @@ def cmd_shell(args: argparse.Namespace) -> int:
             return _status(await session.wait_closed())
 
     return asyncio.run(go())
+
+
+async def _default_shell(sb: Any) -> str:
+    """bash (line editing, history) when the box has it, else /bin/sh."""
+    found = await sb.run(["sh", "-c", "command -v bash"], timeout=10)
+    path = found.stdout.strip()
+    return path if found.exit_code == 0 and path.startswith("/") else "/bin/sh"
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
