@@ -4,18 +4,35 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import dead_pid
-from corral import FilesystemPolicy, Policy, Sandbox
+from corral import BackendError, FilesystemPolicy, Policy, Sandbox
 from corral.backends.host import idmap, mounts, staging
 from corral.backends.host.state import state_root
 from corral.backends.users import COMMAND_HOST_ID
 
 pytestmark = pytest.mark.needs_bwrap
+
+
+@pytest.fixture
+def owned_workspace() -> Iterator[Path]:
+    """A workspace owned by an unprivileged uid, reachable by it (pytest's tmp is 0700)."""
+    top = Path(tempfile.mkdtemp(prefix="corral-idmap-"))
+    top.chmod(0o755)
+    ws = top / "ws"
+    ws.mkdir()
+    os.chown(ws, 4321, 4321)
+    try:
+        yield ws
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def _mnt_entries(sandbox_id: str) -> list[str]:
@@ -67,14 +84,27 @@ async def test_allow_write_and_rw_mounts_are_idmapped_too(workspace: Path, tmp_p
 
 
 async def test_without_idmapped_mounts_the_box_user_is_the_owner_and_says_so(
-    workspace: Path, monkeypatch: pytest.MonkeyPatch
+    owned_workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(idmap, "unsupported_reason", lambda: "idmapped mounts are not available")
+    workspace = owned_workspace
     async with Sandbox(Policy(), workspace=workspace) as sb:
         assert any("idmapped mounts" in w for w in sb.warnings)
         assert (await sb.run("touch made")).exit_code == 0
         assert not _mnt_entries(sb.sandbox_id)
-    assert (workspace / "made").stat().st_uid == workspace.stat().st_uid
+    assert (workspace / "made").stat().st_uid == 4321
+
+
+async def test_without_idmapped_mounts_a_root_owned_workspace_is_refused(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback would make the box user host root: refused, naming the cause and fix."""
+    monkeypatch.setattr(idmap, "unsupported_reason", lambda: "idmapped mounts are not available")
+    assert workspace.stat().st_uid == 0
+    sb = Sandbox(Policy(), workspace=workspace)
+    with pytest.raises(BackendError, match=r"belongs to root.*chown"):
+        await sb.start()
+    assert not list(workspace.iterdir())
 
 
 def test_a_dead_owners_idmapped_mount_is_swept_and_its_content_kept(
@@ -109,8 +139,9 @@ def test_the_sweep_leaves_an_entry_another_process_is_making(
 
 
 async def test_a_workspace_that_cannot_be_idmapped_still_starts_and_says_why(
-    workspace: Path, tmp_path: Path
+    owned_workspace: Path, tmp_path: Path
 ) -> None:
+    workspace = owned_workspace
     # A mount inside the workspace that is idmapped already: the recursive idmap refuses it.
     inner = workspace / "inner"
     inner.mkdir()

@@ -233,9 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _spawn_failed(exc: errors.SpawnFailed, as_json: bool) -> int:
     """Like a shell: 127 for a command not found, 126 for one that cannot be executed."""
-    status = EXIT_NOT_FOUND if "not found" in exc.message else EXIT_NOT_EXECUTABLE
-    if "working directory" in exc.message:
-        status = EXIT_NOT_EXECUTABLE
+    status = EXIT_NOT_FOUND if isinstance(exc, errors.CommandNotFound) else EXIT_NOT_EXECUTABLE
     if as_json:
         print(json.dumps({**exc.to_dict(), "exit_code": status}))
     else:
@@ -298,12 +296,13 @@ async def _captured(sb: Sandbox, args: argparse.Namespace, command: list[str], e
 
 async def _streamed(sb: Sandbox, args: argparse.Namespace, command: list[str], env: Any) -> int:
     oom_before = sb.stats().oom_kills
+    timeout = args.timeout if args.timeout is not None else sb.policy.limits.exec_timeout_secs
     stream = await sb.exec_stream(
         command,
         stdin="pipe" if args.stdin else None,
         cwd=args.workdir,
         env=env,
-        timeout=args.timeout,
+        timeout=timeout,
     )
     from corral.streaming import Exited, Stdout
 
@@ -320,7 +319,7 @@ async def _streamed(sb: Sandbox, args: argparse.Namespace, command: list[str], e
             if feeder is not None:
                 feeder.cancel()
     if stream.timed_out:
-        print(f"corral: timed out after {args.timeout or 0:g} s", file=sys.stderr)
+        print(f"corral: timed out after {timeout or 0:g} s", file=sys.stderr)
     if sb.stats().oom_kills > oom_before:
         print("corral: the memory limit killed a process (--memory)", file=sys.stderr)
     for line in refusal_lines(sb.network_refusals()):

@@ -1,0 +1,229 @@
+"""``corral run`` as ``docker run`` users expect it, driven as a real process on real boxes:
+byte-exact streamed output, flags checked in one line, refused workspaces, exit statuses,
+signals that tear the box down, and a reader that goes away."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corral.backends.host.state import state_root
+
+pytestmark = pytest.mark.needs_bwrap
+
+CORRAL = [sys.executable, "-m", "corral.cli"]
+
+
+def corral(
+    *args: str, cwd: Path | str | None = None, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [*CORRAL, *args], capture_output=True, cwd=cwd, input=stdin, timeout=60, check=False
+    )
+
+
+def test_binary_output_comes_back_byte_for_byte(workspace: Path) -> None:
+    data = os.urandom(4096)
+    (workspace / "r.bin").write_bytes(data)
+    r = corral("run", "--", "cat", "r.bin", cwd=workspace)
+    assert r.returncode == 0 and r.stdout == data
+
+
+def test_gzip_through_corral_unzips(workspace: Path) -> None:
+    (workspace / "f").write_bytes(b"hello\n" * 1000)
+    r = corral("run", "--", "gzip", "-c", "f", cwd=workspace)
+    unzipped = subprocess.run(["gunzip"], input=r.stdout, capture_output=True, check=True)
+    assert unzipped.stdout == b"hello\n" * 1000
+
+
+def test_large_output_is_not_truncated(workspace: Path) -> None:
+    r = corral("run", "--", "head", "-c", "5000000", "/dev/zero", cwd=workspace)
+    assert r.returncode == 0 and r.stdout == bytes(5_000_000) and r.stderr == b""
+
+
+def test_each_stream_keeps_its_order(workspace: Path) -> None:
+    script = "for i in 1 2 3 4 5; do echo o$i; echo e$i >&2; done"
+    r = corral("run", "--", "sh", "-c", script, cwd=workspace)
+    assert r.stdout == b"o1\no2\no3\no4\no5\n" and r.stderr == b"e1\ne2\ne3\ne4\ne5\n"
+
+
+def test_json_capture_flags_truncation_and_says_so(workspace: Path) -> None:
+    r = corral(
+        "run",
+        "--json",
+        "--output-bytes",
+        "1000",
+        "--",
+        "head",
+        "-c",
+        "5000",
+        "/dev/zero",
+        cwd=workspace,
+    )
+    data = json.loads(r.stdout)
+    assert data["truncated"] is True and data["exit_code"] == 0
+    assert b"output truncated" in r.stderr and b"--output-bytes" in r.stderr
+
+
+def test_stdin_env_workdir_and_mount(workspace: Path, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "x").write_text("from the host\n")
+    r = corral(
+        "run",
+        "--stdin",
+        "-e",
+        "GREETING=hi",
+        "-w",
+        "/tmp",
+        "-v",
+        f"{shared}:/data",
+        "--",
+        "sh",
+        "-c",
+        'cat; echo "$GREETING"; pwd; cat /data/x; touch /data/y',
+        cwd=workspace,
+        stdin=b"piped\n",
+    )
+    assert r.stdout == b"piped\nhi\n/tmp\nfrom the host\n"
+    assert r.returncode != 0 and not (shared / "y").exists()  # read-only unless :rw
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "allowed"),
+    [
+        ("--timeout", "0", "greater than 0"),
+        ("--timeout", "-1", "greater than 0"),
+        ("--memory", "0", "at least 16M"),
+        ("--memory", "1k", "at least 16M"),
+        ("--cpus", "0", "0.01 to 4096"),
+        ("--cpus", "-1", "0.01 to 4096"),
+        ("--pids", "1", ">= 4"),
+    ],
+)
+def test_bad_flag_values_are_one_line_naming_the_flag(
+    workspace: Path, flag: str, value: str, allowed: str
+) -> None:
+    r = corral("run", flag, value, "--", "true", cwd=workspace)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.count("\n") == 1, err
+    assert flag in err and allowed in err
+    assert "pydantic" not in err and "http" not in err and "Traceback" not in err
+
+
+def test_json_errors_are_json(workspace: Path) -> None:
+    r = corral("run", "--json", "--cpus", "-1", "--", "true", cwd=workspace)
+    assert r.returncode == 2 and json.loads(r.stdout)["error"]["code"] == "invalid_input"
+    r = corral("run", "--json", "--", "no-such-tool", cwd=workspace)
+    data = json.loads(r.stdout)
+    assert r.returncode == 127 and data["exit_code"] == 127 and data["ended"] == "not_started"
+
+
+def test_not_found_is_127_and_not_executable_126(workspace: Path) -> None:
+    (workspace / "data.txt").write_text("not a program\n")
+    r = corral("run", "--", "no-such-tool", cwd=workspace)
+    assert r.returncode == 127 and b"command not found" in r.stderr
+    assert b"Traceback" not in r.stderr
+    r = corral("run", "--", "/workspace/data.txt", cwd=workspace)
+    assert r.returncode == 126 and b"permission denied" in r.stderr
+
+
+def test_killed_by_a_signal_is_128_plus_n(workspace: Path) -> None:
+    r = corral("run", "--", "sh", "-c", "kill -USR1 $$", cwd=workspace)
+    assert r.returncode == 128 + signal.SIGUSR1
+
+
+def test_version() -> None:
+    r = corral("--version")
+    assert r.returncode == 0 and r.stdout.startswith(b"corral ")
+
+
+@pytest.mark.parametrize("where", ["/", "/etc", "/usr/lib", "/var", "/proc", "HOME", "/root"])
+def test_dangerous_workspaces_are_refused(where: str) -> None:
+    path = os.path.expanduser("~") if where == "HOME" else where
+    r = corral("run", "--", "touch", "corral-was-here", cwd=path)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "refusing" in err and "--force-workspace" in err, err
+    assert not os.path.exists(os.path.join(path, "corral-was-here"))
+    r = corral("run", "--workspace", path, "--", "true", cwd="/tmp")
+    assert r.returncode == 2 and b"refusing" in r.stderr
+
+
+def test_home_parent_is_refused_and_force_is_honoured(workspace: Path) -> None:
+    r = corral("run", "--workspace", "/home", "--", "true")
+    assert r.returncode == 2 and b"home directory" in r.stderr
+    r = corral("run", "--force-workspace", "--workspace", "/etc", "--", "true")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_tears_the_box_down(workspace: Path, sig: signal.Signals) -> None:
+    marker = f"1234.{int(sig)}"
+    script = f"grep -o 'cb-[0-9a-f]*' /proc/self/cgroup | head -n 1; exec sleep {marker}"
+    proc = subprocess.Popen(
+        [*CORRAL, "run", "--", "sh", "-c", script],
+        cwd=workspace,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        box_id = proc.stdout.readline().decode().strip()
+        assert ready and box_id.startswith("cb-"), box_id
+        state = state_root()
+        assert (state / "boxes" / box_id).exists()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert not (state / "boxes" / box_id).exists()
+    assert not list((state / "mnt").glob(f"{box_id}*"))
+    left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, check=False)
+    assert left.stdout == b""
+    groups = subprocess.run(
+        ["find", "/sys/fs/cgroup", "-maxdepth", "4", "-name", box_id],
+        capture_output=True,
+        check=False,
+    )
+    assert groups.stdout == b""
+
+
+def test_a_reader_that_goes_away_is_no_traceback() -> None:
+    result = subprocess.run(
+        f"{sys.executable} -m corral.cli doctor --json | head -c 1",
+        shell=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert b"Traceback" not in result.stderr and b"BrokenPipe" not in result.stderr
+
+
+def test_streamed_output_to_a_closed_pipe_ends_the_command(workspace: Path) -> None:
+    result = subprocess.run(
+        f"{sys.executable} -m corral.cli run -- yes | head -c 100000 | wc -c",
+        shell=True,
+        cwd=workspace,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.stdout.strip() == b"100000" and b"Traceback" not in result.stderr
+
+
+def test_shell_without_a_terminal_says_so(workspace: Path) -> None:
+    r = corral("shell", cwd=workspace, stdin=b"")
+    assert r.returncode == 2 and b"needs a terminal" in r.stderr and b"Traceback" not in r.stderr
