@@ -53,6 +53,7 @@ security-report: setup
 bench: setup
 	$(VPY) bench/run.py
 	$(VPY) bench/bench_network.py
+	$(VPY) bench/bench_cli_stream.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
