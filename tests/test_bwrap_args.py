@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from corral import Policy
+from corral import Policy, PolicyError
 from corral.backends.bwrap.args import BwrapFds, BwrapInputs, bwrap_argv
 from corral.backends.layout import HostView, _searchable, box_env, unplaceable_mount
 
@@ -237,3 +237,43 @@ def test_a_mount_point_inside_a_read_only_host_dir_is_refused_with_the_fix() -> 
         update={"filesystem": bad.filesystem.model_copy(update={"inherit_readable": False})}
     )
     assert unplaceable_mount(minimal, host) is None
+
+
+# ---- the box of yesterday: masks never follow links, follow the host object -----------------
+
+
+def test_a_mask_through_a_symlink_in_the_workspace_fails_closed() -> None:
+    links = {"/ws/.git"}
+    host = replace(
+        fake_host(),
+        islink=lambda p: p in links or p in LINKS,
+        lexists=lambda p: p in EXISTING or p in LINKS or p in links,
+    )
+    for field in ("deny_write", "deny_read"):
+        policy = Policy.from_dict({"filesystem": {field: [".git/hooks"]}})
+        with pytest.raises(PolicyError, match=f"filesystem.{field} '.git/hooks'"):
+            bwrap_argv(policy, inputs(), host)
+
+
+def test_a_missing_deny_write_path_in_the_workspace_is_made_and_masked() -> None:
+    made: list[tuple[str, str]] = []
+    host = replace(fake_host(), placeholder=lambda area, rel: made.append((area, rel)))
+    args = bwrap_argv(Policy.from_dict({"filesystem": {"deny_write": ["hooks"]}}), inputs(), host)
+    assert made == [("/ws", "hooks")]
+    assert ("/run/corral/shared/masked-dir", "/workspace/hooks") in triples(args, "--ro-bind")
+
+
+def test_a_missing_deny_write_path_on_the_read_only_root_needs_nothing() -> None:
+    host = replace(fake_host(), placeholder=None)
+    args = bwrap_argv(Policy.from_dict({"filesystem": {"deny_write": ["/opt/x"]}}), inputs(), host)
+    assert not any(dest == "/opt/x" for _, dest in triples(args, "--ro-bind"))
+
+
+def test_a_mask_follows_the_host_object_into_the_workspace() -> None:
+    """Workspace = $HOME (/root): ~/.ssh is masked at /root/.ssh and at /workspace/.ssh."""
+    ids = {"/root": (1, 2), "/root/.ssh": (1, 3), "/ws": (1, 2)}
+    host = replace(fake_host(), ident=lambda p: ids.get(p))
+    binds = triples(bwrap_argv(Policy(), inputs(), host), "--ro-bind")
+    assert ("/run/corral/shared/masked-dir", "/root/.ssh") in binds
+    assert ("/run/corral/shared/masked-dir", "/workspace/.ssh") in binds
+    assert ("/run/corral/shared/masked-file", "/workspace/.ssh") not in binds
