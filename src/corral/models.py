@@ -100,9 +100,11 @@ class ProcessStats:
     pid: int
     status: str
     cpu_seconds: float
+    """CPU time used so far; after the exit, the total (its reaped descendants included)."""
     rss_bytes: int
+    """Resident memory now; after the exit, the peak it reached."""
     processes: int
-    """How many processes its process group holds now."""
+    """How many processes its process group holds now (0 after the exit)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

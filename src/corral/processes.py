@@ -93,6 +93,8 @@ class Process:
         self._exited = asyncio.Event()
         self.exit_code: int | None = None
         self.duration: float | None = None
+        self.final_usage: tuple[float, int] | None = None
+        """(CPU seconds, peak RSS bytes) the box reported at exit."""
         self.timed_out = False
         self.kill_grace = kill_grace
         """Seconds between SIGTERM and SIGKILL when this process is ended (``terminate``)."""
@@ -239,8 +241,9 @@ class Process:
         await self._request("close_stdin", pid=self.pid)
 
     async def stats(self) -> ProcessStats:
-        if self.exit_code is not None:
-            return ProcessStats(self.pid, "exited", 0.0, 0, 0)
+        if self.exit_code is not None:  # the final figures: CPU used, peak memory
+            cpu, rss = self.final_usage or (0.0, 0)
+            return ProcessStats(self.pid, "exited", cpu, rss, 0)
         reply, _ = await self._request("stats", pid=self.pid)
         return ProcessStats(
             pid=self.pid,

@@ -359,6 +359,9 @@ class Sandbox:
                 self._box.observe_counters(header["box"])
             duration = header.get("duration")
             proc._on_exit(header["exit_code"], duration if isinstance(duration, float) else None)
+            cpu, rss = header.get("cpu_seconds"), header.get("max_rss_bytes")
+            if isinstance(cpu, (int, float)) and isinstance(rss, int):
+                proc.final_usage = (float(cpu), rss)
             self._registry.on_exit()
             if self.audit.enabled:
                 self._audit_exit(proc)

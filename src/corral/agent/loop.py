@@ -47,6 +47,8 @@ class Child:
         self.fds = fds  # fd -> stream name ("stdout", "stderr", "pty")
         self.stdin_fd = stdin_fd
         self.stdin_buf = bytearray()
+        self.usage: tuple[float, int] | None = None
+        """(CPU seconds, peak RSS bytes) from ``wait4`` once reaped."""
         self.stdin_close_after = False
         self.status: int | None = None
         self.started = time.monotonic()
@@ -408,7 +410,7 @@ class Agent:
     def reap(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
@@ -417,6 +419,8 @@ class Agent:
             if child is None:
                 continue  # an orphan we adopted: reaped, nothing to report
             child.status = status
+            # Its final figures (reaped descendants included), for stats after the exit.
+            child.usage = (usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024)
             if child.popen is not None:
                 child.popen.returncode = os.waitstatus_to_exitcode(status)
             # What the process wrote before exiting is already in the pipe: deliver it, then
@@ -444,6 +448,8 @@ class Agent:
         if code < 0:
             msg["signal"] = -code
         msg["duration"] = time.monotonic() - child.started
+        if child.usage is not None:
+            msg["cpu_seconds"], msg["max_rss_bytes"] = child.usage
         if self.cgroup:  # a microVM: the host sees no cgroup of the box, so it gets the counts
             if TYPE_CHECKING:
                 from corral.agent import info

@@ -180,6 +180,8 @@ EVENTS: dict[str, dict[str, str]] = {
         "exit_code": "int",
         "signal": "?int",
         "duration": "?number",
+        "cpu_seconds": "?number",
+        "max_rss_bytes": "?int",
         "box": "?{int}",
     },
 }
@@ -555,6 +557,10 @@ if TYPE_CHECKING:
         signal: NotRequired[int]
         duration: NotRequired[float]
         """Seconds from spawn to exit, measured in the box."""
+        cpu_seconds: NotRequired[float]
+        """User + system CPU of the process and its reaped descendants (``wait4``)."""
+        max_rss_bytes: NotRequired[int]
+        """Its peak resident memory (the largest of it and its reaped descendants)."""
         box: NotRequired[dict[str, int]]
         """A microVM's guest cgroup counters (the host sees no cgroup of that box)."""
 

@@ -29,6 +29,10 @@ MAX_LIST_ENTRIES = 1_000
 MAX_READ_BYTES = 8 << 20
 EXEC_ARGV = {"sh": ["/bin/sh", "-c"], "python3": ["python3", "-c"], "node": ["node", "-e"]}
 
+RUN_TIMEOUT_SECS = 60.0
+"""``run_command``'s timeout when neither the call nor the policy (``exec_timeout_secs``) gives
+one."""
+
 
 @dataclass(frozen=True, slots=True)
 class ToolContext:
@@ -101,7 +105,8 @@ class Handlers:
         if not a.wait:
             proc = await self.sb.spawn(cmd, cwd=a.cwd, env=env)
             return r.RunCommandResult(pid=proc.pid, status="running", hint=BACKGROUND_HINT)
-        done = await self.sb.run(cmd, timeout=a.timeout_secs, cwd=a.cwd, env=env)
+        timeout = a.timeout_secs or self.sb.policy.limits.exec_timeout_secs or RUN_TIMEOUT_SECS
+        done = await self.sb.run(cmd, timeout=timeout, cwd=a.cwd, env=env)
         out = r.RunCommandResult(
             pid=done.pid,
             exit_code=done.exit_code,

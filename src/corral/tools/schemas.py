@@ -81,8 +81,10 @@ class RunCommandArgs(ToolArgs):
         description="true: wait for exit and return output (compile, lint, format). false: "
         "return a pid at once and poll with wait_for_process / read_process_output.",
     )
-    timeout_secs: Seconds = Field(
-        default=60, description="With wait=true: kill the command after this many seconds."
+    timeout_secs: Seconds | None = Field(
+        default=None,
+        description="With wait=true: kill the command after this many seconds (default: the "
+        "sandbox policy's limits.exec_timeout_secs, else 60).",
     )
     cwd: str | None = Field(
         default=None, max_length=4_096, description="Working directory (default: workspace)."

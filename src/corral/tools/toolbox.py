@@ -176,7 +176,11 @@ class Toolbox:
         self.capabilities = None if capabilities is None else frozenset(capabilities)
         self.gate = Gate(permission_mode, None if rules is None else tuple(rules))
         self.approver = approver
-        self.secrets = secrets if secrets is not None else SecretStore.from_env()
+        if secrets is None:  # the environment's, and the policy's secrets_file
+            secrets = SecretStore.from_env()
+            if sandbox.policy.secrets_file is not None:
+                secrets = secrets.merged(SecretStore.from_file(sandbox.policy.secrets_file))
+        self.secrets = secrets
         self.output_chars = output_chars
         self.scope = Scope(sandbox.registry)
         context = handlers.ToolContext(
