@@ -23,7 +23,9 @@ __all__ = [
     "AnsiStripper",
     "HeadTailBuffer",
     "IncrementalDecoder",
+    "TerminalFilter",
     "cap_text",
+    "for_terminal",
     "strip_ansi",
 ]
 
@@ -84,6 +86,68 @@ def strip_ansi(text: str) -> str:
     the rest of it stays as text.
     """
     return _SEQUENCE.sub("", text)
+
+
+# SGR (colours, bold): the one CSI kept for a terminal; it moves nothing and reads nothing.
+_SGR = re.compile(r"\x1b\[[0-9;:]*m\Z")
+
+
+def for_terminal(text: str, *, colours: bool = True) -> str:
+    """``text`` made safe to print to an operator's terminal.
+
+    Keeps printable text, ``\n``, ``\t``, ``\r\n`` and (``colours``) SGR colour sequences;
+    drops every other escape sequence (OSC such as clipboard writes (52) and window titles,
+    DCS, APC, PM, SOS, cursor-moving and mode-setting CSI), lone ``\r``, and C0/C1 controls.
+    The same grammar as :func:`strip_ansi`, so one parser decides what a sequence is.
+    """
+
+    return _SEQUENCE.sub(lambda token: _kept(token, text, colours), text)
+
+
+def _kept(token: re.Match[str], text: str, colours: bool) -> str:
+    seq = token.group()
+    if colours and _SGR.match(seq):
+        return seq
+    if seq == "\r" and text.startswith("\n", token.end()):
+        return seq
+    return ""
+
+
+class TerminalFilter:
+    """Incremental :func:`for_terminal` over a byte stream (a command's live output).
+
+    Bytes are decoded as UTF-8 (invalid bytes show as U+FFFD: this is for a terminal, never
+    for a pipe), and a sequence or ``\r`` split across feeds is held until it is complete.
+    """
+
+    __slots__ = ("_colours", "_decoder", "_held")
+
+    def __init__(self, *, colours: bool = True) -> None:
+        self._decoder = IncrementalDecoder()
+        self._held = ""
+        self._colours = colours
+
+    def feed(self, data: bytes) -> bytes:
+        text = self._held + self._decoder.feed(data)
+        partial = _PARTIAL.search(text, max(0, len(text) - _MAX_HOLD))
+        stop = partial.start() if partial else len(text)
+        if stop == len(text) and text.endswith("\r"):
+            stop -= 1  # kept only if "\n" comes next
+        self._held = text[stop:]
+        pieces: list[str] = []
+        last = 0
+        for token in _SEQUENCE.finditer(text):
+            if token.start() >= stop:
+                break
+            pieces.append(text[last : token.start()])
+            pieces.append(_kept(token, text, self._colours))
+            last = token.end()
+        pieces.append(text[last:stop])
+        return "".join(pieces).encode("utf-8")
+
+    def flush(self) -> bytes:
+        held, self._held = self._held + self._decoder.flush(), ""
+        return for_terminal(held, colours=self._colours).encode("utf-8")
 
 
 class AnsiStripper:

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from corral.cli.options import add_raw_option, terminal_safe
+
 __all__ = ["format_record", "register"]
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ def register(sub: SubParsers) -> None:
     p.add_argument("--policy", metavar="FILE", help="read the log path from this policy")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new records")
     p.add_argument("--json", action="store_true", help="print the JSON lines unchanged")
+    add_raw_option(p)
     p.set_defaults(func=cmd_audit)
 
 
@@ -75,7 +78,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     show: Callable[[str], str] = (lambda line: line) if args.json else format_line
     try:
         for line in _lines(path, follow=args.follow):
-            print(show(line), flush=args.follow)
+            print(terminal_safe(show(line), sys.stdout, args), flush=args.follow)
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:  # `corral audit | head`

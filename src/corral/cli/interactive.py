@@ -15,6 +15,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from corral.cli.options import add_raw_option, terminal_safe
 from corral.sessions import attach
 from corral.sessions.terminal import (
     DEFAULT_DETACH_KEYS,
@@ -47,6 +48,7 @@ def register(sub: SubParsers) -> None:
 
     ls = sub.add_parser("sessions", help="list sessions that can be attached")
     ls.add_argument("--json", action="store_true", help="print a JSON list")
+    add_raw_option(ls)
     ls.set_defaults(func=cmd_sessions)
 
 
@@ -154,7 +156,8 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     rows += [_row(info) for info in found]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        print(terminal_safe(line, sys.stdout, args))
     return 0
 
 

@@ -7,6 +7,7 @@ import contextlib
 import os
 import pwd
 from pathlib import Path
+from typing import TextIO
 
 from corral import errors
 from corral.net.cli import apply_network_options
@@ -15,14 +16,35 @@ from corral.policy import Limits, Policy
 __all__ = [
     "EXIT_SANDBOX",
     "EXIT_USAGE",
+    "add_raw_option",
     "add_sandbox_options",
     "build_policy",
     "checked_workspace",
+    "terminal_safe",
     "workspace_danger",
 ]
 
 EXIT_USAGE = 2
 EXIT_SANDBOX = 125
+
+
+def add_raw_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--raw",
+        action="store_true",
+        help="print box output as is, escape sequences included, even to a terminal "
+        "(output to a pipe or file is always as is)",
+    )
+
+
+def terminal_safe(text: str, stream: TextIO, args: argparse.Namespace) -> str:
+    """``text`` for ``stream``: as is to a pipe or file (or with ``--raw``); to a terminal,
+    without the escape sequences a box could use against it (OSC 52, titles, ...)."""
+    if getattr(args, "raw", False) or not stream.isatty():
+        return text
+    from corral.output import for_terminal
+
+    return for_terminal(text)
 
 
 def build_policy(args: argparse.Namespace) -> Policy:

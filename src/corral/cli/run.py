@@ -27,11 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from corral import errors
 from corral.cli.options import (
+    add_raw_option,
     add_sandbox_options,
     build_policy,
     checked_workspace,
+    terminal_safe,
 )
 from corral.net.cli import add_network_options, refusal_lines
+from corral.output import TerminalFilter
 from corral.policy import MAX_CPU_QUOTA, MIN_CPU_QUOTA, MIN_MEMORY_BYTES, MIN_PIDS, parse_size
 
 if TYPE_CHECKING:
@@ -93,6 +96,7 @@ def register(sub: SubParsers) -> None:
         "are kept and the result says truncated",
     )
     run.add_argument("--stdin", action="store_true", help="pass corral's stdin to the command")
+    add_raw_option(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     run.set_defaults(func=cmd_run)
 
@@ -307,24 +311,40 @@ async def _streamed(sb: Sandbox, args: argparse.Namespace, command: list[str], e
     from corral.streaming import Exited, Stdout
 
     feeder = _feed_stdin(stream) if args.stdin else None
+    # To a terminal, box bytes lose what could drive it (OSC 52, titles, ...); to a pipe or
+    # file, and with --raw, they pass byte for byte.
+    filters = {fd: _terminal_filter(fd, args) for fd in (1, 2)}
     code = -9
     async with stream:
         try:
             async for event in stream:
                 if isinstance(event, Exited):
                     code = event.code
-                elif not _write_all(1 if isinstance(event, Stdout) else 2, event.data):
+                    continue
+                fd = 1 if isinstance(event, Stdout) else 2
+                shown = filters[fd]
+                data = event.data if shown is None else shown.feed(event.data)
+                if not _write_all(fd, data):
                     return EXIT_SIGPIPE  # the reader is gone; leaving `async with` ends it
         finally:
             if feeder is not None:
                 feeder.cancel()
+    for fd, shown in filters.items():
+        if shown is not None:
+            _write_all(fd, shown.flush())
     if stream.timed_out:
         print(f"corral: timed out after {timeout or 0:g} s", file=sys.stderr)
     if sb.stats().oom_kills > oom_before:
         print("corral: the memory limit killed a process (--memory)", file=sys.stderr)
     for line in refusal_lines(sb.network_refusals()):
-        print(line, file=sys.stderr)
+        print(terminal_safe(line, sys.stderr, args), file=sys.stderr)
     return _status(code, stream.timed_out)
+
+
+def _terminal_filter(fd: int, args: argparse.Namespace) -> TerminalFilter | None:
+    if args.raw or not os.isatty(fd):
+        return None
+    return TerminalFilter()
 
 
 def _write_all(fd: int, data: bytes) -> bool:
