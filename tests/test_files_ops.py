@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from corral import FileNotFound, FileTooLarge, Sandbox
-from corral.errors import ErrorCode, FileOpError, SandboxError
+from corral.errors import (
+    ErrorCode,
+    FileOpError,
+    PathOutsideSandbox,
+    SandboxError,
+)
 
 pytestmark = pytest.mark.needs_bwrap
 
@@ -73,3 +78,17 @@ async def test_removing_the_workspace_root_is_refused(sandbox: Sandbox) -> None:
     with pytest.raises(SandboxError) as info:
         await sandbox.files.remove(".", recursive=True)
     assert info.value.code == ErrorCode.INVALID_INPUT
+
+
+async def test_the_files_api_reads_what_a_command_can_read(tmp_path: Path) -> None:
+    async with Sandbox(workspace=tmp_path) as sb:
+        seen = await sb.run("cat /etc/hostname")
+        assert seen.exit_code == 0
+        assert await sb.files.read_text("/etc/hostname") == seen.stdout
+        info = await sb.files.stat("/etc/hostname")
+        assert info is not None and info.type == "file"
+        for kernel in ("/proc/self/environ", "/proc/self/mem", "/dev/fd/0", "/sys/kernel"):
+            with pytest.raises(PathOutsideSandbox, match="kernel interface"):
+                await sb.files.read(kernel)
+        with pytest.raises(PathOutsideSandbox):
+            await sb.files.write("/etc/hostname", "x")

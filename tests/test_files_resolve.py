@@ -37,6 +37,18 @@ def test_absolute_paths_outside_granted_roots_are_refused(path: str) -> None:
         resolve(path, POLICY, home="/root")
 
 
+@pytest.mark.parametrize("path", ["/etc/passwd", "/", "/usr/bin/sh", "/workspace/../etc"])
+def test_reading_resolves_outside_paths_beneath_the_box_root(path: str) -> None:
+    assert resolve(path, POLICY, home="/root", reading=True).root == "/"
+    assert resolve("/workspace/x", POLICY, home="/root", reading=True).root == "/workspace"
+
+
+@pytest.mark.parametrize("path", ["../etc/passwd", "/root/.ssh/id_rsa", "/etc/shadow"])
+def test_reading_keeps_climbing_and_masks_refused(path: str) -> None:
+    with pytest.raises(PathOutsideSandbox):
+        resolve(path, POLICY, home="/root", reading=True)
+
+
 def test_tmp_is_granted() -> None:
     assert resolve("/tmp/x", POLICY, home="/root").root == "/tmp"
 

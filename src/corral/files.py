@@ -23,6 +23,8 @@ from corral.models import FileInfo
 from corral.policy import Policy
 from corral.processes import Request
 
+KERNEL_VIEWS = ("/proc", "/sys", "/dev")
+"""Not read through the files API outside the writable roots (see :func:`resolve`)."""
 CHUNK = 8 << 20
 DEFAULT_MAX_READ = 64 << 20
 
@@ -53,8 +55,13 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def resolve(path: str, policy: Policy, home: str | None = None) -> Resolved:
-    """Map a user path to (absolute box path, granted root) or raise PathOutsideSandbox."""
+def resolve(
+    path: str, policy: Policy, home: str | None = None, *, reading: bool = False
+) -> Resolved:
+    """Map a user path to (absolute box path, granted root) or raise PathOutsideSandbox.
+    ``reading``: an absolute path outside the writable roots resolves beneath ``/`` (the
+    box's own view, read as the command user: what a command can ``cat``, the files API can
+    read); writing stays confined to the workspace, /tmp, ``allow_write`` and mounts."""
     if not isinstance(path, str) or not path or "\x00" in path:
         raise errors.SandboxError(
             f"invalid path {path!r}: give a non-empty path without NUL bytes",
@@ -80,6 +87,14 @@ def resolve(path: str, policy: Policy, home: str | None = None) -> Resolved:
     for root in roots:
         if _under(norm, root):
             return Resolved(norm, root)
+    if reading:
+        if any(_under(norm, k) for k in KERNEL_VIEWS):
+            # Seen by the guest agent, /proc/self would be the agent itself (its memory,
+            # its environment), not a command: these are read with a command.
+            raise errors.PathOutsideSandbox(
+                f"path {path!r} is a kernel interface; read it with a command (cat)"
+            )
+        return Resolved(norm, "/")
     raise errors.PathOutsideSandbox(
         f"path {path!r} is outside what the policy grants to file operations "
         f"({', '.join(sorted(set(roots)))})"
@@ -99,9 +114,9 @@ class Files:
         """The policy with its paths resolved, once the sandbox knows its workspace."""
         self._policy = policy
 
-    def _resolve(self, path: str) -> Resolved:
+    def _resolve(self, path: str, *, reading: bool = False) -> Resolved:
         try:
-            return resolve(path, self._policy)
+            return resolve(path, self._policy, reading=reading)
         except errors.PathOutsideSandbox as exc:
             self._denied("resolve", path, exc.message)
             raise
@@ -120,7 +135,7 @@ class Files:
 
     async def read(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """Whole file contents. Larger than ``max_bytes`` (default 64 MiB) -> FileTooLarge."""
-        r = self._resolve(path)
+        r = self._resolve(path, reading=True)
         limit = DEFAULT_MAX_READ if max_bytes is None else max_bytes
         chunks: list[bytes] = []
         offset = 0
@@ -164,7 +179,7 @@ class Files:
         return size
 
     async def list(self, path: str = ".") -> list[FileInfo]:
-        r = self._resolve(path)
+        r = self._resolve(path, reading=True)
         reply, _ = await self._request("file_list", path=r.path, root=r.root)
         return [
             FileInfo(
@@ -179,7 +194,7 @@ class Files:
         ]
 
     async def stat(self, path: str) -> FileInfo | None:
-        r = self._resolve(path)
+        r = self._resolve(path, reading=True)
         reply, _ = await self._request("file_stat", path=r.path, root=r.root)
         if not reply.get("exists"):
             return None

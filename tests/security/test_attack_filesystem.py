@@ -90,13 +90,22 @@ async def test_symlink_through_file_tools_to_host(
 
 
 async def test_dotdot_and_absolute_paths_through_file_tools(sandbox: Sandbox) -> None:
-    for bad in ("../../etc/passwd", "/etc/passwd", "sub/../../x", "/workspace/../etc/hosts"):
+    for bad in ("../../etc/passwd", "sub/../../x"):
         with pytest.raises(PathOutsideSandbox):
             await sandbox.files.read(bad)
+    # Reading what a command can read is allowed (the box's view, as the command user);
+    # writing outside the writable roots is not.
+    for readable in ("/etc/passwd", "/workspace/../etc/hosts"):
+        seen = await sandbox.run(["cat", readable])
+        assert await sandbox.files.read(readable) == seen.stdout.encode()
+    for bad in ("../escape.txt", "/etc/corral-escape", "/usr/corral-escape"):
+        with pytest.raises(PathOutsideSandbox):
+            await sandbox.files.write(bad, "x")
     with pytest.raises(PathOutsideSandbox):
-        await sandbox.files.write("../escape.txt", "x")
+        await sandbox.files.mkdir("/corral-x")
     with pytest.raises(PathOutsideSandbox):
-        await sandbox.files.list("/")
+        await sandbox.files.remove("/etc/hosts")
+    assert "etc" in {e.name for e in await sandbox.files.list("/")}
     with pytest.raises(SandboxError):
         await sandbox.files.read("a\x00b")
 
