@@ -397,6 +397,7 @@ class GuardedH11Protocol(H11Protocol):
     header_timeout = HEADER_TIMEOUT
     max_connections = MAX_CONNECTIONS
     _order = 0
+    _warned = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -406,7 +407,11 @@ class GuardedH11Protocol(H11Protocol):
         if len(self.connections) > self.max_connections:
             idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._idle()]
             victim = min(idle, key=lambda c: c._made) if idle else self
-            logger.warning("more than %d MCP connections: closing one", self.max_connections)
+            if not GuardedH11Protocol._warned:  # once: an attack must not flood the log
+                GuardedH11Protocol._warned = True
+                logger.warning(
+                    "more than %d MCP connections: closing idle ones", self.max_connections
+                )
             victim._close()
 
     def _arm_head_timer(self) -> None:
