@@ -4,12 +4,16 @@ signals that tear the box down, and a reader that goes away."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pty
+import re
 import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -227,3 +231,93 @@ def test_streamed_output_to_a_closed_pipe_ends_the_command(workspace: Path) -> N
 def test_shell_without_a_terminal_says_so(workspace: Path) -> None:
     r = corral("shell", cwd=workspace, stdin=b"")
     assert r.returncode == 2 and b"needs a terminal" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_doctor_to_a_closed_pipe_is_no_traceback() -> None:
+    """Every write meets EPIPE (the reader closed before corral wrote): exit 141, quietly."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run(
+            [*CORRAL, "doctor", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert r.returncode == 141 and b"Traceback" not in r.stderr, r.stderr
+
+
+def test_shell_banner_says_how_to_detach_and_picks_bash(workspace: Path) -> None:
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: corral shell on this terminal
+        _exec_in_child(workspace, "shell")
+    seen = b""
+    try:
+        seen = _read_until(fd, b"detaches", seen)
+        assert b"ctrl-] detaches" in seen and b"bash" in seen, seen
+        os.write(fd, b"echo shell=$BASH_VERSION; exit 7\r")
+        seen = _read_until(fd, b"shell=5", seen)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 7
+    finally:
+        os.close(fd)
+        if pid > 0:
+            with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+
+def _read_until(fd: int, wanted: bytes, seen: bytes = b"", timeout: float = 60) -> bytes:
+    deadline = time.monotonic() + timeout
+    while wanted not in seen:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(left, 0))
+        if not ready:
+            raise AssertionError(f"no {wanted!r} within {timeout} s; got {seen[-500:]!r}")
+        try:
+            seen += os.read(fd, 4096)
+        except OSError:
+            break
+    return seen
+
+
+def test_attach_says_why_when_the_owner_closes(workspace: Path) -> None:
+    owner, owner_fd = pty.fork()
+    if owner == 0:
+        _exec_in_child(workspace, "shell")
+    joiner, join_fd = -1, -1
+    try:
+        banner = _read_until(owner_fd, b"detaches")
+        found = re.search(rb"session (\S+)\)", banner)
+        assert found, banner
+        joiner, join_fd = pty.fork()
+        if joiner == 0:
+            _exec_in_child(workspace, "attach", found.group(1).decode())
+        os.write(join_fd, b"echo joined-$((40+2))\r")
+        seen = _read_until(join_fd, b"joined-42")
+        os.kill(owner, signal.SIGTERM)  # the owner tears its box down, then exits 143
+        _, status = os.waitpid(owner, 0)
+        assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+        seen = _read_until(join_fd, b"sandbox owning it closed", seen)
+        _, status = os.waitpid(joiner, 0)
+        assert os.waitstatus_to_exitcode(status) == 137
+    finally:
+        for pid, fd in ((owner, owner_fd), (joiner, join_fd)):
+            if fd >= 0:
+                os.close(fd)
+            if pid > 0:  # never kill(-1): that is every process
+                with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+
+
+def _exec_in_child(cwd: Path, *args: str) -> None:
+    """In a forked child: become corral, or exit at once (never go on running pytest)."""
+    try:
+        os.chdir(cwd)
+        os.execv(sys.executable, [*CORRAL, *args])
+    finally:
+        os._exit(127)

@@ -98,6 +98,7 @@ def _report(outcome: AttachOutcome, session_id: str) -> int:
 def cmd_shell(args: argparse.Namespace) -> int:
     from corral import errors
     from corral.cli.options import build_policy, checked_workspace
+    from corral.cli.run import with_signals
     from corral.sandbox import Sandbox
 
     keys = parse_detach_keys(args.detach_keys)
@@ -134,7 +135,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
             )
             return _status(await session.wait_closed())
 
-    return asyncio.run(go())
+    return with_signals(go())
 
 
 async def _default_shell(sb: Any) -> str:

@@ -40,7 +40,7 @@ from corral.policy import MAX_CPU_QUOTA, MIN_CPU_QUOTA, MIN_MEMORY_BYTES, MIN_PI
 if TYPE_CHECKING:
     from corral.sandbox import Sandbox
 
-__all__ = ["cmd_run", "register"]
+__all__ = ["cmd_run", "register", "with_signals"]
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -232,7 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             except errors.SpawnFailed as exc:
                 return _spawn_failed(exc, args.json)
 
-    return _with_signals(go())
+    return with_signals(go())
 
 
 def _spawn_failed(exc: errors.SpawnFailed, as_json: bool) -> int:
@@ -245,7 +245,7 @@ def _spawn_failed(exc: errors.SpawnFailed, as_json: bool) -> int:
     return status
 
 
-def _with_signals(main: Any) -> int:
+def with_signals(main: Any) -> int:
     """Run ``main``; SIGTERM and SIGHUP cancel it like Ctrl-C does, so the sandbox is torn
     down (state dir, mounts, cgroup) before corral exits with 128+N."""
 
