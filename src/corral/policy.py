@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -349,7 +350,15 @@ class Policy(_Model):
         name ends in ``.json``."""
         p = Path(path)
         try:
-            text = p.read_text()
+            # O_NONBLOCK: a FIFO (left in a workspace) must not hang the CLI; only a regular
+            # file is read.
+            with open(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if stat.S_ISDIR(mode):
+                    raise IsADirectoryError(p)
+                if not stat.S_ISREG(mode):
+                    raise PolicyError(f"policy file {p} is not a regular file")
+                text = f.read().decode()
         except FileNotFoundError:
             raise PolicyError(f"policy file not found: {p}") from None
         except IsADirectoryError:

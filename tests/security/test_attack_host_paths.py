@@ -96,6 +96,14 @@ def test_secrets_file_that_is_a_link_or_fifo_is_refused(
         SecretStore.from_file(path)
 
 
+def test_policy_file_that_is_a_fifo_does_not_hang_the_cli(tmp_path: Path) -> None:
+    """``corral run --policy ws/corral.toml`` after a box made it a FIFO: refused, at once."""
+    path = tmp_path / "corral.toml"
+    os.mkfifo(path)
+    with pytest.raises(PolicyError, match="not a regular file"):
+        Policy.load(path)
+
+
 @pytest.mark.parametrize("link_at", ["source", "parent"])
 async def test_mount_source_swapped_for_a_symlink_is_refused(
     box_policy: Policy, workspace: Path, canary: Canary, link_at: str
