@@ -39,7 +39,7 @@ from corral.backends.host import idmap, mounts
 from corral.backends.host.staging import new_entry, release_staging, sweep_staging
 from corral.backends.host.state import BOX_PREFIX
 from corral.backends.host.threads import blocking
-from corral.backends.layout import HostView, guest_path
+from corral.backends.layout import HostView, expand, guest_path
 from corral.backends.users import COMMAND_HOST_ID
 from corral.models import CommandResult
 from corral.policy import Policy, RlimitName
@@ -58,6 +58,28 @@ def needs_fresh_box(policy: Policy) -> str | None:
         if guest == policy.workdir or guest.startswith(policy.workdir.rstrip("/") + "/"):
             return f"deny entry {raw!r} lies in the workspace and is applied when a box starts"
     return None
+
+
+def _holds_masked(policy: Policy, workspace: Path) -> bool:
+    """Whether a masked host path lies inside ``workspace`` (by st_dev/st_ino of its
+    ancestors: workspace = $HOME holds ~/.ssh). A warm box's masks were laid out before the
+    workspace was known, so such a workspace gets a fresh box, whose masks follow the object
+    to /workspace/.ssh (:func:`corral.backends.layout.policy_binds`)."""
+    try:
+        st = workspace.stat()
+    except OSError:
+        return False
+    home = os.path.expanduser("~")
+    for raw in (*policy.filesystem.deny_read, *policy.filesystem.deny_write):
+        path = Path(expand(raw, home) if raw.startswith(("/", "~")) else "/")
+        for ancestor in (path, *path.parents):
+            try:
+                a = ancestor.stat()
+            except OSError:
+                continue
+            if (a.st_dev, a.st_ino) == (st.st_dev, st.st_ino) and ancestor != Path("/"):
+                return True
+    return False
 
 
 def _workspace(workspace: str | os.PathLike[str] | None) -> Path | None:
@@ -174,7 +196,9 @@ class SandboxPool:
         if self._closed:
             raise errors.SandboxClosed("the pool is closed")
         ws = _workspace(workspace)
-        if self._why_fresh is not None or (ws is not None and self._foreign(ws)):
+        if self._why_fresh is not None or (
+            ws is not None and (self._foreign(ws) or _holds_masked(self.policy, ws))
+        ):
             return await self._fresh(ws)
         box = self._ready.pop() if self._ready else await self._make()
         try:

@@ -273,3 +273,20 @@ async def test_no_setuid_file_survives_the_box(sandbox: Sandbox, workspace: Path
         if p.exists() and p.lstat().st_mode & (stat.S_ISUID | stat.S_ISGID)
     ]
     assert left == [], f"setuid/setgid files left in the workspace: {left}"
+
+
+async def test_a_warm_pool_box_masks_the_host_object_in_the_workspace(tmp_path: Path) -> None:
+    """A warm box's masks are laid out before its workspace is known: a workspace holding a
+    masked path (workspace = $HOME) gets a fresh box, with the mask at /workspace/.ssh."""
+    from corral import SandboxPool
+
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("PRIVATE KEY\n")
+    policy = Policy.from_dict({"filesystem": {"deny_read": [str(home / ".ssh")]}})
+    async with SandboxPool(policy, size=1) as pool:
+        sb = await pool.sandbox(home)
+        async with sb:
+            r = await sb.run(["sh", "-c", "cat /workspace/.ssh/id_ed25519; ls -a /workspace"])
+    assert "PRIVATE KEY" not in r.stdout
+    assert ".ssh" in r.stdout  # the workspace itself is there, the key is not
