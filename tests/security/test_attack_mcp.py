@@ -8,10 +8,12 @@ import base64
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -196,3 +198,68 @@ async def test_approval_without_elicitation_is_terminal_not_retry_forever() -> N
             assert error["code"] == "approval_unavailable" and error["retryable"] is False
             assert "do not retry" in error["message"] and "human" in error["message"]
             assert result["approval"]["command"] == "git push origin main"
+
+
+# ---- class 5: a unix socket for its owner only -----------------------------------------------
+@pytest.fixture
+def unix_server() -> Any:
+    # Not under tmp_path: pytest's base dir is 0700, and the test lets another uid try.
+    where = Path(tempfile.mkdtemp(prefix="corral-uds-", dir="/tmp"))
+    path = where / "mcp.sock"
+    env = {k: v for k, v in os.environ.items() if k != "CORRAL_MCP_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corral", "mcp", "--unix", str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # printed once the socket listens
+        assert f"unix:{path}" in line, line
+        yield path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        if proc.stderr is not None:
+            proc.stderr.close()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+async def test_unix_socket_serves_its_owner_only(unix_server: Path) -> None:
+    path = unix_server
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    transport = httpx2.AsyncHTTPTransport(uds=str(path))
+    async with (
+        asyncio.timeout(60),
+        httpx2.AsyncClient(transport=transport) as http,
+        Client(streamable_http_client("http://localhost:1/mcp", http_client=http)) as client,
+    ):
+        assert (await call(client, "run_command", {"command": "echo uds"}))["stdout"] == "uds\n"
+    if os.getuid() != 0:
+        return
+    # Another uid, even with the mode opened up, is cut off by the peer check.
+    os.chmod(path, 0o666)
+    os.chmod(path.parent, 0o755)
+    probe = (
+        "import socket,sys\n"
+        "s=socket.socket(socket.AF_UNIX); s.settimeout(20); s.connect(sys.argv[1])\n"
+        "s.sendall(b'GET /mcp HTTP/1.1\\r\\nHost: localhost\\r\\n\\r\\n')\n"
+        "print(repr(s.recv(100)))\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        probe,
+        str(path),
+        user=65534,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(30):
+        out, err = await proc.communicate()
+    stdout, stderr = out.decode(), err.decode()
+    assert "HTTP/1.1" not in stdout, stdout
+    assert stdout.strip() == "b''" or "ConnectionResetError" in stderr, (stdout, stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -40,6 +41,11 @@ def register(sub: SubParsers) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[])
     p.add_argument("--secrets", metavar="FILE", help="NAME=value lines (plus CORRAL_SECRET_*)")
     p.add_argument("--http", metavar="HOST:PORT", help="streamable HTTP instead of stdio")
+    p.add_argument(
+        "--unix",
+        metavar="PATH",
+        help="streamable HTTP on a unix socket (mode 0600, peers checked by uid; no token)",
+    )
     p.add_argument(
         "--token",
         metavar="TOKEN",
@@ -98,6 +104,26 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.unix:
+        from corral.tools.mcp import bind_unix
+
+        path = Path(args.unix).absolute()
+        token = args.token or os.environ.get("CORRAL_MCP_TOKEN") or None
+        sock = bind_unix(path)
+        who = "token required" if token else f"uid {os.getuid()} only (SO_PEERCRED)"
+        url = "http://localhost:1/mcp (any port: the Host check wants one)"
+        _say(f"serving streamable HTTP on unix:{path} as {url}; {who}; " + describe_config(config))
+        try:
+            with sock:
+                asyncio.run(
+                    serve_http(
+                        config, "localhost", 0, token=token, insecure_no_token=True, sock=sock
+                    )
+                )
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return 0
     if not args.http:
         _say(f"serving on stdio; {describe_config(config)}")
         asyncio.run(serve_stdio(config))

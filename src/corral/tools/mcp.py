@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import stat
+import struct
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -398,11 +399,18 @@ class GuardedH11Protocol(H11Protocol):
     max_connections = MAX_CONNECTIONS
     _order = 0
     _warned = False
+    _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         GuardedH11Protocol._order += 1
         self._made = GuardedH11Protocol._order
+        peer = peer_uid(transport.get_extra_info("socket"))
+        if peer is not None and peer != os.getuid():
+            # A unix socket serves its owner only (its 0600 mode says so too).
+            logger.warning("refused a unix-socket connection from uid %d", peer)
+            transport.abort()
+            return
         self._arm_head_timer()
         if len(self.connections) > self.max_connections:
             idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._idle()]
@@ -438,8 +446,36 @@ class GuardedH11Protocol(H11Protocol):
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._head_timer.cancel()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
         super().connection_lost(exc)
+
+
+def peer_uid(sock: Any) -> int | None:
+    """The uid at the other end of a unix socket (``SO_PEERCRED``); None for TCP."""
+    if sock is None or getattr(sock, "family", None) != socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    uid: int = struct.unpack("3i", creds)[1]
+    return uid
+
+
+def bind_unix(path: Path) -> socket.socket:
+    """A listening unix socket at ``path``, mode 0600 from its first moment (a stale socket
+    of ours is replaced; anything else at ``path`` is an error)."""
+    with contextlib.suppress(FileNotFoundError):
+        info = os.lstat(path)
+        if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+            raise errors.PolicyError(f"{path} exists and is not a socket of this user")
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    return sock
 
 
 def http_server_config(
