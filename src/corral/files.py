@@ -133,9 +133,20 @@ class Files:
         if self.on_denied is not None:
             self.on_denied(op, path, reason)
 
-    async def read(self, path: str, *, max_bytes: int | None = None) -> bytes:
-        """Whole file contents. Larger than ``max_bytes`` (default 64 MiB) -> FileTooLarge."""
+    async def read(
+        self, path: str, *, max_bytes: int | None = None, offset: int = 0, length: int | None = None
+    ) -> bytes:
+        """Whole file contents. Larger than ``max_bytes`` (default 64 MiB) -> FileTooLarge.
+        With ``length``: at most ``length`` bytes from ``offset`` (fewer at the end of the
+        file), never FileTooLarge."""
         r = self._resolve(path, reading=True)
+        if offset < 0 or (length is not None and length < 0):
+            raise errors.SandboxError(
+                f"offset {offset} and length {length} must be >= 0",
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
+        if length is not None or offset:
+            return await self._read_range(r, offset, length)
         limit = DEFAULT_MAX_READ if max_bytes is None else max_bytes
         chunks: list[bytes] = []
         offset = 0
@@ -153,6 +164,20 @@ class Files:
                 )
             if reply.get("eof") or not data:
                 return b"".join(chunks)
+
+    async def _read_range(self, r: Resolved, offset: int, length: int | None) -> bytes:
+        chunks: list[bytes] = []
+        end = None if length is None else offset + length
+        while end is None or offset < end:
+            want = CHUNK if end is None else min(CHUNK, end - offset)
+            reply, data = await self._request(
+                "file_read", path=r.path, root=r.root, offset=offset, limit=want
+            )
+            chunks.append(data)
+            offset += len(data)
+            if reply.get("eof") or not data:
+                break
+        return b"".join(chunks)
 
     async def read_text(self, path: str, *, max_bytes: int | None = None) -> str:
         return (await self.read(path, max_bytes=max_bytes)).decode(errors="replace")

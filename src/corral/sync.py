@@ -91,8 +91,12 @@ class SyncFiles:
         self._files = sandbox.files
         self._loop = loop
 
-    def read(self, path: str, *, max_bytes: int | None = None) -> bytes:
-        return self._loop.call(self._files.read(path, max_bytes=max_bytes))
+    def read(
+        self, path: str, *, max_bytes: int | None = None, offset: int = 0, length: int | None = None
+    ) -> bytes:
+        return self._loop.call(
+            self._files.read(path, max_bytes=max_bytes, offset=offset, length=length)
+        )
 
     def read_text(self, path: str) -> str:
         return self._loop.call(self._files.read_text(path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,6 +46,9 @@ class ToolContext:
     """The tools the caller may use now (``sandbox_info`` lists them)."""
     share_shells: bool = False
     """Shells opened by ``open_shell`` can be joined with ``corral attach``."""
+    output_chars: int = 30_000
+    """The toolbox's cap on a result's strings: binary reads are paged to fit in it (cut
+    base64 would be garbage)."""
 
 
 def bind(ctx: ToolContext) -> dict[str, Callable[[Any], Awaitable[r.ToolResult]]]:
@@ -213,11 +217,44 @@ class Handlers:
         return out
 
     async def vfs_read(self, a: s.VfsReadArgs) -> r.VfsReadResult:
-        data = await self.sb.files.read(a.path, max_bytes=MAX_READ_BYTES)
-        if b"\x00" in data[:8192]:
-            return r.VfsReadResult(path=a.path, size=len(data), binary=True, content="")
-        text = data.decode("utf-8", errors="replace")
-        return r.VfsReadResult(path=a.path, size=len(data), content=text)
+        """Text as it is; binary content (NUL bytes, or not UTF-8) as base64, paged so that
+        its base64 fits in the toolbox's output cap (``offset``/``length``/``eof`` say where
+        the next page starts)."""
+        ranged = a.limit is not None or a.offset > 0
+        if not ranged:  # the whole file, at most 8 MiB
+            data = await self.sb.files.read(a.path, max_bytes=MAX_READ_BYTES)
+            size = len(data)
+        else:
+            info = await self.sb.files.stat(a.path)
+            size = info.size if info is not None else 0
+            length = a.limit if a.limit is not None else MAX_READ_BYTES
+            data = await self.sb.files.read(a.path, offset=a.offset, length=length)
+        text = _utf8_text(data, whole=a.offset + len(data) >= size)
+        if text is not None and not ranged:
+            return r.VfsReadResult(path=a.path, size=size, encoding="utf-8", content=text)
+        if text is not None:
+            used = len(text.encode())  # a character cut at the end is left for the next read
+            return r.VfsReadResult(
+                path=a.path,
+                size=size,
+                encoding="utf-8",
+                content=text,
+                offset=a.offset,
+                length=used,
+                eof=a.offset + used >= size,
+            )
+        page = max(3, (self.box.output_chars - 200) // 4 * 3)
+        data = data[:page]
+        return r.VfsReadResult(
+            path=a.path,
+            size=size,
+            binary=True,
+            encoding="base64",
+            content=base64.b64encode(data).decode(),
+            offset=a.offset,
+            length=len(data),
+            eof=a.offset + len(data) >= size,
+        )
 
     async def vfs_write(self, a: s.VfsWriteArgs) -> r.VfsWriteResult:
         size = await self.sb.files.write(a.path, a.content, append=a.append)
@@ -242,3 +279,15 @@ class Handlers:
     async def sandbox_info(self, a: s.SandboxInfoArgs) -> r.SandboxInfoResult:
         info = await self.sb.info()
         return r.SandboxInfoResult.model_validate({**info, "tools": self.box.tool_names()})
+
+
+def _utf8_text(data: bytes, whole: bool) -> str | None:
+    """``data`` as text, or None for binary content (NUL bytes, or not UTF-8). Not ``whole``:
+    a multi-byte character cut at the end is dropped (the caller reports the bytes used)."""
+    if b"\x00" in data:
+        return None
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        return decoder.decode(data, final=whole)
+    except UnicodeDecodeError:
+        return None

@@ -232,8 +232,15 @@ class VfsListResult(ToolResult):
 class VfsReadResult(ToolResult):
     path: str
     size: int
+    """Size of the whole file."""
     binary: bool | None = Field(default=None, description="Present (true) for binary content.")
+    encoding: Literal["utf-8", "base64"] = Field(
+        default="utf-8", description="base64 for binary content (not UTF-8, or NUL bytes)."
+    )
     content: str
+    offset: int = 0
+    length: int | None = Field(default=None, description="Bytes returned (with offset/limit).")
+    eof: bool | None = Field(default=None, description="True when the read reached the end.")
 
 
 class VfsWriteResult(ToolResult):

@@ -226,6 +226,14 @@ class VfsListArgs(ToolArgs):
 
 class VfsReadArgs(ToolArgs):
     path: str = Field(min_length=1, max_length=4_096)
+    offset: int = Field(default=0, ge=0, description="First byte to read.")
+    limit: int | None = Field(
+        default=None,
+        gt=0,
+        le=8 << 20,
+        description="Bytes to read from offset (at most 8 MiB). Without it the whole file, "
+        "which must then be at most 8 MiB.",
+    )
 
 
 class VfsWriteArgs(ToolArgs):

@@ -184,7 +184,12 @@ class Toolbox:
         self.output_chars = output_chars
         self.scope = Scope(sandbox.registry)
         context = handlers.ToolContext(
-            sandbox, self.secrets, self.scope, lambda: [t.name for t in self.tools()], share_shells
+            sandbox,
+            self.secrets,
+            self.scope,
+            lambda: [t.name for t in self.tools()],
+            share_shells,
+            output_chars,
         )
         self._handlers: dict[str, Handler] = handlers.bind(context)
 
