@@ -13,8 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from corral import Policy, PolicyError
+from corral.backends.bwrap import args as bwrap_args
 from corral.backends.bwrap.args import BwrapFds, BwrapInputs, bwrap_argv
-from corral.backends.layout import HostView, _searchable, box_env, unplaceable_mount
+from corral.backends.layout import CGROUP_DIR, HostView, _searchable, box_env, unplaceable_mount
 
 HOST_TOP = ["bin", "etc", "usr", "lib", "proc", "dev", "tmp", "run", "home", "root", "var", "sys"]
 LINKS = {"/bin": "usr/bin", "/lib": "usr/lib"}
@@ -96,8 +97,24 @@ def test_host_root_is_bound_read_only_entry_by_entry_without_private_dirs() -> N
 
 def test_private_tmp_is_size_capped() -> None:
     args = argv(Policy.from_dict({"filesystem": {"tmp_size": "32M"}}))
-    i = args.index("--tmpfs")
+    i = next(i for i, a in enumerate(args) if args[i : i + 2] == ["--tmpfs", "/tmp"])
     assert args[i - 2 : i + 2] == ["--size", str(32 << 20), "--tmpfs", "/tmp"]
+
+
+def test_host_cgroupfs_is_covered_when_sys_is_bound() -> None:
+    args = argv()
+    if ("--ro-bind", "/sys", "/sys") in triples(args, "--ro-bind"):
+        i = next(i for i, a in enumerate(args) if args[i : i + 2] == ["--tmpfs", CGROUP_DIR])
+        assert args[i - 4 : i] == ["--perms", "0555", "--size", "4096"]
+
+
+def test_options_leave_argv_for_the_args_fd() -> None:
+    full = argv()
+    kept, data = bwrap_args.hide_options(full)
+    end = full.index("--")
+    assert kept == [full[0], "--args", "", *full[end:]]
+    assert data.split(b"\0")[:-1] == [a.encode() for a in full[1:end]]
+    assert "--ro-bind" not in kept and "/ws" not in kept
 
 
 def test_workspace_is_the_only_default_writable_bind() -> None:

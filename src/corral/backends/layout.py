@@ -107,6 +107,12 @@ def expand(path: str, home: str) -> str:
 # bwrap covers these only when its own sandbox root could write them, which ours (an
 # unprivileged host uid) cannot, so it skips them: bind them read-only ourselves.
 PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs")
+# The host's cgroupfs below a bound host /sys lists every box's cgroup (ids, memory use):
+# a box that sees the host's /sys gets an empty read-only tmpfs here instead.
+CGROUP_DIR = "/sys/fs/cgroup"
+# The box's own devpts instance holds at most this many PTYs (the kernel's pool,
+# kernel.pty.max, is shared by every box and the host).
+PTY_MAX = 256
 
 # Top-level host directories a box never sees: it gets its own of each (or none).
 PRIVATE_TOP = frozenset({"proc", "dev", "tmp", "run", "home", "lost+found", "var/run"})

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from corral.backends.host import safepath
 from corral.backends.layout import (
+    CGROUP_DIR,
     GUEST_AGENT_DIR,
     PROC_READ_ONLY,
     Bind,
@@ -126,6 +127,9 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     ]
     args += _root_args(policy, inp, host)
     args += ["--dev", "/dev", "--proc", "/proc"]
+    if any(args[i : i + 3] == ["--ro-bind", "/sys", "/sys"] for i in range(len(args))):
+        # The host's /sys comes with its cgroupfs: other boxes' ids and memory use.
+        args += ["--perms", "0555", "--size", "4096", "--tmpfs", CGROUP_DIR]
     for path in PROC_READ_ONLY:
         args += ["--ro-bind-try", path, path]
     args += ["--size", str(fs.tmp_size), "--tmpfs", "/tmp"]
@@ -144,3 +148,15 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     args += ["--chdir", "/", "--"]  # the agent needs no cwd; commands get theirs
     args += [inp.python, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args]
     return args
+
+
+def hide_options(argv: list[str]) -> tuple[list[str], bytes]:
+    """Move bwrap's options (host paths, the mask list) out of its argv, which every process
+    of the box reads in ``/proc/1/cmdline``: they go through ``--args FD`` instead.
+
+    Returns the argv that stays (bwrap, ``--args``, a placeholder for the fd number, and the
+    command after ``--``) and the NUL-separated options to write to that fd."""
+    end = argv.index("--")
+    options = argv[1:end]
+    data = b"".join(arg.encode() + b"\0" for arg in options)
+    return [argv[0], "--args", "", *argv[end:]], data

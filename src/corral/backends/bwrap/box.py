@@ -110,6 +110,8 @@ class _Held:
     shared: idmap.SharedPaths | None = None
     cgroup: cgroups.Cgroup | None = None
     warnings: list[str] = field(default_factory=list)
+    args_fd: int = -1
+    """bwrap's options (a memfd read through ``--args``), closed once bwrap has it."""
 
     def release(self, spec: BoxSpec) -> None:
         """Undo a failed start (blocking): the cgroup, the idmapped mounts, the state dir."""
@@ -245,7 +247,10 @@ class BwrapBackend(BackendBase):
                 primed = asyncio.ensure_future(
                     blocking(cgroups.prime_migration, self.cgroup_support)
                 )
-            proc = await self._spawn(argv, (guest_end.fileno(), info_w, block_r, sec_r))
+            pass_fds = (guest_end.fileno(), info_w, block_r, sec_r, held.args_fd)
+            proc = await self._spawn(argv, pass_fds)
+            os.close(held.args_fd)
+            held.args_fd = -1
             os.close(info_w)
             info_w = -1
             info = await _read_info(info_r, proc)
@@ -274,7 +279,7 @@ class BwrapBackend(BackendBase):
             raise
         finally:
             guest_end.close()
-            for fd in (info_r, info_w, block_r, block_w, sec_r, sec_w):
+            for fd in (info_r, info_w, block_r, block_w, sec_r, sec_w, held.args_fd):
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
@@ -320,6 +325,11 @@ class BwrapBackend(BackendBase):
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
         argv[0] = self.bwrap or "bwrap"
+        argv, options = bwrap_args.hide_options(argv)
+        held.args_fd = os.memfd_create("corral-bwrap-args", os.MFD_CLOEXEC)
+        os.write(held.args_fd, options)  # a memfd takes any size whole: no partial write
+        os.lseek(held.args_fd, 0, os.SEEK_SET)
+        argv[2] = str(held.args_fd)
         held.cgroup, held.warnings = self._make_cgroup(spec, limits)
         if shared.warning:
             held.warnings.append(shared.warning)

@@ -37,8 +37,10 @@ from typing import Any
 from corral.backends.host import safepath, seccomp
 from corral.backends.host.cgroups import PARENT
 from corral.backends.layout import (
+    CGROUP_DIR,
     GUEST_AGENT_DIR,
     PROC_READ_ONLY,
+    PTY_MAX,
     SYSTEM_PATH,
     Bind,
     HostView,
@@ -177,7 +179,14 @@ def _system_mounts(policy: Policy, own_netns: bool = True) -> list[dict[str, Any
             "destination": "/dev/pts",
             "type": "devpts",
             "source": "devpts",
-            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            "options": [
+                "nosuid",
+                "noexec",
+                "newinstance",
+                "ptmxmode=0666",
+                "mode=0620",
+                f"max={PTY_MAX}",  # the kernel's PTY pool is shared with every box
+            ],
         },
         _tmpfs("/dev/shm", "1777", tmp_size, ["noexec"]),
         *([sysfs] if own_netns else []),
@@ -290,6 +299,8 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     if inp.gvisor:
         binds = _reachable_masks(binds, {str(inp.masked_file), str(inp.masked_dir)})
     mounts = _system_mounts(policy, own_sysfs) + [_bind(b, host) for b in binds]
+    if not own_sysfs:  # the host's cgroupfs lists every box's cgroup: cover it
+        mounts.append(_tmpfs(CGROUP_DIR, "555", 4096, ["ro"]))
     host_roots = {b.dest for b in root_binds}
     dirs, files = _mount_points(mounts, host_roots, host, everywhere=inp.gvisor)
     limits = inp.limits or plan_limits(policy.limits, Capabilities("cgroup v1"))
