@@ -103,7 +103,7 @@ def test_private_tmp_is_size_capped() -> None:
 
 def test_host_cgroupfs_is_covered_when_sys_is_bound() -> None:
     args = argv()
-    if ("--ro-bind", "/sys", "/sys") in triples(args, "--ro-bind"):
+    if ("/sys", "/sys") in triples(args, "--ro-bind"):
         i = next(i for i, a in enumerate(args) if args[i : i + 2] == ["--tmpfs", CGROUP_DIR])
         assert args[i - 4 : i] == ["--perms", "0555", "--size", "4096"]
 
