@@ -4,6 +4,7 @@ listing other boxes, and the PTY pool one box could drain for all."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -75,3 +76,43 @@ async def test_pty_pool_exhaustion_stays_in_the_box(sandbox: Sandbox, other_box:
     master, slave = os.openpty()  # the host too
     os.close(master)
     os.close(slave)
+
+
+MQ_FILL = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+class Attr(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_long), ("maxmsg", ctypes.c_long),
+                ("msgsize", ctypes.c_long), ("cur", ctypes.c_long), ("pad", ctypes.c_long * 4)]
+n = err = 0
+while n < 200:
+    attr = Attr(0, 10, 8192, 0)
+    name = f"/corral-{sys.argv[1]}-{n}".encode()
+    fd = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, ctypes.byref(attr))
+    if fd < 0:
+        err = ctypes.get_errno()
+        break
+    n += 1
+print(n, errno.errorcode.get(err, err) if err else "")
+""".replace("import ctypes, os, sys", "import ctypes, errno, os, sys")
+
+
+async def test_message_queue_exhaustion_stays_in_the_box(
+    sandbox: Sandbox, other_box: Sandbox
+) -> None:
+    if gvisor(sandbox):
+        pytest.skip("gVisor's message queues are its own kernel's")
+    # Box A fills what it may, in two commands (the quota is the box's, not a command's).
+    for tag in ("a1", "a2"):
+        r = await sandbox.run(["python3", "-c", MQ_FILL, tag], timeout=30)
+        assert r.exit_code == 0, r
+    filled = int(r.stdout.split()[0])
+    assert filled == 0, r.stdout  # the first command took the whole per-box quota
+    r = await other_box.run(["python3", "-c", MQ_FILL, "b"], timeout=30)
+    assert r.exit_code == 0 and int(r.stdout.split()[0]) >= 1, r
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = f"/corral-host-{os.getpid()}".encode()
+    fd = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, None)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    os.close(fd)
+    libc.mq_unlink(name)

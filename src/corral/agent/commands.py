@@ -74,7 +74,11 @@ RLIMIT_NAMES = {
     "stack": "RLIMIT_STACK",
     "data": "RLIMIT_DATA",
     "memlock": "RLIMIT_MEMLOCK",
+    "msgqueue": "RLIMIT_MSGQUEUE",
 }
+BOX_MSGQUEUE_BYTES = 128 << 10
+"""POSIX message queue bytes all commands of one box may hold (its own user namespace's
+count): one queue of the default size (10 x 8 KiB) fits."""
 
 
 def set_inherited_rlimits(limits: dict[str, int]) -> dict[str, int]:

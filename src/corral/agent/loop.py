@@ -124,7 +124,9 @@ class Agent:
             relays.start(config)
         # Limits every command gets anyway are set once on the agent and inherited, so the
         # common spawn needs no Python pre-exec hook in the child (about 0.8 ms a command).
-        self.inherited_rlimits = commands.set_inherited_rlimits({"core": 0})
+        self.inherited_rlimits = commands.set_inherited_rlimits(
+            {"core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
+        )
         rd, wr = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wake_r = rd
         signal.set_wakeup_fd(wr)

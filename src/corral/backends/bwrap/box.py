@@ -40,7 +40,7 @@ from corral.backends.base import (
     sweep_boxes,
 )
 from corral.backends.bwrap import args as bwrap_args
-from corral.backends.host import cgroups, idmap, safepath, seccomp, staging
+from corral.backends.host import cgroups, idmap, safepath, seccomp, staging, ucounts
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
@@ -204,6 +204,7 @@ class BwrapBackend(BackendBase):
                 "the bwrap backend needs root on the host to map the box's users and cgroups; "
                 "run corral as root (or use a rootless backend when available)"
             )
+        ucounts.lift_msgqueue_limit()  # bwrap, as this uid, owns every box's user namespace
         self.cgroup_support = cgroups.detect()
         # bwrap's own init (pid 1 of the box) sits in the box's cgroup beside the agent.
         self.limit_caps = cgroups.limit_capabilities(self.cgroup_support, own_pids=1)

@@ -66,7 +66,16 @@ from corral.backends.base import (
     agent_config,
     sweep_boxes,
 )
-from corral.backends.host import cgroups, idmap, mountinfo, mounts, safepath, seccomp, staging
+from corral.backends.host import (
+    cgroups,
+    idmap,
+    mountinfo,
+    mounts,
+    safepath,
+    seccomp,
+    staging,
+    ucounts,
+)
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
@@ -435,6 +444,7 @@ class OciBackend(BackendBase):
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        ucounts.lift_msgqueue_limit()  # the runtime owns every box's user namespace
         self.cgroup_support = cgroups.detect()
         self.limit_caps = cgroups.limit_capabilities(self.cgroup_support)
         self.python = find_python()
