@@ -4,6 +4,7 @@ listing other boxes, and the PTY pool one box could drain for all."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 from collections.abc import AsyncIterator
@@ -116,3 +117,38 @@ async def test_message_queue_exhaustion_stays_in_the_box(
     assert fd >= 0, os.strerror(ctypes.get_errno())
     os.close(fd)
     libc.mq_unlink(name)
+
+
+INOTIFY_HOLD = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while len(fds) < 100000:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    fds.append(fd)
+print(len(fds), flush=True)
+sys.stdin.read()
+"""
+INOTIFY_ONE = "import ctypes; print(ctypes.CDLL(None).inotify_init1(0) >= 0)"
+
+
+async def test_inotify_exhaustion_stays_in_the_box(sandbox: Sandbox, other_box: Sandbox) -> None:
+    if gvisor(sandbox):
+        pytest.skip("gVisor's inotify is its own kernel's")
+    # A guard, measured on the 6.18 kernel here: box A stops at fs.inotify.max_user_instances
+    # (128) while box B and host root still get theirs. Kernels that charge the namespace
+    # owner's host uid instead would fail this (see SECURITY.md).
+    hold = await sandbox.spawn(["python3", "-c", INOTIFY_HOLD], stdin="")
+    queue = hold.subscribe()
+    try:
+        kind, data = await asyncio.wait_for(queue.get(), 30)
+        assert kind == "stdout", (kind, data)
+        r = await other_box.run(["python3", "-c", INOTIFY_ONE], timeout=30)
+        host_fd = ctypes.CDLL(None).inotify_init1(0)
+        if host_fd >= 0:
+            os.close(host_fd)
+        assert r.stdout == "True\n" and host_fd >= 0, (r, host_fd)
+    finally:
+        await hold.kill()
