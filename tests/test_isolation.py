@@ -150,9 +150,18 @@ async def test_network_is_absent(sandbox: Sandbox, host_server: int) -> None:
 
 
 async def test_file_ops_refuse_traversal(sandbox: Sandbox) -> None:
-    for bad in ["../etc/passwd", "/etc/passwd", "a/../../x"]:
+    for bad in ["../etc/passwd", "a/../../x", "../../../../etc/shadow"]:
         with pytest.raises(PathOutsideSandbox):
             await sandbox.files.read(bad)
+
+
+async def test_file_ops_read_an_absolute_path_as_the_box_sees_it(sandbox: Sandbox) -> None:
+    """An absolute path is read in the box's own view, as a command would read it (the
+    box's passwd, not the host's), and writing there stays refused."""
+    seen = await sandbox.run("cat /etc/passwd")
+    assert (await sandbox.files.read("/etc/passwd")).decode() == seen.stdout
+    with pytest.raises(PathOutsideSandbox):
+        await sandbox.files.write("/etc/corral-test", "x")
 
 
 async def test_file_ops_refuse_symlinks_that_point_out(sandbox: Sandbox) -> None:
