@@ -62,12 +62,16 @@ class HostServer:
             self.hits += 1
 
     def close(self) -> None:
-        """Stop at once: shutting the socket down wakes the thread's accept/recv, so the
+        """Stop at once: a connection (or a datagram) of its own wakes the thread, so the
         join does not hold the test's event loop for up to the 0.2 s poll (the loop watch
         failed the test's last step for it)."""
         self._stop.set()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError), socket.socket(self.sock.family, self.kind) as poke:
+            # shutdown() wakes neither a unix listener's accept() nor a datagram recv()
+            if self.kind == socket.SOCK_STREAM:
+                poke.connect(self.sock.getsockname())
+            else:
+                poke.sendto(b"", self.sock.getsockname())
         self._thread.join(timeout=5)
         self.sock.close()
 
