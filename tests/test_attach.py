@@ -258,8 +258,10 @@ async def test_other_users_are_refused(sandbox: Sandbox, monkeypatch: pytest.Mon
             "except OSError:\n"
             "    print(repr(b''))  # hung up on before the request was even read\n"
         )
+        # setpriv, not user=: with user= Python forks the whole test process on the loop.
+        as_nobody = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
         other = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", probe, str(sock), user=65534, cwd="/",
+            *as_nobody, sys.executable, "-I", "-S", "-c", probe, str(sock), cwd="/",
             stdout=subprocess.PIPE,
         )  # fmt: skip
         out, _ = await other.communicate()

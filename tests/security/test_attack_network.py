@@ -4,6 +4,7 @@ packet sockets, host unix and abstract sockets, and the per-mode checks of the o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -419,7 +420,7 @@ async def test_another_local_user_cannot_reach_the_boxs_network_sockets(
             net = sb._network
             sockets = sorted(str(p) for p in net.guest_dir.iterdir() if p.is_socket())
             assert len(sockets) == 2, sockets  # the proxy and the port relay
-            assert _connect_as_nobody(sockets) == ["EACCES", "EACCES"]
+            assert await asyncio.to_thread(_connect_as_nobody, sockets) == ["EACCES", "EACCES"]
             # not by the mode alone: the directory above the sockets is closed too
             assert stat.S_IMODE(net.host_dir.stat().st_mode) == 0o700
             for path in sockets:
