@@ -26,6 +26,9 @@ from corral.processes import Request
 KERNEL_VIEWS = ("/proc", "/sys", "/dev")
 """Not read through the files API outside the writable roots (see :func:`resolve`)."""
 CHUNK = 8 << 20
+WRITE_CHUNK = 1 << 20
+"""Writes go in 1 MiB frames: each step of the event loop then copies a few MiB at most (an
+8 MiB frame was sliced, framed and buffered in one step, over 20 ms of the loop)."""
 DEFAULT_MAX_READ = 64 << 20
 
 
@@ -190,10 +193,10 @@ class Files:
         raw = data.encode() if isinstance(data, str) else data
         size = 0
         first = True
-        for start in range(0, max(len(raw), 1), CHUNK):
+        for start in range(0, max(len(raw), 1), WRITE_CHUNK):
             reply, _ = await self._request(
                 "file_write",
-                raw[start : start + CHUNK],
+                raw[start : start + WRITE_CHUNK],
                 path=r.path,
                 root=r.root,
                 append=append or not first,
