@@ -147,8 +147,12 @@ async def main(runs: int) -> None:
 
     oneshot = line("one-shot (library, cold box)", await timed_async(one_shot, runs))
     pooled = await pooled_one_shot(runs)
-    cli = [sys.executable, "-m", "corral.cli", "run", "--workspace", "/tmp", "--", "true"]
-    cli_ms = line("one-shot `corral run` (CLI)", timed_sync(lambda: subprocess.run(cli), runs // 2))
+    with tempfile.TemporaryDirectory() as project:  # /tmp itself is refused as a workspace
+        cli = [sys.executable, "-m", "corral.cli", "run", "--workspace", project, "--", "true"]
+        cli_ms = line(
+            "one-shot `corral run` (CLI)",
+            timed_sync(lambda: subprocess.run(cli, check=True), runs // 2),
+        )
     rss, heap = await idle_memory(10)
     print(f"  {'idle box: its processes PSS':<34} {rss:8.2f} MiB")
     print(f"  {'idle box: host-side heap':<34} {heap:8.3f} MiB")
