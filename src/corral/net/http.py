@@ -171,17 +171,22 @@ class Readable(Protocol):
     async def readuntil(self, separator: bytes = ..., /) -> bytes: ...
 
 
+async def _copy_exactly(n: int, src: Readable, dst: asyncio.StreamWriter, chunk: int) -> None:
+    """Copy exactly ``n`` bytes (a body, or one chunk's data) in pieces of ``chunk``."""
+    left = n
+    while left:
+        data = await src.read(min(left, chunk))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", left)
+        left -= len(data)
+        dst.write(data)
+        await dst.drain()
+
+
 async def copy_body(framing: Framing, src: Readable, dst: asyncio.StreamWriter, chunk: int) -> None:
     """Copy exactly one request body from ``src`` to ``dst`` (ValueError if malformed)."""
     if framing.length is not None:
-        left = framing.length
-        while left:
-            data = await src.read(min(left, chunk))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", left)
-            left -= len(data)
-            dst.write(data)
-            await dst.drain()
+        await _copy_exactly(framing.length, src, dst, chunk)
         return
     while True:  # chunked: size line, data, CRLF ... a zero size, trailers, an empty line
         line = await _line(src)
@@ -196,14 +201,7 @@ async def copy_body(framing: Framing, src: Readable, dst: asyncio.StreamWriter, 
             dst.write(b"\r\n")
             await dst.drain()
             return
-        left = size
-        while left:
-            data = await src.read(min(left, chunk))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", left)
-            left -= len(data)
-            dst.write(data)
-            await dst.drain()
+        await _copy_exactly(size, src, dst, chunk)
         if await src.readexactly(2) != b"\r\n":
             raise ValueError("chunk data not followed by CRLF")
         dst.write(b"\r\n")
