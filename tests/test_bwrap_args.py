@@ -294,3 +294,11 @@ def test_a_mask_follows_the_host_object_into_the_workspace() -> None:
     assert ("/run/corral/shared/masked-dir", "/root/.ssh") in binds
     assert ("/run/corral/shared/masked-dir", "/workspace/.ssh") in binds
     assert ("/run/corral/shared/masked-file", "/workspace/.ssh") not in binds
+
+
+def test_the_hosts_capped_devpts_covers_bwraps_own() -> None:
+    plain = argv()
+    assert "/dev/pts" not in [dest for _, dest in triples(plain, "--dev-bind")]
+    capped = bwrap_argv(Policy(), replace(inputs(), devpts=Path("/run/corral/devpts")), fake_host())
+    assert ("/run/corral/devpts", "/dev/pts") in triples(capped, "--dev-bind")
+    assert capped.index("--dev-bind") > capped.index("--dev")

@@ -57,8 +57,6 @@ async def test_cgroupfs_shows_no_other_box(sandbox: Sandbox, other_box: Sandbox)
 
 
 async def test_pty_pool_exhaustion_stays_in_the_box(sandbox: Sandbox, other_box: Sandbox) -> None:
-    if sandbox.policy.backend == "bwrap":
-        pytest.skip("bwrap mounts its own devpts without max= (documented in SECURITY.md)")
     if gvisor(sandbox):
         pytest.skip("gVisor's PTYs are its own kernel's")
     code = (

@@ -4,6 +4,11 @@ Inside every box the guest agent is uid 0 and commands run as :data:`BOX_UID`. O
 box uid 0..999 and 1001.. map to an unprivileged range starting at :data:`HOST_UID_BASE`
 (far above any /etc/subuid range), and box uid 1000 maps either to :data:`COMMAND_HOST_ID`
 (shared paths idmapped, see :mod:`corral.backends.host.idmap`) or to the workspace owner.
+
+Each box's user namespace is *owned* (created) by a host uid of its own, from
+:data:`OWNER_UID_BASE` on (see :mod:`corral.backends.host.ucounts`: the kernel charges inotify
+and message queue quotas to that owner). On bwrap, which runs as the owner, box uid 0 maps
+to it (``root`` of :func:`id_ranges`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ HOST_UID_BASE = 2_000_000
 ID_RANGE = 65536
 """How many ids a box's user namespace maps."""
 
+OWNER_UID_BASE = HOST_UID_BASE + ID_RANGE
+"""First host uid that owns a box's user namespace (one per running box)."""
+
+OWNER_SLOTS = 4096
+"""How many boxes may run at once on a host, each with its own namespace owner."""
+
 COMMAND_HOST_ID = 2_001_000
 """Host uid and gid of box uid 1000 (commands) when shared paths are idmapped."""
 
@@ -26,20 +37,24 @@ GUEST_HOME = "/home/user"
 """HOME of the box user."""
 
 
-def id_ranges(owner: int) -> list[tuple[int, int, int]]:
-    """``(box id, host id, count)``: box 0..999 and 1001.. -> host base range, 1000 -> owner."""
-    if HOST_UID_BASE <= owner < HOST_UID_BASE + ID_RANGE and owner != COMMAND_HOST_ID:
+def id_ranges(owner: int, root: int = HOST_UID_BASE) -> list[tuple[int, int, int]]:
+    """``(box id, host id, count)``: box 0..999 and 1001.. -> host base range, 1000 -> owner;
+    box 0 -> ``root`` instead where the box's root is its namespace owner (bwrap)."""
+    if HOST_UID_BASE <= owner < OWNER_UID_BASE + OWNER_SLOTS and owner != COMMAND_HOST_ID:
         raise BackendError(f"workspace owner id {owner} collides with corral's id range")
+    head = [(0, HOST_UID_BASE, BOX_UID)]
+    if root != HOST_UID_BASE:
+        head = [(0, root, 1), (1, HOST_UID_BASE + 1, BOX_UID - 1)]
     return [
-        (0, HOST_UID_BASE, BOX_UID),
+        *head,
         (BOX_UID, owner, 1),
         (BOX_UID + 1, HOST_UID_BASE + BOX_UID + 1, ID_RANGE - BOX_UID - 1),
     ]
 
 
-def id_map(owner: int) -> str:
+def id_map(owner: int, root: int = HOST_UID_BASE) -> str:
     """uid_map/gid_map text of :func:`id_ranges`."""
-    return "".join(f"{box} {host} {count}\n" for box, host, count in id_ranges(owner))
+    return "".join(f"{box} {host} {count}\n" for box, host, count in id_ranges(owner, root))
 
 
 def passwd_text(uid: int, gid: int) -> str:

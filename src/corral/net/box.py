@@ -155,12 +155,17 @@ class BoxNetwork:
         os.chown(socket_path, self.box_root, self.box_user_gid)
         socket_path.chmod(SOCKET_MODE)
 
-    def admit(self, uid: int, gid: int) -> None:
+    def admit(self, uid: int, gid: int, *, namespace_owner: int | None = None) -> None:
         """Who connects to the sockets, when a backend knows better than the default (box
         root ``HOST_UID_BASE``, box user group ``COMMAND_HOST_ID``): the box user's group
-        where commands act as the workspace owner."""
+        where commands act as the workspace owner. ``namespace_owner``: the host uid that
+        owns the user namespace of the box's network namespace, which pasta runs as to
+        attach to it (bwrap: each box's own, see :mod:`corral.backends.host.ucounts`)."""
         self.box_root, self.box_user_gid = uid, gid
+        if namespace_owner is not None and self.nat is not None:
+            self.nat.runas = namespace_owner
         if self._started:
+            os.chown(self.host_dir, uid, uid)
             for path in self.guest_dir.iterdir():
                 if path.is_socket():
                     self._grant(path)

@@ -57,7 +57,9 @@ class BwrapInputs:
     extra_binds: tuple[Bind, ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict)
     """Idmapped mount points replacing ``allow_write`` and ``mounts`` host paths."""
-    """Binds a backend-neutral part asks for (the network directory of ``corral.net``)."""
+    devpts: Path | None = None
+    """Where the host mounts the box's own capped devpts in its namespace
+    (:mod:`corral.backends.host.devpts`): bound over ``/dev/pts``."""
 
 
 def _parent_dirs(dest: str, made: set[str]) -> list[str]:
@@ -126,7 +128,10 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
         "CAP_SETGID",
     ]
     args += _root_args(policy, inp, host)
-    args += ["--dev", "/dev", "--proc", "/proc"]
+    args += ["--dev", "/dev"]
+    if inp.devpts is not None:  # bwrap's own devpts has no max=: the host's capped one
+        args += ["--dev-bind", str(inp.devpts), "/dev/pts"]
+    args += ["--proc", "/proc"]
     if any(args[i : i + 3] == ["--ro-bind", "/sys", "/sys"] for i in range(len(args))):
         # The host's /sys comes with its cgroupfs: other boxes' ids and memory use.
         args += ["--perms", "0555", "--size", "4096", "--tmpfs", CGROUP_DIR]

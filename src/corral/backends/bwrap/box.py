@@ -4,11 +4,12 @@ Start-up sequence (everything before step 5 happens while bwrap is blocked, so n
 of the box ever runs outside its cgroup or with bwrap's own uid map)::
 
     1. socketpair (host end = channel), pipes for --info-fd, --userns-block-fd, --seccomp
-    2. spawn bwrap as the unprivileged host uid HOST_UID_BASE, no supplementary groups
+    2. spawn bwrap as the box's own unprivileged host uid (its namespace owner, from
+       :func:`corral.backends.host.ucounts.claim_owner`), no supplementary groups
     3. read the child pid from --info-fd; move bwrap and the child into the box's cgroup
-    4. write the child's uid_map/gid_map: box root -> an unprivileged host uid range,
-       box uid 1000 (commands) -> the workspace owner, so files written in the workspace
-       belong to its owner on the host
+    4. write the child's uid_map/gid_map: box root -> that owner uid, the other box ids ->
+       an unprivileged host uid range, box uid 1000 (commands) -> the workspace owner, so
+       files written in the workspace belong to its owner on the host
     5. release --userns-block-fd: bwrap builds the mounts and execs the guest agent
 
 A state directory per box records the owner's pid; boxes whose owner died (SIGKILL) are swept
@@ -40,14 +41,14 @@ from corral.backends.base import (
     sweep_boxes,
 )
 from corral.backends.bwrap import args as bwrap_args
-from corral.backends.host import cgroups, idmap, safepath, seccomp, staging, ucounts
+from corral.backends.host import cgroups, devpts, idmap, safepath, seccomp, staging, ucounts
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.host.threads import blocking
 from corral.backends.layout import SYSTEM_PATH, Bind, HostView, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
-from corral.backends.users import HOST_UID_BASE, id_map
+from corral.backends.users import id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
 
@@ -112,6 +113,8 @@ class _Held:
     warnings: list[str] = field(default_factory=list)
     args_fd: int = -1
     """bwrap's options (a memfd read through ``--args``), closed once bwrap has it."""
+    owner: ucounts.BoxOwner | None = None
+    """The host uid that owns (creates) the box's user namespace; bwrap runs as it."""
 
     def release(self, spec: BoxSpec) -> None:
         """Undo a failed start (blocking): the cgroup, the idmapped mounts, the state dir."""
@@ -121,17 +124,22 @@ class _Held:
         if self.shared is not None:
             self.shared.release()
         shutil.rmtree(spec.state_dir, ignore_errors=True)
+        if self.owner is not None:
+            self.owner.release()
 
 
-def _setup_box_ids(spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int) -> None:
-    """Record the owner (for the orphan sweep) and write the box's id maps.
+def _setup_box_ids(
+    spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int, root: int
+) -> None:
+    """Record the owner (for the orphan sweep) and write the box's id maps (box root ->
+    ``root``, the namespace's owner).
 
     A handful of small writes to procfs and the state dir: cheaper than a thread hop.
     """
     write_owner(spec.state_dir, "bwrap", bwrap_pid=bwrap_pid)
-    Path(f"/proc/{child}/uid_map").write_text(id_map(uid))
+    Path(f"/proc/{child}/uid_map").write_text(id_map(uid, root))
     Path(f"/proc/{child}/setgroups").write_text("deny")
-    Path(f"/proc/{child}/gid_map").write_text(id_map(gid))
+    Path(f"/proc/{child}/gid_map").write_text(id_map(gid, root))
 
 
 class BwrapBox(CgroupAccounting, BoxBase):
@@ -146,11 +154,13 @@ class BwrapBox(CgroupAccounting, BoxBase):
         warnings: tuple[str, ...],
         limits: LimitPlan,
         shared: idmap.SharedPaths | None = None,
+        owner: ucounts.BoxOwner | None = None,
     ) -> None:
         super().__init__(spec, channel, warnings, limits)
         self._proc = proc
         self._cgroup = cgroup
         self._shared = shared
+        self._owner = owner
 
     async def diagnose(self) -> str:
         """What bwrap said, when the box died before its agent was ready."""
@@ -177,6 +187,8 @@ class BwrapBox(CgroupAccounting, BoxBase):
             await blocking(
                 self._shared.release
             )  # umount waits for a grace period  # unmounted before anything is deleted
+        if self._owner is not None:
+            self._owner.release()  # the box's processes are gone: another box may own it
 
 
 class BwrapBackend(BackendBase):
@@ -209,12 +221,11 @@ class BwrapBackend(BackendBase):
         # bwrap's own init (pid 1 of the box) sits in the box's cgroup beside the agent.
         self.limit_caps = cgroups.limit_capabilities(self.cgroup_support, own_pids=1)
         self.python = find_python()
-        # bwrap starts as the unprivileged uid box root maps to. setpriv switches to it in
-        # the exec'd process, so Python can vfork: forking this (large) process to call
-        # setuid in the child costs 3-6 ms of every start.
-        setpriv = shutil.which("setpriv", path=SYSTEM_PATH)
-        ids = (f"--reuid={HOST_UID_BASE}", f"--regid={HOST_UID_BASE}", "--clear-groups", "--")
-        self.as_box_root = (setpriv, *ids) if setpriv else ()
+        # bwrap starts as the unprivileged uid box root maps to (the box's own namespace
+        # owner). setpriv switches to it in the exec'd process, so Python can vfork:
+        # forking this (large) process to call setuid in the child costs 3-6 ms of a start.
+        self.setpriv = shutil.which("setpriv", path=SYSTEM_PATH)
+        self.devpts = devpts.mount_point()
 
     def sweep_orphans(self) -> list[str]:
         return sweep_orphans(self.cgroup_support)
@@ -242,14 +253,14 @@ class BwrapBackend(BackendBase):
                 self._prepare_box, spec, limits, held, fds, sec_w, guest_end.fileno()
             )
             sec_w = -1
-            cgroup, shared = held.cgroup, held.shared
-            assert shared is not None
+            cgroup, shared, owner = held.cgroup, held.shared, held.owner
+            assert shared is not None and owner is not None
             if cgroup is not None:  # the grace period of the move below passes meanwhile
                 primed = asyncio.ensure_future(
                     blocking(cgroups.prime_migration, self.cgroup_support)
                 )
             pass_fds = (guest_end.fileno(), info_w, block_r, sec_r, held.args_fd)
-            proc = await self._spawn(argv, pass_fds)
+            proc = await self._spawn(argv, pass_fds, owner.uid)
             os.close(held.args_fd)
             held.args_fd = -1
             os.close(info_w)
@@ -263,7 +274,8 @@ class BwrapBackend(BackendBase):
                 if primed is not None:
                     await primed
                 cgroup.add(child)
-            _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid)
+            _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid, owner.uid)
+            await blocking(devpts.mount_for, child, self.devpts)
             net = spec.network
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence and connect the netns first
@@ -285,7 +297,7 @@ class BwrapBackend(BackendBase):
                     with contextlib.suppress(OSError):
                         os.close(fd)
         host_end.setblocking(False)
-        return BwrapBox(spec, proc, host_end, cgroup, tuple(held.warnings), limits, shared)
+        return BwrapBox(spec, proc, host_end, cgroup, tuple(held.warnings), limits, shared, owner)
 
     def _prepare_box(
         self,
@@ -305,12 +317,14 @@ class BwrapBackend(BackendBase):
             os.close(sec_w)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         masked_file, masked_dir, passwd = shared_files()
+        held.owner = owner = ucounts.claim_owner(spec.sandbox_id)
         held.shared = shared = idmap.share_paths(spec)
         config = {**agent_config(spec), "fd": channel_fd}
         net = spec.network
         if net is not None:
             config["forwarders"] = net.forwarders()
-            net.admit(HOST_UID_BASE, shared.gid)  # the box user's group may be the owner's
+            # The box user's group may be the owner's; pasta joins as the namespace owner.
+            net.admit(owner.uid, shared.gid, namespace_owner=owner.uid)
         inputs = bwrap_args.BwrapInputs(
             workspace=shared.workspace,
             agent_dir=AGENT_DIR,
@@ -322,6 +336,7 @@ class BwrapBackend(BackendBase):
             agent_args=(json.dumps(config, separators=(",", ":")),),
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             sources=shared.sources,
+            devpts=self.devpts,
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
@@ -337,15 +352,19 @@ class BwrapBackend(BackendBase):
         return argv
 
     async def _spawn(
-        self, argv: list[str], pass_fds: tuple[int, ...]
+        self, argv: list[str], pass_fds: tuple[int, ...], uid: int
     ) -> asyncio.subprocess.Process:
-        """Start bwrap as the unprivileged host uid that box root maps to, so neither bwrap's
-        own init nor the agent is host root, even for a moment."""
+        """Start bwrap as the unprivileged host uid that box root maps to (the box's own
+        namespace owner), so neither bwrap's own init nor the agent is host root, even for
+        a moment."""
         drop: dict[str, Any] = {}
-        if not self.as_box_root:  # Python switches users in a forked child: slower, the same
-            drop = {"user": HOST_UID_BASE, "group": HOST_UID_BASE, "extra_groups": []}
+        as_box_root: tuple[str, ...] = ()
+        if self.setpriv:
+            as_box_root = (self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--")
+        else:  # Python switches users in a forked child: slower, the same
+            drop = {"user": uid, "group": uid, "extra_groups": []}
         return await asyncio.create_subprocess_exec(
-            *self.as_box_root,
+            *as_box_root,
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,

@@ -1,18 +1,37 @@
 """Kernel quotas charged to a user namespace's owner rather than to a cgroup.
 
-``RLIMIT_MSGQUEUE`` (POSIX message queue bytes) is counted per (user namespace, uid) and up
-the chain of namespaces: a box's commands are charged in the box's own namespace, checked
-against their own rlimit (the agent sets :data:`corral.agent.commands.BOX_MSGQUEUE_BYTES`),
-and again in the host's namespace against the limit the namespace's creator had. Every box
-is created by the same host uid, so with the default 800 KiB there one box filling its
-queues locked every other box out. The creator (bwrap, or the OCI runtime) inherits
-corral's own limit, so corral lifts it once: each box is then held by its own cap alone.
+inotify instances and watches and POSIX message queue bytes are counted per (user namespace,
+uid) and again, up the chain of namespaces, per host uid that *owns* each namespace (the
+euid of the process that created it). The host-level counts are checked against the host's
+sysctls (``fs.inotify.max_user_instances``, ``fs.inotify.max_user_watches``) and the
+creator's ``RLIMIT_MSGQUEUE``. When every box's namespace had the same owner (bwrap ran as
+one uid; OCI runtimes create namespaces as host root), one box filling its inotify instances
+locked every other box out, and on OCI host root itself.
+
+So every box gets its own owner: :func:`claim_owner` hands out a host uid from
+:data:`~corral.backends.users.OWNER_UID_BASE` onwards, unique among the boxes running on
+this host (a lock file per uid, held while the box lives), and the backend creates the
+box's user namespace as that uid (bwrap runs as it; OCI runtimes join a namespace corral
+created as it). Each box is then held by the host's per-user limits alone, and host root's
+own budget is untouched.
+
+``RLIMIT_MSGQUEUE``: the box's own namespace counts its commands against the agent's
+:data:`corral.agent.commands.BOX_MSGQUEUE_BYTES`; the host level checks the limit the
+namespace's creator had, which corral lifts once (:func:`lift_msgqueue_limit`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
+import os
 import resource
+from dataclasses import dataclass
+
+from corral.backends.host.state import state_root
+from corral.backends.users import OWNER_SLOTS, OWNER_UID_BASE
+from corral.errors import BackendError
 
 
 def lift_msgqueue_limit() -> None:
@@ -21,3 +40,43 @@ def lift_msgqueue_limit() -> None:
     unlimited = resource.RLIM_INFINITY
     with contextlib.suppress(OSError, ValueError):
         resource.setrlimit(resource.RLIMIT_MSGQUEUE, (unlimited, unlimited))
+
+
+@dataclass
+class BoxOwner:
+    """The host uid that owns one box's user namespace, held until :meth:`release`."""
+
+    uid: int
+    fd: int = -1
+    """The slot's lock file (flock'd; closed by :meth:`release` or this process's death)."""
+
+    def release(self) -> None:
+        """Free the uid for another box (once nothing of this box runs any more)."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+def claim_owner(key: str) -> BoxOwner:
+    """A namespace owner uid no other running box on this host holds (BackendError when all
+    :data:`OWNER_SLOTS` are taken). ``key`` (the box id) picks where the search starts."""
+    folder = state_root() / "owners"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    start = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big")
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+    for step in range(OWNER_SLOTS):
+        slot = (start + step) % OWNER_SLOTS
+        fd = os.open(folder / str(slot), flags, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        return BoxOwner(OWNER_UID_BASE + slot, fd)
+    raise BackendError(
+        f"all {OWNER_SLOTS} namespace owner ids are held by running boxes; close some boxes"
+    )
