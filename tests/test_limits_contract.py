@@ -21,6 +21,7 @@ import pytest
 from corral import Policy, PolicyError, Sandbox
 from corral.backends import unavailable_reason
 from corral.backends.host import cgroups
+from corral.backends.limits import DEFAULT_NOFILE
 
 pytestmark = [pytest.mark.slow]
 
@@ -44,7 +45,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "memory_limit_bytes": 100_000_001 // 4096 * 4096,
         "cpu_quota": 1.5,
         "max_pids": None,
-        "rlimits": {"core": 0},
+        "rlimits": {"core": 0, "nofile": DEFAULT_NOFILE},  # the planner's default
     },
 }
 FORKS_AT_16 = 14
@@ -152,7 +153,7 @@ async def test_the_default_limits_agree(box_policy: Policy, workspace: Path) -> 
     async with Sandbox(box_policy, workspace=workspace) as sb:
         info = await sb.info()
     assert (info["memory_limit_bytes"], info["cpu_quota"], info["max_pids"]) == (1 << 30, None, 256)
-    assert info["rlimits"] == {"core": 0}
+    assert info["rlimits"] == {"core": 0, "nofile": DEFAULT_NOFILE}
 
 
 async def test_a_limit_that_skipped_validation_is_refused_naming_it(

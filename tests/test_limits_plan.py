@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from corral import Policy, PolicyError
-from corral.backends.limits import PAGE_SIZE, Capabilities, plan_limits
+from corral.backends.limits import (
+    DEFAULT_NOFILE,
+    PAGE_SIZE,
+    Capabilities,
+    agent_rlimits,
+    plan_limits,
+)
 from corral.policy import (
     CPU_PERIOD_US,
     MIN_CPU_QUOTA,
@@ -94,6 +100,14 @@ def test_rlimits_always_forbid_core_dumps_unless_asked() -> None:
         "nofile": 64,
     }
     assert plan_limits(Limits(rlimits={"core": 1 << 20}), V1).rlimits["core"] == 1 << 20
+
+
+def test_open_files_are_capped_by_default() -> None:
+    assert dict(plan_limits(Limits(), V1).rlimits) == {"core": 0, "nofile": DEFAULT_NOFILE}
+    # The agent inherits the cap; never below the default, which its own pipes count against.
+    assert agent_rlimits(Limits()) == {"nofile": DEFAULT_NOFILE}
+    assert agent_rlimits(Limits(rlimits={"nofile": 64})) == {"nofile": DEFAULT_NOFILE}
+    assert agent_rlimits(Limits(rlimits={"nofile": 1 << 16})) == {"nofile": 1 << 16}
 
 
 def test_vm_cpus_below_the_quota_are_reported() -> None:

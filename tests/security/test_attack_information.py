@@ -1,20 +1,16 @@
-"""What a box need not see, and kernel pools every box shares (issue 13, classes 6 and 9):
-bwrap's command line (host paths, the mask list) in ``/proc/1/cmdline``, the host's cgroupfs
-listing other boxes, and the PTY pool one box could drain for all."""
+"""What a box need not see (issue 13, class 9): bwrap's command line (host paths, the mask
+list) in ``/proc/1/cmdline``, and the host's cgroupfs listing other boxes. The kernel pools
+every box shares (class 6) are ``test_attack_quotas.py``'s."""
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from corral import Policy, Sandbox
-from corral.backends.layout import PTY_MAX
-from security.helpers import box_py, gvisor
+from security.helpers import box_py
 
 pytestmark = [pytest.mark.attack("processes"), pytest.mark.needs_bwrap]
 
@@ -54,99 +50,3 @@ async def test_cgroupfs_shows_no_other_box(sandbox: Sandbox, other_box: Sandbox)
     seen = await box_py(sandbox, code, timeout=60)
     leaks = [p for p in seen if other_box.sandbox_id in p or "/corral" in p]
     assert not leaks, leaks[:5]
-
-
-async def test_pty_pool_exhaustion_stays_in_the_box(sandbox: Sandbox, other_box: Sandbox) -> None:
-    if gvisor(sandbox):
-        pytest.skip("gVisor's PTYs are its own kernel's")
-    code = (
-        "fds = []\n"
-        "try:\n"
-        "    while len(fds) < 8000:\n"
-        "        fds += os.openpty()\n"
-        "except OSError as e:\n"
-        "    err = e.strerror\n"
-        "res = [len(fds) // 2, err]\n"
-    )
-    count, why = await box_py(sandbox, code, timeout=60)
-    assert count <= PTY_MAX, (count, why)
-    r = await other_box.run(["python3", "-c", "import os; os.openpty(); print('ok')"])
-    assert r.stdout == "ok\n", r
-    master, slave = os.openpty()  # the host too
-    os.close(master)
-    os.close(slave)
-
-
-MQ_FILL = r"""
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-class Attr(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_long), ("maxmsg", ctypes.c_long),
-                ("msgsize", ctypes.c_long), ("cur", ctypes.c_long), ("pad", ctypes.c_long * 4)]
-n = err = 0
-while n < 200:
-    attr = Attr(0, 10, 8192, 0)
-    name = f"/corral-{sys.argv[1]}-{n}".encode()
-    fd = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, ctypes.byref(attr))
-    if fd < 0:
-        err = ctypes.get_errno()
-        break
-    n += 1
-print(n, errno.errorcode.get(err, err) if err else "")
-""".replace("import ctypes, os, sys", "import ctypes, errno, os, sys")
-
-
-async def test_message_queue_exhaustion_stays_in_the_box(
-    sandbox: Sandbox, other_box: Sandbox
-) -> None:
-    if gvisor(sandbox):
-        pytest.skip("gVisor's message queues are its own kernel's")
-    # Box A fills what it may, in two commands (the quota is the box's, not a command's).
-    for tag in ("a1", "a2"):
-        r = await sandbox.run(["python3", "-c", MQ_FILL, tag], timeout=30)
-        assert r.exit_code == 0, r
-    filled = int(r.stdout.split()[0])
-    assert filled == 0, r.stdout  # the first command took the whole per-box quota
-    r = await other_box.run(["python3", "-c", MQ_FILL, "b"], timeout=30)
-    assert r.exit_code == 0 and int(r.stdout.split()[0]) >= 1, r
-    libc = ctypes.CDLL(None, use_errno=True)
-    name = f"/corral-host-{os.getpid()}".encode()
-    fd = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, None)
-    assert fd >= 0, os.strerror(ctypes.get_errno())
-    os.close(fd)
-    libc.mq_unlink(name)
-
-
-INOTIFY_HOLD = r"""
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-fds = []
-while len(fds) < 100000:
-    fd = libc.inotify_init1(0)
-    if fd < 0:
-        break
-    fds.append(fd)
-print(len(fds), flush=True)
-sys.stdin.read()
-"""
-INOTIFY_ONE = "import ctypes; print(ctypes.CDLL(None).inotify_init1(0) >= 0)"
-
-
-async def test_inotify_exhaustion_stays_in_the_box(sandbox: Sandbox, other_box: Sandbox) -> None:
-    if gvisor(sandbox):
-        pytest.skip("gVisor's inotify is its own kernel's")
-    # A guard, measured on the 6.18 kernel here: box A stops at fs.inotify.max_user_instances
-    # (128) while box B and host root still get theirs. Kernels that charge the namespace
-    # owner's host uid instead would fail this (see SECURITY.md).
-    hold = await sandbox.spawn(["python3", "-c", INOTIFY_HOLD], stdin="")
-    queue = hold.subscribe()
-    try:
-        kind, data = await asyncio.wait_for(queue.get(), 30)
-        assert kind == "stdout", (kind, data)
-        r = await other_box.run(["python3", "-c", INOTIFY_ONE], timeout=30)
-        host_fd = ctypes.CDLL(None).inotify_init1(0)
-        if host_fd >= 0:
-            os.close(host_fd)
-        assert r.stdout == "True\n" and host_fd >= 0, (r, host_fd)
-    finally:
-        await hold.kill()

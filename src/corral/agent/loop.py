@@ -124,8 +124,10 @@ class Agent:
             relays.start(config)
         # Limits every command gets anyway are set once on the agent and inherited, so the
         # common spawn needs no Python pre-exec hook in the child (about 0.8 ms a command).
+        # The host sends the default open-file cap (``backends.limits.agent_rlimits``).
+        inherited = {str(k): int(v) for k, v in dict(config.get("rlimits") or {}).items()}
         self.inherited_rlimits = commands.set_inherited_rlimits(
-            {"core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
+            {**inherited, "core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
         )
         rd, wr = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wake_r = rd

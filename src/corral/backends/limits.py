@@ -39,7 +39,27 @@ from corral.policy import (
     vm_room,
 )
 
-__all__ = ["PAGE_SIZE", "Capabilities", "LimitPlan", "Mechanism", "Swap", "plan_limits"]
+__all__ = [
+    "DEFAULT_NOFILE",
+    "PAGE_SIZE",
+    "Capabilities",
+    "LimitPlan",
+    "Mechanism",
+    "Swap",
+    "agent_rlimits",
+    "plan_limits",
+]
+
+DEFAULT_NOFILE = 1024
+"""Open files per command (soft = hard) when the policy sets no ``limits.rlimits.nofile``.
+
+Without it every command inherited the host's hard limit (often 1048576), and a box's
+commands could hold up to ``max_pids`` times that many open files. The kernel charges each
+to the box's memory cgroup, but ``fs.file-max`` is one count for the whole host (only host
+root may pass it), so the cap is what bounds one box's share: ``max_pids`` x 1024 (262144
+with the default 256 processes). 1024 is Linux's usual soft limit, which programs expect;
+a policy that needs more says so (``limits.rlimits.nofile``), and a call may lower it but
+not raise it above the box's."""
 
 PAGE_SIZE = 4096
 """Memory limits are kept in whole pages by the kernel (x86-64 and arm64 with 4 KiB pages)."""
@@ -95,7 +115,8 @@ class LimitPlan:
     pids_max: int | None
     """What the cgroup's ``pids.max`` gets: ``max_pids`` plus the backend's own processes."""
     rlimits: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    """Per-command rlimits (soft = hard) the guest agent sets, ``core = 0`` included."""
+    """Per-command rlimits (soft = hard) the guest agent sets, ``core = 0`` and the default
+    ``nofile`` (:data:`DEFAULT_NOFILE`) included."""
     unenforced: frozenset[str] = frozenset()
     """Names of the limits asked for that nothing here enforces (``memory_bytes``, ...)."""
     warnings: tuple[str, ...] = ()
@@ -157,8 +178,7 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
             "accounting (boot with swapaccount=1), so a box can page out past the limit"
         )
     pids = limits.max_pids
-    rlimits: dict[str, int] = {"core": 0}
-    rlimits.update((str(name), value) for name, value in limits.rlimits.items())
+    rlimits = _command_rlimits(limits)
     return LimitPlan(
         mechanism=caps.mechanism,
         memory_bytes=memory,
@@ -171,6 +191,22 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
         unenforced=frozenset(unenforced),
         warnings=tuple(warnings),
     )
+
+
+def _command_rlimits(limits: Limits) -> dict[str, int]:
+    """What every command gets: ``core = 0`` and ``nofile = DEFAULT_NOFILE`` unless the
+    policy says otherwise, then the policy's own."""
+    rlimits: dict[str, int] = {"core": 0, "nofile": DEFAULT_NOFILE}
+    rlimits.update((str(name), value) for name, value in limits.rlimits.items())
+    return rlimits
+
+
+def agent_rlimits(limits: Limits) -> dict[str, int]:
+    """The rlimits the guest agent sets on itself at start, for every command to inherit
+    (soft = hard, so no command raises them): the open-file cap of :func:`plan_limits`, at
+    least :data:`DEFAULT_NOFILE` (the agent's own pipes and PTYs count against it; a lower
+    policy value is set per command, as a call's own rlimits are)."""
+    return {"nofile": max(_command_rlimits(limits)["nofile"], DEFAULT_NOFILE)}
 
 
 def _check(limits: Limits) -> None:

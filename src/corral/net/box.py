@@ -243,10 +243,16 @@ class BoxNetwork:
         if self.nat is not None:
             await self.nat.fence(pid)
 
-    async def make_netns(self) -> str | None:
+    async def make_netns(self, id_maps: tuple[str, str] | None = None) -> str | None:
         """For runtimes that join a network namespace by path (OCI): a fenced one made by
-        corral (``full`` mode), or None when the box gets a new, empty one."""
-        return await self.nat.make_netns() if self.nat is not None else None
+        corral (``full`` mode), or None when the box gets a new, empty one. ``id_maps``:
+        see :meth:`corral.net.nat.Nat.make_netns` (then :attr:`userns_path` is the box's)."""
+        return await self.nat.make_netns(id_maps) if self.nat is not None else None
+
+    @property
+    def userns_path(self) -> str | None:
+        """The user namespace :meth:`make_netns` made (None if it made none)."""
+        return str(self.nat.userns_file) if self.nat is not None and self.nat.held else None
 
     async def ready(self) -> None:
         """The agent is up: connect the fenced namespace to the outside (pasta)."""

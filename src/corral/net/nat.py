@@ -141,6 +141,11 @@ def _tail(log: Path) -> str:
     return ""
 
 
+def _write_maps(pid: int, uid_map: str, gid_map: str) -> None:
+    Path(f"/proc/{pid}/uid_map").write_text(uid_map)
+    Path(f"/proc/{pid}/gid_map").write_text(gid_map)
+
+
 class Nat:
     """pasta attached to one box's network namespace."""
 
@@ -174,12 +179,15 @@ class Nat:
         if code != 0:
             raise BackendError(f"cannot fence the box's network with nftables: {err}")
 
-    async def make_netns(self) -> str:
+    async def make_netns(self, id_maps: tuple[str, str] | None = None) -> str:
         """A fenced network namespace for a runtime that joins one by path (OCI).
 
         It lives in a user namespace owned by ``runas``, so pasta, running as that uid, may
         enter it; bind mounts on two files of the state directory hold both namespaces once
-        the short-lived process that made them is gone. Returns the netns path."""
+        the short-lived process that made them is gone. ``id_maps`` (uid_map, gid_map
+        text): written to that user namespace, which the box then joins as its own (the
+        runtime may only enter a network namespace of the user namespace it is in).
+        Returns the netns path."""
         holder = await asyncio.create_subprocess_exec(
             "unshare",
             "--user",
@@ -200,6 +208,8 @@ class Nat:
             async with asyncio.timeout(PASTA_TIMEOUT):
                 if not await holder.stdout.readline():
                     raise BackendError("cannot create a network namespace (unshare failed)")
+            if id_maps is not None:  # two short procfs writes
+                _write_maps(holder.pid, *id_maps)
             for name, target in (("user", self.userns_file), ("net", self.netns_file)):
                 target.touch(mode=0o444)
                 mounts.bind(f"/proc/{holder.pid}/ns/{name}", str(target), recursive=False)

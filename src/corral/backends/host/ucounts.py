@@ -27,9 +27,13 @@ import fcntl
 import hashlib
 import os
 import resource
+import shutil
+import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from corral.backends.host.state import state_root
+from corral.backends.layout import SYSTEM_PATH
 from corral.backends.users import OWNER_SLOTS, OWNER_UID_BASE
 from corral.errors import BackendError
 
@@ -80,3 +84,44 @@ def claim_owner(key: str) -> BoxOwner:
     raise BackendError(
         f"all {OWNER_SLOTS} namespace owner ids are held by running boxes; close some boxes"
     )
+
+
+def make_userns(owner: int, uid_map: str, gid_map: str) -> int:
+    """A new user namespace owned by host uid ``owner``, with these id maps: an fd of it
+    (the caller closes it; the namespace lives while the fd or a process in it does).
+
+    For OCI runtimes, which run as host root and would make every box's namespace host
+    root's: they join this one by path. ``unshare --user`` runs as ``owner`` and execs
+    ``cat``, which echoes a byte once the namespace exists; the maps are written from here
+    (host root), then ``cat`` sees end of input and exits. Blocking (a few ms)."""
+    setpriv, unshare, cat = (
+        shutil.which(p, path=SYSTEM_PATH) for p in ("setpriv", "unshare", "cat")
+    )
+    if not (setpriv and unshare and cat):
+        raise BackendError("setpriv and unshare (util-linux) are needed to make a box's namespace")
+    ids = (f"--reuid={owner}", f"--regid={owner}", "--clear-groups")
+    proc = subprocess.Popen(
+        [setpriv, *ids, "--", unshare, "--user", "--", cat],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+        start_new_session=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(b"x")
+        proc.stdin.flush()
+        if proc.stdout.read(1) != b"x":
+            raise BackendError("could not create the box's user namespace (unshare --user)")
+        Path(f"/proc/{proc.pid}/uid_map").write_text(uid_map)
+        Path(f"/proc/{proc.pid}/gid_map").write_text(gid_map)
+        return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        proc.stdin.close()
+        proc.stdout.close()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -83,7 +83,7 @@ from corral.backends.host.threads import blocking
 from corral.backends.layout import SYSTEM_PATH, Bind, HostView, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
-from corral.backends.users import HOST_UID_BASE
+from corral.backends.users import HOST_UID_BASE, id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
 
@@ -286,7 +286,7 @@ def sweep_orphans(runtimes: list[Runtime]) -> list[str]:
     return removed
 
 
-def _undo_start(spec: BoxSpec, held: list[idmap.SharedPaths]) -> None:
+def _undo_start(spec: BoxSpec, held: list[idmap.SharedPaths | ucounts.BoxOwner]) -> None:
     """What a failed start leaves once the runtime deleted the box (blocking)."""
     _remove_cgroup_dirs(spec.sandbox_id)
     for shared in held:
@@ -341,11 +341,13 @@ class OciBox(CgroupAccounting, BoxBase):
         warnings: tuple[str, ...],
         limits: LimitPlan,
         shared: idmap.SharedPaths | None = None,
+        owner: ucounts.BoxOwner | None = None,
     ) -> None:
         super().__init__(spec, channel, warnings, limits)
         self._runtime = runtime
         self._cgroup = cgroup
         self._shared = shared
+        self._owner = owner
 
     @property
     def init_pid(self) -> int | None:
@@ -377,6 +379,8 @@ class OciBox(CgroupAccounting, BoxBase):
                 await self._cgroup.remove_async()
         if self._shared is not None:
             await blocking(self._shared.release)  # umount waits for a grace period
+        if self._owner is not None:
+            self._owner.release()  # the box is deleted: another box may own its uid
 
 
 async def _delete(runtime: Runtime, box_id: str) -> str:
@@ -476,21 +480,34 @@ class OciBackend(BackendBase):
         limits = plan_limits(spec.policy.limits, caps)
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cgroup: cgroups.Cgroup | None = None
-        held: list[idmap.SharedPaths] = []
+        held: list[idmap.SharedPaths | ucounts.BoxOwner] = []
+        userns = -1
         try:
             # Directories, owner.json and the idmapped mounts, then the bundle, in threads:
             # mount calls wait for RCU grace periods, and a bundle is dozens of mkdirs.
             shared = await blocking(self._share, spec, held)
-            if spec.network is not None:  # who connects to its sockets
-                spec.network.admit(HOST_UID_BASE, shared.gid)
+            owner = next((h for h in held if isinstance(h, ucounts.BoxOwner)), None)
+            root = owner.uid if owner is not None else HOST_UID_BASE  # box root's host uid
+            maps = (id_map(shared.uid, root), id_map(shared.gid, root))
+            if spec.network is not None:  # who connects to its sockets; pasta's uid
+                spec.network.admit(root, shared.gid, namespace_owner=root)
             # full mode: the box joins a namespace corral made and fenced (by path: the
-            # runtime's init is not dumpable, so pasta could not attach to it by pid).
-            netns = await spec.network.make_netns() if spec.network is not None else None
+            # runtime's init is not dumpable, so pasta could not attach to it by pid), and
+            # the user namespace that holds it, with the box's maps.
+            netns = None
+            if spec.network is not None:
+                netns = await spec.network.make_netns(maps if owner else None)
+            userns_path = spec.network.userns_path if spec.network is not None else None
+            if owner is not None and userns_path is None:
+                userns = await blocking(ucounts.make_userns, owner.uid, *maps)
+                # The runtime runs as root: it opens this process's fd by its /proc path.
+                userns_path = f"/proc/{os.getpid()}/fd/{userns}"
             compat, compat_warning = None, None
             if runtime.gvisor:
                 compat, compat_warning = await blocking(gvisor_compat_library)
             bundle = spec.state_dir / "bundle"
-            await blocking(self._write_bundle, spec, shared, limits, netns, compat, bundle)
+            where = (userns_path, root)
+            await blocking(self._write_bundle, spec, shared, limits, netns, compat, bundle, where)
             relays = spec.network is not None and bool(spec.network.forwarders())
             flags = runtime.run_flags(netns, relays)
             await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags)
@@ -502,19 +519,28 @@ class OciBackend(BackendBase):
             raise
         finally:
             guest_end.close()
+            if userns >= 0:  # the box's processes hold its namespace now
+                os.close(userns)
         host_end.setblocking(False)
         warnings = limits.warnings + tuple(w for w in (shared.warning, compat_warning) if w)
-        return OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared)
+        return OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared, owner)
 
-    def _share(self, spec: BoxSpec, held: list[idmap.SharedPaths]) -> idmap.SharedPaths:
+    def _share(
+        self, spec: BoxSpec, held: list[idmap.SharedPaths | ucounts.BoxOwner]
+    ) -> idmap.SharedPaths:
         """The state directory with owner.json (so a crash from here on is swept), then
-        the idmapped mounts (into ``held`` as soon as they exist). Blocking."""
+        the idmapped mounts (into ``held`` as soon as they exist), then (not on gVisor) the
+        host uid of the box's own that will own its user namespace: the kernel charges
+        inotify and message queue quotas to that owner, which would otherwise be host root
+        (the runtime's uid) for every box. Blocking."""
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         runtime = self.runtime
         write_owner(spec.state_dir, "oci", runtime=runtime.name, runtime_root=str(runtime.root))
         # gVisor's file server is the box's root: shared paths take its files too.
         shared = idmap.share_paths(spec, box_root=runtime.gvisor)
         held.append(shared)
+        if not runtime.gvisor:  # gVisor's inotify, queues and PTYs are its kernel's
+            held.append(ucounts.claim_owner(spec.sandbox_id))
         return shared
 
     def _write_bundle(
@@ -525,9 +551,10 @@ class OciBackend(BackendBase):
         netns: str | None,
         compat: Path | None,
         bundle: Path,
+        userns: tuple[str | None, int] = (None, HOST_UID_BASE),
     ) -> oci_config.OciBundle:
         """Translate the policy and write the bundle (config.json, root dir). Blocking."""
-        result = self._bundle(spec, shared, limits, netns, compat)
+        result = self._bundle(spec, shared, limits, netns, compat, userns)
         bundle.mkdir()
         _write_bundle(bundle, result)
         self.runtime.root.mkdir(parents=True, exist_ok=True)
@@ -540,6 +567,7 @@ class OciBackend(BackendBase):
         limits: LimitPlan,
         netns: str | None = None,
         compat: Path | None = None,
+        userns: tuple[str | None, int] = (None, HOST_UID_BASE),
     ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
         config = {**agent_config(spec), "fd": 0}
@@ -569,6 +597,8 @@ class OciBackend(BackendBase):
             host_mounts=mountinfo.mount_points(),
             sources=shared.sources,
             netns_path=netns,
+            userns_path=userns[0],
+            root_uid=userns[1],
             seccomp_file=str(seccomp_file) if seccomp_file else None,
             compat_library=str(compat) if compat else None,
             gvisor=self.runtime.gvisor,

@@ -50,7 +50,7 @@ from corral.backends.layout import (
     root_entries,
 )
 from corral.backends.limits import Capabilities, LimitPlan, plan_limits
-from corral.backends.users import GUEST_HOME, id_ranges
+from corral.backends.users import GUEST_HOME, HOST_UID_BASE, id_ranges
 from corral.policy import Policy
 
 OCI_VERSION = "1.0.2"
@@ -98,6 +98,11 @@ class OciInputs:
     netns_path: str | None = None
     """An existing network namespace to join; None: a new, empty one (every mode today:
     ``full`` mode attaches user-mode NAT to it before the agent starts)."""
+    userns_path: str | None = None
+    """The box's user namespace, made beforehand with its id maps by a host uid of its own
+    (:func:`corral.backends.host.ucounts.make_userns`); None: the runtime makes one."""
+    root_uid: int = HOST_UID_BASE
+    """Host uid (and gid) of box root: the namespace's owner where corral made it."""
     host_mounts: tuple[str, ...] = ()
     """Mount points of the host: those under a read-only bind are made read-only too."""
     sources: Mapping[str, str] = field(default_factory=dict)
@@ -305,6 +310,8 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     dirs, files = _mount_points(mounts, host_roots, host, everywhere=inp.gvisor)
     limits = inp.limits or plan_limits(policy.limits, Capabilities("cgroup v1"))
     namespaces: list[dict[str, str]] = [{"type": t} for t in NAMESPACES]
+    if inp.userns_path is not None:  # made by corral, owned by the box's own host uid
+        namespaces[NAMESPACES.index("user")]["path"] = inp.userns_path
     network = {"type": "network"}
     if inp.netns_path is not None:
         network["path"] = inp.netns_path
@@ -334,8 +341,8 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         "mounts": mounts,
         "linux": {
             "namespaces": namespaces,
-            "uidMappings": _mappings(inp.owner_uid),
-            "gidMappings": _mappings(inp.owner_gid),
+            "uidMappings": _mappings(inp.owner_uid, inp.root_uid),
+            "gidMappings": _mappings(inp.owner_gid, inp.root_uid),
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(PROC_READ_ONLY),
             "seccomp": seccomp.oci_seccomp(policy.security.preset),
@@ -343,6 +350,11 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
             "cgroupsPath": f"/{PARENT}/{inp.sandbox_id}",
         },
     }
+    if inp.userns_path is not None:
+        # runc sets these with prlimit from outside the box, which a host root without
+        # CAP_SYS_RESOURCE may not do in a namespace it does not own; the agent sets core 0
+        # on itself first thing (and on every command).
+        del config["process"]["rlimits"]
     if inp.gvisor:
         # runsc's OCI seccomp turns every errno into EPERM and is off by default: the agent
         # installs corral's compiled filter on itself instead, which gVisor's kernel enforces.
@@ -355,7 +367,8 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     )
 
 
-def _mappings(owner: int) -> list[dict[str, int]]:
+def _mappings(owner: int, root: int) -> list[dict[str, int]]:
     return [
-        {"containerID": box, "hostID": host, "size": count} for box, host, count in id_ranges(owner)
+        {"containerID": box, "hostID": host, "size": count}
+        for box, host, count in id_ranges(owner, root)
     ]

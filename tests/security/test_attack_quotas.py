@@ -1,0 +1,246 @@
+"""Kernel quotas every box shares (issue 13, class 6): box A takes all it can of each, while
+box B runs beside it, and B and the host must still get theirs.
+
+inotify instances and watches and POSIX message queue bytes are charged to the host uid that
+owns a box's user namespace: each box has its own (:mod:`corral.backends.host.ucounts`), so
+A exhausts only its own share. PTYs come from the box's own devpts instance, capped at
+``PTY_MAX``. Open files are capped per command (``DEFAULT_NOFILE``, soft = hard). gVisor's
+inotify, queues and PTYs are its own kernel's: those tests skip there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from corral import Policy, Sandbox
+from corral.backends.layout import PTY_MAX
+from corral.backends.limits import DEFAULT_NOFILE
+from corral.processes import Process
+from security.helpers import box_py, gvisor
+
+pytestmark = [pytest.mark.attack("processes"), pytest.mark.needs_bwrap]
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+@pytest.fixture
+async def other_box(box_policy: Policy, tmp_path: Path) -> AsyncIterator[Sandbox]:
+    """Box B, running for the whole attack of box A."""
+    ws = tmp_path / "other"
+    ws.mkdir()
+    async with Sandbox(box_policy, workspace=ws) as sb:
+        yield sb
+
+
+def host_kernel_only(sb: Sandbox) -> None:
+    if gvisor(sb):
+        pytest.skip("gVisor's inotify, message queues and PTYs are its own kernel's")
+
+
+async def hold(sb: Sandbox, code: str, *args: str) -> tuple[Process, str]:
+    """Start ``code`` in the box; it prints one line once it holds what it took, then keeps
+    it until stdin closes. Returns the process and that line."""
+    proc = await sb.spawn(["python3", "-c", code, *args], stdin="pipe")
+    queue = proc.subscribe()
+    line = b""
+    async with asyncio.timeout(120):
+        while not line.endswith(b"\n"):
+            kind, data = await queue.get()
+            assert kind == "stdout", (kind, data)
+            assert isinstance(data, bytes)
+            line += data
+    return proc, line.decode().strip()
+
+
+INOTIFY_INSTANCES = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while len(fds) < 100000:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    fds.append(fd)
+print(len(fds), ctypes.get_errno(), flush=True)
+sys.stdin.read()
+"""
+INOTIFY_ONE = "import ctypes; print(ctypes.CDLL(None).inotify_init1(0) >= 0)"
+
+
+async def test_inotify_instances_of_one_box_leave_the_others_theirs(
+    sandbox: Sandbox, other_box: Sandbox
+) -> None:
+    host_kernel_only(sandbox)
+    proc, line = await hold(sandbox, INOTIFY_INSTANCES)
+    try:
+        count, errno_ = map(int, line.split())
+        assert count >= 1 and errno_ == 24, line  # EMFILE: its own owner's instances are gone
+        r = await other_box.run(["python3", "-c", INOTIFY_ONE], timeout=30)
+        assert r.stdout == "True\n", r
+        fd = libc.inotify_init1(0)
+        assert fd >= 0, os.strerror(ctypes.get_errno())
+        os.close(fd)
+    finally:
+        await proc.kill()
+
+
+INOTIFY_WATCHES = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+limit = int(sys.argv[1])
+files = limit // 100 + 2
+os.makedirs('/tmp/w', exist_ok=True)
+paths = []
+for i in range(files):
+    p = f'/tmp/w/{i}'
+    open(p, 'w').close()
+    paths.append(p.encode())
+n = err = 0
+while not err:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        err = ctypes.get_errno()
+        break
+    for p in paths:
+        if libc.inotify_add_watch(fd, p, 2) < 0:
+            err = ctypes.get_errno()
+            break
+        n += 1
+print(n, err, flush=True)
+sys.stdin.read()
+"""
+WATCH_ONE = (
+    "import ctypes; c = ctypes.CDLL(None); fd = c.inotify_init1(0); "
+    "print(fd >= 0 and c.inotify_add_watch(fd, b'/tmp', 2) >= 0)"
+)
+
+
+async def test_inotify_watches_of_one_box_leave_the_others_theirs(
+    sandbox: Sandbox, other_box: Sandbox
+) -> None:
+    host_kernel_only(sandbox)
+    limit = int(Path("/proc/sys/fs/inotify/max_user_watches").read_text())
+    if limit > 2_000_000:
+        pytest.skip(f"fs.inotify.max_user_watches is {limit}: too many to take in a test")
+    proc, line = await hold(sandbox, INOTIFY_WATCHES, str(limit))
+    try:
+        count, errno_ = map(int, line.split())
+        # ENOSPC once the owner's watches are gone (EMFILE: its instances ran out first)
+        assert errno_ in (28, 24) and count <= limit, line
+        r = await other_box.run(["python3", "-c", WATCH_ONE], timeout=30)
+        assert r.stdout == "True\n", r
+        fd = libc.inotify_init1(0)
+        assert fd >= 0 and libc.inotify_add_watch(fd, b"/tmp", 2) >= 0, os.strerror(
+            ctypes.get_errno()
+        )
+        os.close(fd)
+    finally:
+        await proc.kill()
+
+
+MQ_FILL = r"""
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+class Attr(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_long), ("maxmsg", ctypes.c_long),
+                ("msgsize", ctypes.c_long), ("cur", ctypes.c_long), ("pad", ctypes.c_long * 4)]
+n = err = 0
+while n < 200:
+    attr = Attr(0, 10, 8192, 0)
+    name = f"/corral-{sys.argv[1]}-{n}".encode()
+    fd = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, ctypes.byref(attr))
+    if fd < 0:
+        err = ctypes.get_errno()
+        break
+    n += 1
+print(n, errno.errorcode.get(err, err) if err else "")
+"""
+
+
+async def test_message_queues_of_one_box_leave_the_others_theirs(
+    sandbox: Sandbox, other_box: Sandbox
+) -> None:
+    host_kernel_only(sandbox)
+    # Box A fills what it may, in two commands (the quota is the box's, not a command's).
+    for tag in ("a1", "a2"):
+        r = await sandbox.run(["python3", "-c", MQ_FILL, tag], timeout=30)
+        assert r.exit_code == 0, r
+    filled = int(r.stdout.split()[0])
+    assert filled == 0, r.stdout  # the first command took the whole per-box quota
+    r = await other_box.run(["python3", "-c", MQ_FILL, "b"], timeout=30)
+    assert r.exit_code == 0 and int(r.stdout.split()[0]) >= 1, r
+    name = f"/corral-host-{os.getpid()}".encode()
+    fd = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, None)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    os.close(fd)
+    libc.mq_unlink(name)
+
+
+async def test_pty_pool_exhaustion_stays_in_the_box(sandbox: Sandbox, other_box: Sandbox) -> None:
+    host_kernel_only(sandbox)
+    code = (
+        "fds = []\n"
+        "try:\n"
+        "    while len(fds) < 8000:\n"
+        "        fds += os.openpty()\n"
+        "except OSError as e:\n"
+        "    err = e.strerror\n"
+        "res = [len(fds) // 2, err]\n"
+    )
+    count, why = await box_py(sandbox, code, timeout=60)
+    assert count <= PTY_MAX, (count, why)
+    r = await other_box.run(["python3", "-c", "import os; os.openpty(); print('ok')"])
+    assert r.stdout == "ok\n", r
+    master, slave = os.openpty()  # the host too
+    os.close(master)
+    os.close(slave)
+
+
+async def test_the_box_pty_pool_cannot_be_remounted_bigger(sandbox: Sandbox) -> None:
+    host_kernel_only(sandbox)
+    r = await sandbox.run(
+        "grep ' /dev/pts ' /proc/self/mountinfo; "
+        "mount -o remount,max=100000 /dev/pts 2>&1 || echo refused",
+        timeout=30,
+    )
+    assert f"max={PTY_MAX}" in r.stdout and "refused" in r.stdout, r
+
+
+OPEN_FILES = r"""
+import os, resource, sys
+fds = []
+try:
+    while len(fds) < 1 << 20:
+        fds.append(os.open('/dev/null', os.O_RDONLY))
+except OSError as e:
+    err = e.strerror
+print(len(fds), resource.getrlimit(resource.RLIMIT_NOFILE)[1], err, flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_open_files_are_capped_per_command_by_default(
+    sandbox: Sandbox, other_box: Sandbox
+) -> None:
+    held = [await hold(sandbox, OPEN_FILES) for _ in range(8)]
+    try:
+        for _, line in held:
+            count, hard, why = line.split(" ", 2)
+            assert int(hard) == DEFAULT_NOFILE and int(count) < DEFAULT_NOFILE, line
+            assert why == "Too many open files", line
+        r = await sandbox.run(["sh", "-c", "ulimit -n 100000"], timeout=30)
+        assert r.exit_code != 0, r  # no command raises the cap
+        code = "import os; print(len([os.open('/dev/null', 0) for _ in range(500)]))"
+        r = await other_box.run(["python3", "-c", code], timeout=30)
+        assert r.stdout == "500\n", r
+        fd = os.open("/dev/null", os.O_RDONLY)
+        os.close(fd)
+    finally:
+        for proc, _ in held:
+            await proc.kill()
