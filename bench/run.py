@@ -1,6 +1,6 @@
 """Foundation benchmarks: every figure next to a baseline measured in the same run.
 
-    python bench/run.py [--runs N]
+    python bench/run.py [--runs N] [--only NAME ...]
 
 Prints p50/p90 in milliseconds and the ratios the foundation issue targets:
   warm run       (a command in an existing box)   vs  subprocess.run(["true"])   target <= 3x
@@ -117,59 +117,79 @@ async def pooled_one_shot(runs: int) -> float:
     return line("one-shot (library, warm pool)", samples)
 
 
-async def main(runs: int) -> None:
+ROWS = ("warm", "ready", "oneshot", "pooled", "cli", "memory")
+
+
+async def main(runs: int, only: set[str]) -> None:
     print(f"corral foundation benchmarks ({runs} runs each, {os.cpu_count()} cpus)")
+    print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("baselines")
     bare = line("subprocess.run(['true'])", timed_sync(lambda: subprocess.run(["true"]), runs))
     raw = line("raw bwrap ... true", timed_sync(lambda: subprocess.run(RAW_BWRAP), runs))
 
     print("corral")
-    async with Sandbox() as sb:
-        await sb.run(["true"])  # first spawn imports subprocess in the agent
-        warm = line("warm run (existing box)", await timed_async(lambda: sb.run(["true"]), runs))
+    ratios = []
+    if "warm" in only:
+        async with Sandbox() as sb:
+            await sb.run(["true"])  # first spawn imports subprocess in the agent
+            warm = line(
+                "warm run (existing box)", await timed_async(lambda: sb.run(["true"]), runs)
+            )
+        ratios.append(f"  warm run / bare subprocess        {warm / bare:6.2f}x   (target <= 3x)")
 
-    async def create() -> None:
-        box = Sandbox()
-        await box.start()
-        create_samples.append(time.perf_counter() - t0[0])
-        await box.aclose()
-
-    create_samples: list[float] = []
-    t0 = [0.0]
-    for _ in range(runs):
-        t0[0] = time.perf_counter()
-        await create()
-    ready = line("create-to-ready", create_samples)
-
-    async def one_shot() -> None:
-        async with Sandbox() as box:
-            await box.run(["true"])
-
-    oneshot = line("one-shot (library, cold box)", await timed_async(one_shot, runs))
-    pooled = await pooled_one_shot(runs)
-    with tempfile.TemporaryDirectory() as project:  # /tmp itself is refused as a workspace
-        cli = [sys.executable, "-m", "corral.cli", "run", "--workspace", project, "--", "true"]
-        cli_ms = line(
-            "one-shot `corral run` (CLI)",
-            timed_sync(lambda: subprocess.run(cli, check=True), runs // 2),
+    if "ready" in only:
+        create_samples: list[float] = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            box = Sandbox()
+            await box.start()
+            create_samples.append(time.perf_counter() - t0)
+            await box.aclose()
+        ready = line("create-to-ready", create_samples)
+        ratios.append(
+            f"  create-to-ready / raw bwrap       {ready / raw:6.2f}x   "
+            f"({ready:.1f} ms vs {raw:.1f} ms; target <= 25 ms)"
         )
-    rss, heap = await idle_memory(10)
-    print(f"  {'idle box: its processes PSS':<34} {rss:8.2f} MiB")
-    print(f"  {'idle box: host-side heap':<34} {heap:8.3f} MiB")
+
+    if "oneshot" in only:
+
+        async def one_shot() -> None:
+            async with Sandbox() as box:
+                await box.run(["true"])
+
+        oneshot = line("one-shot (library, cold box)", await timed_async(one_shot, runs))
+        ratios.append(f"  one-shot (cold box) / raw bwrap   {oneshot / raw:6.2f}x")
+    if "pooled" in only:
+        pooled = await pooled_one_shot(runs)
+        ratios.append(f"  one-shot (warm pool) / raw bwrap  {pooled / raw:6.2f}x   (target <= 3x)")
+    if "cli" in only:
+        with tempfile.TemporaryDirectory() as project:  # /tmp itself is refused as a workspace
+            cli = [sys.executable, "-m", "corral.cli", "run", "--workspace", project, "--", "true"]
+            cli_ms = line(
+                "one-shot `corral run` (CLI)",
+                timed_sync(lambda: subprocess.run(cli, check=True), max(1, runs // 2)),
+            )
+        ratios.append(f"  one-shot (CLI) / raw bwrap        {cli_ms / raw:6.2f}x")
+    if "memory" in only:
+        rss, heap = await idle_memory(10)
+        print(f"  {'idle box: its processes PSS':<34} {rss:8.2f} MiB")
+        print(f"  {'idle box: host-side heap':<34} {heap:8.3f} MiB")
+        ratios.append(
+            f"  idle box host memory              {rss + heap:6.2f} MiB (target <= 15 MB)"
+        )
 
     print("ratios (p50)")
-    print(f"  warm run / bare subprocess        {warm / bare:6.2f}x   (target <= 3x)")
-    print(f"  one-shot (warm pool) / raw bwrap  {pooled / raw:6.2f}x   (target <= 3x)")
-    print(f"  one-shot (cold box) / raw bwrap   {oneshot / raw:6.2f}x")
-    print(f"  one-shot (CLI) / raw bwrap        {cli_ms / raw:6.2f}x")
-    print(
-        f"  create-to-ready / raw bwrap       {ready / raw:6.2f}x   "
-        f"({ready:.1f} ms vs {raw:.1f} ms; target <= 25 ms)"
-    )
-    print(f"  idle box host memory              {rss + heap:6.2f} MiB (target <= 15 MB)")
+    print("\n".join(ratios))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=40)
-    asyncio.run(main(parser.parse_args().runs))
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=ROWS,
+        help="measure only this row (repeatable); the baselines are always measured",
+    )
+    args = parser.parse_args()
+    asyncio.run(main(args.runs, set(args.only or ROWS)))
