@@ -6,7 +6,8 @@ shared with every backend; this module renders it as bwrap options.
 The user namespace is created by bwrap but its uid/gid maps are written by the host (see
 :mod:`corral.backends.bwrap.box`) while bwrap waits on ``--userns-block-fd``: that is what
 lets the agent be the box's root while mapping to an unprivileged host uid, and commands run
-as a second uid.
+as a second uid. bwrap then builds the mounts and waits on ``--block-fd`` until the host has
+moved it into the box's cgroup.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class BwrapFds:
     info: int
     userns_block: int
     seccomp: int
+    block: int | None = None
+    """``--block-fd``: bwrap waits on it once the box's mounts are built, before it forks
+    the box's first process; the host moves bwrap into the box's cgroup meanwhile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +110,7 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
         str(inp.fds.userns_block),
         "--info-fd",
         str(inp.fds.info),
+        *(["--block-fd", str(inp.fds.block)] if inp.fds.block is not None else []),
         "--unshare-pid",
         "--unshare-ipc",
         "--unshare-uts",

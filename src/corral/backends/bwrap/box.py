@@ -1,16 +1,21 @@
 """The bubblewrap backend: namespaces, seccomp, a per-box cgroup, and the guest agent.
 
-Start-up sequence (everything before step 5 happens while bwrap is blocked, so no process
-of the box ever runs outside its cgroup or with bwrap's own uid map)::
+Start-up sequence (bwrap is blocked until step 5 and again until step 7, so it never runs
+with its own uid map, and no process of the box but bwrap itself building the mounts ever
+runs outside its cgroup)::
 
-    1. socketpair (host end = channel), pipes for --info-fd, --userns-block-fd, --seccomp
+    1. socketpair (host end = channel), pipes for --info-fd, --userns-block-fd, --block-fd,
+       --seccomp; start the RCU grace period the cgroup move waits for (in a thread)
     2. spawn bwrap as the box's own unprivileged host uid (its namespace owner, from
        :func:`corral.backends.host.ucounts.claim_owner`), no supplementary groups
-    3. read the child pid from --info-fd; move bwrap and the child into the box's cgroup
+    3. read the child pid from --info-fd
     4. write the child's uid_map/gid_map: box root -> that owner uid, the other box ids ->
        an unprivileged host uid range, box uid 1000 (commands) -> the workspace owner, so
-       files written in the workspace belong to its owner on the host
-    5. release --userns-block-fd: bwrap builds the mounts and execs the guest agent
+       files written in the workspace belong to its owner on the host; mount the box's own
+       devpts in its mount namespace
+    5. release --userns-block-fd: bwrap builds the mounts, then waits on --block-fd
+    6. move the child (still one process) into the box's cgroup, once the grace period passed
+    7. release --block-fd: bwrap installs the seccomp filter and execs the guest agent
 
 A state directory per box records the owner's pid; boxes whose owner died (SIGKILL) are swept
 by the first start of a process (in a thread): bwrap is killed, the cgroup and the state
@@ -20,7 +25,9 @@ directory removed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -45,7 +52,7 @@ from corral.backends.host import cgroups, devpts, idmap, safepath, seccomp, stag
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
-from corral.backends.host.threads import blocking
+from corral.backends.host.threads import blocking, submit
 from corral.backends.layout import SYSTEM_PATH, Bind, HostView, unplaceable_mount
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.users import id_map
@@ -115,6 +122,8 @@ class _Held:
     """bwrap's options (a memfd read through ``--args``), closed once bwrap has it."""
     owner: ucounts.BoxOwner | None = None
     """The host uid that owns (creates) the box's user namespace; bwrap runs as it."""
+    primed: concurrent.futures.Future[None] | None = None
+    """:func:`cgroups.prime_migration` running in a thread (the move waits for it)."""
 
     def release(self, spec: BoxSpec) -> None:
         """Undo a failed start (blocking): the cgroup, the idmapped mounts, the state dir."""
@@ -242,8 +251,9 @@ class BwrapBackend(BackendBase):
         host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
+        setup_r, setup_w = os.pipe()
         sec_r, sec_w = os.pipe()
-        fds = bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r)
+        fds = bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r, block=setup_r)
         proc: asyncio.subprocess.Process | None = None
         primed: asyncio.Future[None] | None = None
         try:
@@ -255,35 +265,36 @@ class BwrapBackend(BackendBase):
             sec_w = -1
             cgroup, shared, owner = held.cgroup, held.shared, held.owner
             assert shared is not None and owner is not None
-            if cgroup is not None:  # the grace period of the move below passes meanwhile
-                primed = asyncio.ensure_future(
-                    blocking(cgroups.prime_migration, self.cgroup_support)
-                )
-            pass_fds = (guest_end.fileno(), info_w, block_r, sec_r, held.args_fd)
+            if held.primed is not None:
+                primed = asyncio.wrap_future(held.primed)
+            pass_fds = (guest_end.fileno(), info_w, block_r, setup_r, sec_r, held.args_fd)
             proc = await self._spawn(argv, pass_fds, owner.uid)
-            os.close(held.args_fd)
-            held.args_fd = -1
-            os.close(info_w)
-            info_w = -1
+            for fd in (held.args_fd, info_w, block_r, setup_r, sec_r):
+                os.close(fd)
+            held.args_fd = info_w = block_r = setup_r = sec_r = -1
             info = await _read_info(info_r, proc)
             info_r = -1
             child = int(info["child-pid"])
-            if cgroup is not None:
-                # Every process of the box descends from this child; bwrap's outer monitor
-                # only waits. Once the primed grace period is over, the move takes ~0.1 ms.
-                if primed is not None:
-                    await primed
-                cgroup.add(child)
             _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid, owner.uid)
             await blocking(devpts.mount_for, child, self.devpts)
             net = spec.network
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence and connect the netns first
-            os.write(block_w, b"1")
+            os.write(block_w, b"1")  # bwrap builds the box's mounts now
+            if cgroup is not None:
+                # bwrap (the box's pid 1 to be) is one process, waiting on --block-fd with
+                # the mounts built: every process of the box descends from it, and it forks
+                # the first only once released. The move takes ~0.1 ms once the primed
+                # grace period is over. bwrap's outer monitor only waits.
+                if primed is not None:
+                    await primed
+                await self._add_to_cgroup(cgroup, child, proc)
+            os.write(setup_w, b"1")
         except BaseException:
-            if primed is not None and not primed.done():
+            if held.primed is not None and not held.primed.done():
                 with contextlib.suppress(BaseException):
-                    await primed  # a short write, never an error: no thread outlives start
+                    # A short write, never an error: no thread outlives start.
+                    await (primed or asyncio.wrap_future(held.primed))
             if proc is not None and proc.returncode is None:
                 kill_child(proc)
                 await proc.wait()
@@ -292,12 +303,32 @@ class BwrapBackend(BackendBase):
             raise
         finally:
             guest_end.close()
-            for fd in (info_r, info_w, block_r, block_w, sec_r, sec_w, held.args_fd):
+            for fd in (info_r, info_w, block_r, block_w, setup_r, setup_w, sec_r, sec_w):
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
+            if held.args_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(held.args_fd)
         host_end.setblocking(False)
         return BwrapBox(spec, proc, host_end, cgroup, tuple(held.warnings), limits, shared, owner)
+
+    @staticmethod
+    async def _add_to_cgroup(
+        cgroup: cgroups.Cgroup, child: int, proc: asyncio.subprocess.Process
+    ) -> None:
+        """Move bwrap's child into the box's cgroup; if it is gone, bwrap failed while it
+        built the mounts, and its own error says why."""
+        try:
+            cgroup.add(child)
+        except BackendError as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, OSError) and cause.errno == errno.ESRCH):
+                raise
+            detail = await _bwrap_stderr(proc)
+            if not detail:
+                raise
+            raise BackendError(f"bwrap failed to start the box: {detail}") from None
 
     def _prepare_box(
         self,
@@ -315,6 +346,11 @@ class BwrapBackend(BackendBase):
             os.write(sec_w, seccomp.build_filter(policy.security.preset))
         finally:
             os.close(sec_w)
+        # The cgroup first: the prime below holds cgroupfs for its grace period (~8 ms here),
+        # which then passes while the rest is prepared, bwrap starts and builds the mounts.
+        held.cgroup, held.warnings = self._make_cgroup(spec, limits)
+        if held.cgroup is not None:
+            held.primed = submit(cgroups.prime_migration, self.cgroup_support)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         masked_file, masked_dir, passwd = shared_files()
         held.owner = owner = ucounts.claim_owner(spec.sandbox_id)
@@ -346,7 +382,6 @@ class BwrapBackend(BackendBase):
         os.write(held.args_fd, options)  # a memfd takes any size whole: no partial write
         os.lseek(held.args_fd, 0, os.SEEK_SET)
         argv[2] = str(held.args_fd)
-        held.cgroup, held.warnings = self._make_cgroup(spec, limits)
         if shared.warning:
             held.warnings.append(shared.warning)
         return argv

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -60,3 +61,10 @@ async def blocking(fn: Callable[..., T], *args: Any) -> T:
         with contextlib.suppress(Exception):
             await asyncio.wait({done})
         raise
+
+
+def submit(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """``fn(*args)`` in a thread, submitted now, from any thread: for work that must start
+    before the caller's next step (an RCU grace period meant to pass meanwhile). Wait for it
+    (``asyncio.wrap_future``), also on failure, so that no thread outlives the caller."""
+    return _host_threads().submit(contextvars.copy_context().run, fn, *args)
