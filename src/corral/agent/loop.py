@@ -28,10 +28,9 @@ else:  # inside the box there is no corral package: the siblings are found throu
     import _signal as signal
     import _socket as socket
 
-    import commands
-    import files
     import lean
     import protocol
+    # commands and files (and subprocess) are loaded after "ready": Agent.finish_start.
 
 READ_CHUNK = 65536
 HIGH_WATER = 4 << 20  # stop reading children while this much output waits for the host
@@ -113,7 +112,8 @@ class Agent:
         self.fd_owner: dict[int, Child] = {}
         self.paused = False
         self.running = True
-        self.files = files.FileOps(self.uid, self.gid)
+        self.files: files.FileOps
+        self.inherited_rlimits: dict[str, int] = {}
         self.info_extra = dict(config.get("info", {}))
         self.cgroup = str(config.get("cgroup") or "")
         if config.get("forwarders") or config.get("vmlink"):
@@ -122,13 +122,8 @@ class Agent:
             else:
                 import relays
             relays.start(config)
-        # Limits every command gets anyway are set once on the agent and inherited, so the
-        # common spawn needs no Python pre-exec hook in the child (about 0.8 ms a command).
         # The host sends the default open-file cap (``backends.limits.agent_rlimits``).
-        inherited = {str(k): int(v) for k, v in dict(config.get("rlimits") or {}).items()}
-        self.inherited_rlimits = commands.set_inherited_rlimits(
-            {**inherited, "core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
-        )
+        self.start_rlimits = {str(k): int(v) for k, v in dict(config.get("rlimits") or {}).items()}
         rd, wr = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wake_r = rd
         signal.set_wakeup_fd(wr)
@@ -505,12 +500,26 @@ class Agent:
         return {"ok": True}
 
     # ---- loop ----------------------------------------------------------------------------
-    def run(self) -> None:
-        self.send({"ev": "ready", "pid": os.getpid()})
-        # Loaded after "ready": the host is still setting up while this runs, and the first
-        # command does not pay for it (about 3 ms).
+    def finish_start(self) -> None:
+        """What requests need but "ready" does not, done right after it and before the first
+        request is read: the host is still setting up meanwhile (about 5 ms of CPU here,
+        most of it importing subprocess), and no request is served without it."""
+        global commands, files
+        if not TYPE_CHECKING:
+            import commands
+            import files
         import subprocess  # noqa: F401
 
+        self.files = files.FileOps(self.uid, self.gid)
+        # Limits every command gets anyway are set once on the agent and inherited, so the
+        # common spawn needs no Python pre-exec hook in the child (about 0.8 ms a command).
+        self.inherited_rlimits = commands.set_inherited_rlimits(
+            {**self.start_rlimits, "core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
+        )
+
+    def run(self) -> None:
+        self.send({"ev": "ready", "pid": os.getpid()})
+        self.finish_start()
         wait: float | None = None
         while self.running:
             for key, mask in self.sel.select(wait):
