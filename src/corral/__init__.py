@@ -45,6 +45,7 @@ from corral.policy import (
     NetworkPolicy,
     Policy,
     ProcessTracking,
+    PublishedPort,
     SecurityPolicy,
 )
 from corral.pool import SandboxPool
@@ -82,6 +83,7 @@ __all__ = [
     "ProcessStats",
     "ProcessTracking",
     "ProtocolError",
+    "PublishedPort",
     "RequestTooLarge",
     "Sandbox",
     "SandboxBroken",

@@ -8,6 +8,7 @@ mirrors the spec's ``SandboxConfig``. Sizes accept integers (bytes) or strings s
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -170,6 +171,88 @@ class FilesystemPolicy(_Model):
 
 
 NetworkMode = Literal["none", "allowlist", "ports", "full"]
+MIN_HOST_PORT = 1024
+"""Lowest host port :class:`PublishedPort` takes (below is privileged; 0 picks a free one)."""
+_PUBLISH = re.compile(
+    r"^(?:(?:\[(?P<ip6>[0-9a-fA-F:.]+)\]|(?P<ip>\d+\.\d+\.\d+\.\d+)):)?(?:(?P<host>\d+):)?(?P<box>\d+)(?:/(?P<proto>[a-z]+))?$"
+)
+
+
+class PublishedPort(_Model):
+    """A TCP port of the box published on the host, like ``docker run -p``: connections to
+    ``host_ip:host_port`` on the host reach ``127.0.0.1:box_port`` (or ``[::1]``) in the box.
+    Works in every network mode, ``none`` included: the box gets no route out."""
+
+    box_port: int = Field(gt=0, lt=65536)
+    host_port: int | None = Field(default=None, ge=0, lt=65536)
+    """Port on the host; None: the same as ``box_port``; 0: any free port (read the one
+    chosen from :attr:`corral.Sandbox.published`). Ports below 1024 are refused."""
+    host_ip: str = "127.0.0.1"
+    """Host address to listen on: loopback by default. ``0.0.0.0`` or ``::`` (every
+    interface: anyone who can reach the host reaches the box's server) only when given."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"box_port": value}
+        if not isinstance(value, str):
+            return value
+        m = _PUBLISH.match(value.strip())
+        if m is None:
+            raise ValueError(
+                f"not a port to publish: {value!r} (use BOX_PORT, HOST_PORT:BOX_PORT or "
+                "HOST_IP:HOST_PORT:BOX_PORT, e.g. 8080:8000 or 127.0.0.1:8080:8000)"
+            )
+        if m["proto"] not in (None, "tcp"):
+            raise ValueError(f"{value!r}: only TCP ports can be published, not {m['proto']}")
+        data: dict[str, object] = {"box_port": int(m["box"])}
+        if m["host"] is not None:
+            data["host_port"] = int(m["host"])
+        if m["ip"] or m["ip6"]:
+            data["host_ip"] = m["ip"] or m["ip6"]
+        return data
+
+    @field_validator("host_ip")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        try:
+            return str(ipaddress.ip_address(value.strip("[]")))
+        except ValueError:
+            raise ValueError(f"host_ip must be an IP address, not {value!r}") from None
+
+    @model_validator(mode="after")
+    def _unprivileged(self) -> PublishedPort:
+        port = self.port_on_host
+        if 0 < port < MIN_HOST_PORT:
+            raise ValueError(
+                f"host port {port} is privileged (below {MIN_HOST_PORT}); publish on a higher "
+                f"one, e.g. {port + 8000 if port + 8000 < 65536 else 8080}:{self.box_port}"
+            )
+        return self
+
+    @classmethod
+    def parse(cls, text: str) -> PublishedPort:
+        """``"8080:8000"`` and the other ``-p`` forms; a bad one is a :class:`PolicyError`."""
+        try:
+            return cls.model_validate(text)
+        except ValidationError as exc:
+            raise PolicyError(_describe(exc)) from None
+
+    @property
+    def port_on_host(self) -> int:
+        """The host port asked for (0: any free one)."""
+        return self.box_port if self.host_port is None else self.host_port
+
+    def __str__(self) -> str:
+        ip = f"[{self.host_ip}]" if ":" in self.host_ip else self.host_ip
+        return f"{ip}:{self.port_on_host}->{self.box_port}/tcp"
+
+
+def _one_publish_or_many(value: object) -> object:
+    return (
+        (value,) if isinstance(value, str | int | dict) and not isinstance(value, bool) else value
+    )
 
 
 class NetworkPolicy(_Model):
@@ -185,6 +268,19 @@ class NetworkPolicy(_Model):
     """Host loopback TCP ports exposed inside the box at the same number."""
     allow_private: Names = ()
     """Addresses or CIDRs reachable although private, loopback or link-local."""
+    publish: Annotated[tuple[PublishedPort, ...], BeforeValidator(_one_publish_or_many)] = ()
+    """Box ports reachable from the host (``"8080:8000"``, ``"8000"``,
+    ``"127.0.0.1:8080:8000"`` or :class:`PublishedPort`), in every mode, ``none`` included."""
+
+    @model_validator(mode="after")
+    def _distinct_host_ports(self) -> NetworkPolicy:
+        seen: set[tuple[str, int]] = set()
+        for p in self.publish:
+            key = (p.host_ip, p.port_on_host)
+            if key in seen and key[1] != 0:
+                raise ValueError(f"host port {p.host_ip}:{key[1]} is published twice")
+            seen.add(key)
+        return self
 
 
 class VmPolicy(_Model):

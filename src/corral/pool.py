@@ -121,6 +121,12 @@ class SandboxPool:
                 f"pool size must be at least 1, got {size}", code=errors.ErrorCode.INVALID_INPUT
             )
         self.policy = as_policy(policy)
+        fixed = [p for p in self.policy.network.publish if p.port_on_host != 0]
+        if fixed:
+            raise errors.PolicyError(
+                f"a pool's boxes cannot all publish on host port {fixed[0].port_on_host}: "
+                "publish on host port 0 (any free one; see Sandbox.published) or use a Sandbox"
+            )
         self.size = size
         self.owner = owner or (os.getuid(), os.getgid())
         """Workspaces of this uid/gid are served warm; others get a fresh box."""

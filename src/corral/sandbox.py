@@ -39,7 +39,7 @@ from corral.channel import Channel
 from corral.files import Files
 from corral.models import CommandResult, NetworkRefusal, ProcessInfo
 from corral.net import BoxNetwork, Resolver
-from corral.policy import Policy, RlimitName
+from corral.policy import Policy, PublishedPort, RlimitName
 from corral.processes import Process, ProcessRegistry, end_in_background
 from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
@@ -310,6 +310,12 @@ class Sandbox:
         returns nothing in the box runs again. ``aclose()`` is still needed."""
         if self._box is not None:
             self._box.stop()
+
+    @property
+    def published(self) -> tuple[PublishedPort, ...]:
+        """The box ports published on the host (``policy.network.publish``), each with the
+        host port it got (the one picked for ``host_port=0``)."""
+        return self._network.published if self._network is not None else ()
 
     @property
     def warnings(self) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 
 from corral.models import CommandResult, FileInfo, ProcessInfo, ProcessStats, WaitResult
 from corral.net import Resolver
-from corral.policy import Policy, RlimitName
+from corral.policy import Policy, PublishedPort, RlimitName
 from corral.processes import Process
 from corral.sandbox import Command, Sandbox, StdinArg
 
@@ -151,6 +151,11 @@ class SyncSandbox:
     @property
     def workspace(self) -> Path | None:
         return self._sandbox.workspace
+
+    @property
+    def published(self) -> tuple[PublishedPort, ...]:
+        """``Sandbox.published``: the box ports reachable from the host."""
+        return self._sandbox.published
 
     def run(
         self,

@@ -116,7 +116,7 @@ class Agent:
         self.inherited_rlimits: dict[str, int] = {}
         self.info_extra = dict(config.get("info", {}))
         self.cgroup = str(config.get("cgroup") or "")
-        if config.get("forwarders") or config.get("vmlink"):
+        if config.get("forwarders") or config.get("vmlink") or config.get("publishers"):
             if TYPE_CHECKING:
                 from corral.agent import relays
             else:

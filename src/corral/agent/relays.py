@@ -1,5 +1,6 @@
 """Network relays of a box with no route out: loopback listeners inside the box relaying every
-connection to a host unix socket (:mod:`corral.net`: the egress proxy, exposed host ports).
+connection to a host unix socket (:mod:`corral.net`: the egress proxy, exposed host ports),
+and published box ports, for which the agent dials the host (:mod:`corral.net.publish`).
 
 In a microVM the same listeners carry their connections over a port device (:mod:`vmlink`).
 Threads keep the agent's select loop untouched.
@@ -15,8 +16,10 @@ if TYPE_CHECKING:
 
 
 def start(config: dict[str, Any]) -> None:
-    """Start the relays the agent's config names (``forwarders``, ``vmlink``)."""
+    """Start the relays the agent's config names (``forwarders``, ``publishers``,
+    ``vmlink``)."""
     start_forwarders(list(config.get("forwarders") or []))
+    start_publishers(list(config.get("publishers") or []))
     if config.get("vmlink"):  # a microVM: the forwarders go over a virtio-serial port
         start_vmlink(dict(config["vmlink"]))
 
@@ -52,6 +55,72 @@ def start_vmlink(config: dict[str, Any]) -> None:
     vmlink.start(config)
 
 
+def start_publishers(specs: list[dict[str, Any]]) -> None:
+    """Published box ports: hold a control connection to each host socket and open one data
+    connection per byte the host sends on it (the protocol of :mod:`corral.net.publish`)."""
+    import threading
+
+    for spec in specs:
+        args = (int(spec["port"]), str(spec["unix"]))
+        threading.Thread(target=publish_control, args=args, daemon=True).start()
+
+
+def publish_control(port: int, path: str) -> None:
+    import threading
+
+    control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        control.connect(path)
+        control.sendall(b"C")
+        while True:
+            asked = control.recv(4096)
+            if not asked:
+                return
+            for _ in asked:
+                threading.Thread(target=publish_conn, args=(port, path), daemon=True).start()
+    except OSError:
+        return
+    finally:
+        control.close()
+
+
+def publish_conn(port: int, path: str) -> None:
+    """One data connection: to the host socket, then to the box port on loopback (IPv4,
+    else IPv6); a box port nobody listens on closes the data connection at once."""
+    data = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        data.connect(path)
+        data.sendall(b"D")
+    except OSError:
+        data.close()
+        return
+    server = None
+    for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+        candidate = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            candidate.connect((address, port))
+        except OSError:
+            candidate.close()
+            continue
+        server = candidate
+        break
+    if server is None:
+        data.close()
+        return
+    relay_pair(server, data)
+
+
+def relay_pair(a: socket.socket, b: socket.socket) -> None:
+    import threading
+
+    back = threading.Thread(target=forward_copy, args=(b, a), daemon=True)
+    back.start()
+    forward_copy(a, b)
+    back.join()
+    a.close()
+    b.close()
+
+
 def forward_accept(server: socket.socket, path: str) -> None:
     import threading
 
@@ -66,7 +135,6 @@ def forward_accept(server: socket.socket, path: str) -> None:
 
 
 def forward_conn(conn: socket.socket, path: str) -> None:
-    import threading
 
     upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -75,12 +143,7 @@ def forward_conn(conn: socket.socket, path: str) -> None:
         conn.close()
         upstream.close()
         return
-    back = threading.Thread(target=forward_copy, args=(upstream, conn), daemon=True)
-    back.start()
-    forward_copy(conn, upstream)
-    back.join()
-    conn.close()
-    upstream.close()
+    relay_pair(conn, upstream)
 
 
 def forward_copy(src: socket.socket, dst: socket.socket) -> None:

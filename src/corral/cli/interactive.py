@@ -32,9 +32,11 @@ if TYPE_CHECKING:
 
 def register(sub: SubParsers) -> None:
     from corral.cli.options import add_sandbox_options
+    from corral.net.cli import add_publish_option
 
     shell = sub.add_parser("shell", help="an interactive shell in a fresh sandbox")
     add_sandbox_options(shell)
+    add_publish_option(shell)
     shell.add_argument(
         "--shell", default=None, help="shell in the box (default: bash if the box has it, else sh)"
     )

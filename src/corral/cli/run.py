@@ -33,7 +33,12 @@ from corral.cli.options import (
     checked_workspace,
     terminal_safe,
 )
-from corral.net.cli import add_network_options, refusal_lines
+from corral.net.cli import (
+    add_network_options,
+    add_publish_option,
+    refusal_lines,
+    say_published,
+)
 from corral.output import TerminalFilter
 from corral.policy import MAX_CPU_QUOTA, MIN_CPU_QUOTA, MIN_MEMORY_BYTES, MIN_PIDS, parse_size
 
@@ -87,6 +92,7 @@ def register(sub: SubParsers) -> None:
         "-w", "--workdir", metavar="DIR", help="working directory in the box (default: workspace)"
     )
     add_network_options(run)
+    add_publish_option(run)
     run.add_argument("--json", action="store_true", help="print one JSON object with the result")
     run.add_argument(
         "--output-bytes",
@@ -225,6 +231,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         async with Sandbox(policy, workspace=workspace) as sb:
             for warning in sb.warnings:
                 print(f"corral: warning: {warning}", file=sys.stderr)
+            say_published(sb)
             try:
                 if args.json:
                     return await _captured(sb, args, command, env)

@@ -11,6 +11,8 @@ full       anything public through pasta's user-mode NAT; private, loopback, lin
            metadata ranges rejected by nftables in the box's namespace unless allowed
 =========  ==================================================================================
 
+In every mode, ``publish`` makes box ports reachable from the host (:mod:`corral.net.publish`).
+
 Backends use :class:`BoxNetwork` (binds, agent forwarders, ``attach(pid)``, ``close()``) and
 :func:`command_env`; nothing here depends on a backend.
 """
@@ -18,6 +20,7 @@ Backends use :class:`BoxNetwork` (binds, agent forwarders, ``attach(pid)``, ``cl
 from corral.net.box import BoxNetwork, sweep
 from corral.net.env import GUEST_NET_DIR, command_env, proxy_port
 from corral.net.proxy import EgressProxy
+from corral.net.publish import PortInUse
 from corral.net.resolver import ResolveError, Resolver, StaticResolver, SystemResolver
 from corral.net.rules import AddressScreen, HostAllowlist
 
@@ -27,6 +30,7 @@ __all__ = [
     "BoxNetwork",
     "EgressProxy",
     "HostAllowlist",
+    "PortInUse",
     "ResolveError",
     "Resolver",
     "StaticResolver",

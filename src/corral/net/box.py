@@ -45,9 +45,10 @@ from corral.net.env import GUEST_NET_DIR, NODE_PRELOAD, proxy_port
 from corral.net.nat import DNS_ADDRESS, Nat, kill_pasta
 from corral.net.ports import PortRelay
 from corral.net.proxy import EgressProxy
+from corral.net.publish import PortPublisher, listen_all
 from corral.net.resolver import Resolver, SystemResolver
 from corral.net.rules import AddressScreen, HostAllowlist
-from corral.policy import NetworkPolicy
+from corral.policy import NetworkPolicy, PublishedPort
 
 PROXY_SOCKET = "proxy.sock"
 GUEST_SUBDIR = "box"
@@ -60,6 +61,10 @@ SOCKET_MODE = 0o660
 
 def port_socket(port: int) -> str:
     return f"port-{port}.sock"
+
+
+def publish_socket(index: int, box_port: int) -> str:
+    return f"publish-{index}-{box_port}.sock"
 
 
 class BoxNetwork:
@@ -76,8 +81,10 @@ class BoxNetwork:
         box_root: int = HOST_UID_BASE,
         box_user_gid: int = COMMAND_HOST_ID,
     ) -> None:
-        if policy.mode == "none":
-            raise PolicyError("BoxNetwork is for network modes other than 'none'")
+        if policy.mode == "none" and not policy.publish:
+            raise PolicyError(
+                "BoxNetwork is for network modes other than 'none', or ports to publish"
+            )
         self.policy = policy
         self.host_dir = host_dir
         self.guest_dir = host_dir / GUEST_SUBDIR
@@ -93,6 +100,7 @@ class BoxNetwork:
                 self.allowlist, self.screen, resolver or SystemResolver(), audit
             )
         self.relays = [PortRelay(port, audit) for port in policy.ports]
+        self.publishers = [PortPublisher(spec, audit) for spec in policy.publish]
         self.nat = Nat(self.screen, host_dir, nat_uid) if policy.mode == "full" else None
         self._started = False
 
@@ -113,7 +121,8 @@ class BoxNetwork:
                     f"network.{field} is set but network.mode is 'none', which reaches nothing; "
                     f"set network.mode to {'ports' if policy.ports else 'allowlist'!r}"
                 )
-            return None
+            if not policy.publish:
+                return None
         if policy.mode == "allowlist" and not policy.allow_hosts:
             raise PolicyError(
                 "network.mode 'allowlist' with an empty network.allow_hosts reaches nothing; "
@@ -128,6 +137,7 @@ class BoxNetwork:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
+        await listen_all(self.publishers)  # first: a host port in use fails the start at once
         self.host_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._started = True
         os.chown(self.host_dir, self.box_root, self.box_root)
@@ -144,6 +154,10 @@ class BoxNetwork:
         for relay in self.relays:
             path = self._socket_path(port_socket(relay.port))
             await relay.serve(path)
+            self._grant(path)
+        for index, publisher in enumerate(self.publishers):
+            path = self._socket_path(publish_socket(index, publisher.spec.box_port))
+            await publisher.serve(path)
             self._grant(path)
         if self.nat is not None:
             resolv = self.host_dir / "resolv.conf"
@@ -196,6 +210,8 @@ class BoxNetwork:
             await self.proxy.close()
         for relay in self.relays:
             await relay.close()
+        for publisher in self.publishers:
+            await publisher.close()
         if self._started:
             shutil.rmtree(self.host_dir, ignore_errors=True)
             self._started = False
@@ -218,6 +234,22 @@ class BoxNetwork:
             for relay in self.relays
         ]
         return out
+
+    def publishers_config(self) -> list[dict[str, Any]]:
+        """Published ports, for the guest agent: ``{"port": box port, "unix": guest socket}``
+        (the agent dials the host for each connection, see :mod:`corral.net.publish`)."""
+        return [
+            {
+                "port": p.spec.box_port,
+                "unix": f"{GUEST_NET_DIR}/{publish_socket(i, p.spec.box_port)}",
+            }
+            for i, p in enumerate(self.publishers)
+        ]
+
+    @property
+    def published(self) -> tuple[PublishedPort, ...]:
+        """The published ports, with the host port chosen for each ``0``."""
+        return tuple(p.published for p in self.publishers)
 
     def unix_forwarders(self) -> list[tuple[int, Path]]:
         """``(guest port, host unix socket)`` per forwarder, in :meth:`forwarders` order: for

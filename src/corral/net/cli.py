@@ -1,14 +1,19 @@
 """``corral run`` network options: ``--network``, ``--allow-host``, ``--allow-port``,
-``--allow-private``, applied over the policy file's ``[network]`` table."""
+``--allow-private`` and ``-p/--publish``, applied over the policy file's ``[network]`` table."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from corral.errors import PolicyError
 from corral.models import NetworkRefusal
-from corral.policy import NetworkPolicy, Policy
+from corral.policy import NetworkPolicy, Policy, PublishedPort
+
+if TYPE_CHECKING:
+    from corral.sandbox import Sandbox
 
 MODES = ("none", "allowlist", "ports", "full")
 
@@ -17,6 +22,26 @@ def _port(text: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise argparse.ArgumentTypeError(f"not a TCP port: {text!r} (1-65535)")
     return int(text)
+
+
+def _publish(text: str) -> PublishedPort:
+    try:
+        return PublishedPort.parse(text)
+    except PolicyError as exc:
+        raise argparse.ArgumentTypeError(exc.message.removeprefix("invalid policy: ")) from None
+
+
+def add_publish_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-p",
+        "--publish",
+        action="append",
+        default=[],
+        type=_publish,
+        metavar="[IP:]HOST:BOX",
+        help="reach the box's port BOX at IP:HOST on the host (IP default 127.0.0.1; HOST 0: "
+        "any free port; BOX alone: the same port); works with every --network mode",
+    )
 
 
 def add_network_options(p: argparse.ArgumentParser) -> None:
@@ -58,7 +83,8 @@ def apply_network_options(policy: Policy, args: argparse.Namespace) -> Policy:
     hosts: list[str] = list(getattr(args, "allow_host", None) or [])
     ports: list[int] = list(getattr(args, "allow_port", None) or [])
     private: list[str] = list(getattr(args, "allow_private", None) or [])
-    if mode is None and not (hosts or ports or private):
+    publish: list[PublishedPort] = list(getattr(args, "publish", None) or [])
+    if mode is None and not (hosts or ports or private or publish):
         return policy
     current = policy.network
     if mode == "none" and (hosts or ports):
@@ -80,12 +106,21 @@ def apply_network_options(policy: Policy, args: argparse.Namespace) -> Policy:
         allow_hosts=[*current.allow_hosts, *hosts],
         ports=sorted({*current.ports, *ports}),
         allow_private=[*current.allow_private, *private],
+        publish=[p.model_dump() for p in (*current.publish, *publish)],
     )
     try:
         network = NetworkPolicy.model_validate(data)
     except ValueError as exc:
         raise PolicyError(f"invalid network options: {exc}") from None
     return Policy.from_dict({**policy.model_dump(), "network": network.model_dump()})
+
+
+def say_published(sb: Sandbox) -> None:
+    """On stderr, where each ``-p 0:BOX`` (any free host port) landed."""
+    asked = {(p.host_ip, p.box_port) for p in sb.policy.network.publish if p.port_on_host == 0}
+    for p in sb.published:
+        if (p.host_ip, p.box_port) in asked:
+            print(f"corral: published {p}", file=sys.stderr, flush=True)
 
 
 def refusal_lines(refusals: Sequence[NetworkRefusal], limit: int = 10) -> list[str]:

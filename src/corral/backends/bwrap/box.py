@@ -359,6 +359,7 @@ class BwrapBackend(BackendBase):
         net = spec.network
         if net is not None:
             config["forwarders"] = net.forwarders()
+            config["publishers"] = net.publishers_config()
             # The box user's group may be the owner's; pasta joins as the namespace owner.
             net.admit(owner.uid, shared.gid, namespace_owner=owner.uid)
         inputs = bwrap_args.BwrapInputs(

@@ -614,6 +614,11 @@ class MicroVmBackend(BackendBase):
                 "NIC; use network.mode 'allowlist' (HTTP/SOCKS proxy) or 'ports' (host "
                 "loopback ports), or the bwrap or oci backend for 'full'"
             )
+        if policy.network.publish:
+            raise BackendUnavailable(
+                "network.publish (-p) is not available on the microvm backend yet; use the "
+                "bwrap or oci backend to reach a box port from the host"
+            )
         if os.geteuid() != 0:
             raise BackendUnavailable(
                 "the microvm backend needs root on the host to jail qemu (idmapped shares, "

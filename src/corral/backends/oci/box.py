@@ -508,7 +508,9 @@ class OciBackend(BackendBase):
             bundle = spec.state_dir / "bundle"
             where = (userns_path, root)
             await blocking(self._write_bundle, spec, shared, limits, netns, compat, bundle, where)
-            relays = spec.network is not None and bool(spec.network.forwarders())
+            relays = spec.network is not None and bool(
+                spec.network.forwarders() or spec.network.publishers
+            )
             flags = runtime.run_flags(netns, relays)
             await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags)
             cgroup = _open_cgroup(spec.sandbox_id, self.cgroup_support)
@@ -581,6 +583,7 @@ class OciBackend(BackendBase):
         net = spec.network
         if net is not None:
             config["forwarders"] = net.forwarders()
+            config["publishers"] = net.publishers_config()
         inputs = oci_config.OciInputs(
             sandbox_id=spec.sandbox_id,
             workspace=shared.workspace,
