@@ -23,6 +23,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -392,6 +393,14 @@ class Policy(_Model):
     """``NAME=value`` lines on the host, for ``{{secret:NAME}}`` handles of the agent tools
     (with ``CORRAL_SECRET_<NAME>`` variables). Values never enter the box's environment
     unless a tool call names their handle."""
+    _loaded_from: Path | None = PrivateAttr(default=None)
+
+    @property
+    def loaded_from(self) -> Path | None:
+        """The policy file this policy was read from (:meth:`load`), unless it was loaded
+        with ``trust_writable=True``: a sandbox refuses to start when that file lies in an
+        area its box can write (a box could rewrite the policy a later run loads)."""
+        return self._loaded_from
 
     @model_validator(mode="after")
     def _restricted_is_read_only(self) -> Policy:
@@ -441,10 +450,21 @@ class Policy(_Model):
             ) from None
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Policy:
+    def load(cls, path: str | os.PathLike[str], *, trust_writable: bool = False) -> Policy:
         """Load a policy file (``corral run --policy corral.toml``): TOML, or JSON when the
-        name ends in ``.json``."""
-        p = Path(path)
+        name ends in ``.json``.
+
+        A box must not write the policy of its next run: a sandbox refuses to start (a
+        :class:`PolicyError`) when the file lies in its workspace, an ``allow_write`` path
+        or an ``rw`` mount (:attr:`loaded_from`). ``trust_writable=True`` (``corral run
+        --trust-writable-policy``) takes it anyway: for a file you review before each run."""
+        policy = cls._read(Path(path))
+        if not trust_writable:
+            policy._loaded_from = Path(os.path.abspath(path))
+        return policy
+
+    @classmethod
+    def _read(cls, p: Path) -> Policy:
         try:
             # O_NONBLOCK: a FIFO (left in a workspace) must not hang the CLI; only a regular
             # file is read.
@@ -509,7 +529,16 @@ class Policy(_Model):
         data = self.model_dump()
         data["filesystem"]["allow_write"] = tuple(allow)
         data["filesystem"]["mounts"] = [m.model_dump() for m in mounts]
-        return Policy.model_validate(data)
+        return Policy.model_validate(data).derived_from(self)
+
+    def derived_from(self, original: Policy) -> Policy:
+        """This policy, remembering the file ``original`` was loaded from (for a policy
+        rebuilt from another's fields: the check of :attr:`loaded_from` still applies)."""
+        if self._loaded_from == original._loaded_from:
+            return self
+        copy = self.model_copy()
+        copy._loaded_from = original._loaded_from
+        return copy
 
 
 def _anchored(path: str) -> bool:

@@ -31,7 +31,7 @@ from corral.agent import protocol
 from corral.audit import AuditLog
 from corral.backends import backend_for, backend_loaded
 from corral.backends.base import Backend, Box, BoxSpec, BoxStats
-from corral.backends.host.safepath import check_sources, refuse_inside
+from corral.backends.host.safepath import check_sources, refuse_inside, refuse_writable_policy
 from corral.backends.host.state import BOX_PREFIX, state_root
 from corral.backends.host.threads import blocking
 from corral.backends.layout import box_env, shared_sources, writable_areas
@@ -111,6 +111,7 @@ def _check_host_paths(policy: Policy, workspace: Path) -> None:
     """Host files corral uses itself (the audit log root appends to, the secrets file) never
     lie in an area a box can write, and no shared source there is a link (blocking)."""
     areas = writable_areas(policy, workspace)
+    refuse_writable_policy(policy.loaded_from, areas)
     refuse_inside("audit_log", policy.audit_log, areas)
     refuse_inside("secrets_file", policy.secrets_file, areas)
     check_sources(shared_sources(policy), areas)

@@ -30,6 +30,11 @@ __all__ = ["cmd_mcp", "config_from_args", "register"]
 def register(sub: SubParsers) -> None:
     p = sub.add_parser("mcp", help="serve the agent tools over MCP (stdio or HTTP)")
     p.add_argument("--policy", metavar="FILE", help="TOML policy file")
+    p.add_argument(
+        "--trust-writable-policy",
+        action="store_true",
+        help="take a --policy file that lies where the box can write (you review it each run)",
+    )
     p.add_argument("--workspace", metavar="DIR", help="host dir shared read-write (default: temp)")
     p.add_argument(
         "--capabilities",
@@ -61,16 +66,19 @@ def register(sub: SubParsers) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from corral.backends.host.safepath import refuse_inside
+    from corral.backends.host.safepath import refuse_inside, refuse_writable_policy
     from corral.backends.layout import writable_areas
     from corral.tools.mcp import ServerConfig, parse_capabilities
 
-    policy = Policy.load(args.policy) if args.policy else Policy()
+    trust = bool(getattr(args, "trust_writable_policy", False))
+    loaded = Policy.load(args.policy, trust_writable=trust) if args.policy else Policy()
+    policy = loaded
     for name in args.preset:
-        policy = PRESETS[name](policy)
+        policy = PRESETS[name](policy).derived_from(loaded)
     secrets = SecretStore.from_env()
     if args.workspace:
         areas = writable_areas(policy, Path(args.workspace).resolve())
+        refuse_writable_policy(policy.loaded_from, areas)
         refuse_inside("secrets_file", policy.secrets_file, areas)
         refuse_inside("--secrets", Path(args.secrets) if args.secrets else None, areas)
         refuse_inside("audit_log", policy.audit_log, areas)

@@ -49,8 +49,9 @@ def terminal_safe(text: str, stream: TextIO, args: argparse.Namespace) -> str:
 
 def build_policy(args: argparse.Namespace) -> Policy:
     """Policy file first, then the command-line overrides on top."""
-    policy = Policy.load(args.policy) if args.policy else Policy()
-    policy = _with_backend(policy, getattr(args, "backend", None), getattr(args, "runtime", None))
+    trust = bool(getattr(args, "trust_writable_policy", False))
+    loaded = Policy.load(args.policy, trust_writable=trust) if args.policy else Policy()
+    policy = _with_backend(loaded, getattr(args, "backend", None), getattr(args, "runtime", None))
     limits: dict[str, object] = {}
     if getattr(args, "memory", None):
         limits["memory_bytes"] = args.memory
@@ -65,7 +66,7 @@ def build_policy(args: argparse.Namespace) -> Policy:
         except ValueError as exc:
             raise errors.PolicyError(f"invalid limit: {exc}") from None
         policy = policy.model_copy(update={"limits": new_limits})
-    return apply_network_options(policy, args)
+    return apply_network_options(policy, args).derived_from(loaded)
 
 
 def _with_backend(policy: Policy, backend: str | None, runtime: str | None) -> Policy:
@@ -82,6 +83,11 @@ def _with_backend(policy: Policy, backend: str | None, runtime: str | None) -> P
 
 def add_sandbox_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", metavar="FILE", help="TOML policy file (see README)")
+    p.add_argument(
+        "--trust-writable-policy",
+        action="store_true",
+        help="take a --policy file that lies where the box can write (you review it each run)",
+    )
     p.add_argument(
         "--backend", choices=["bwrap", "oci", "microvm"], help="isolation backend (default: bwrap)"
     )

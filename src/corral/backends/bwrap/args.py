@@ -170,3 +170,30 @@ def hide_options(argv: list[str]) -> tuple[list[str], bytes]:
     options = argv[1:end]
     data = b"".join(arg.encode() + b"\0" for arg in options)
     return [argv[0], "--args", "", *argv[end:]], data
+
+
+_BY_FD = {"--bind": "--bind-fd", "--ro-bind": "--ro-bind-fd"}
+
+
+def bind_sources(argv: list[str]) -> list[str]:
+    """The host paths ``--bind`` and ``--ro-bind`` options of ``argv`` mount, in order."""
+    return [argv[i + 1] for i, arg in enumerate(argv[:-2]) if arg in _BY_FD]
+
+
+def binds_by_fd(argv: list[str], fds: Mapping[str, int]) -> list[str]:
+    """``argv`` with each bind whose source is in ``fds`` made from that open descriptor
+    (``--bind-fd FD DEST``): bwrap then mounts the object the host opened, and a path a box
+    swapped for a symlink since (in a writable area) cannot redirect the mount."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _BY_FD and i + 2 < len(argv) and argv[i + 1] in fds:
+            out += [_BY_FD[arg], str(fds[argv[i + 1]]), argv[i + 2]]
+            i += 3
+            continue
+        if arg == "--":
+            return out + argv[i:]
+        out.append(arg)
+        i += 1
+    return out

@@ -53,7 +53,13 @@ from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.host.threads import blocking, submit
-from corral.backends.layout import SYSTEM_PATH, Bind, HostView, unplaceable_mount
+from corral.backends.layout import (
+    SYSTEM_PATH,
+    Bind,
+    HostView,
+    unplaceable_mount,
+    writable_areas,
+)
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.users import id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
@@ -124,6 +130,14 @@ class _Held:
     """The host uid that owns (creates) the box's user namespace; bwrap runs as it."""
     primed: concurrent.futures.Future[None] | None = None
     """:func:`cgroups.prime_migration` running in a thread (the move waits for it)."""
+    bind_fds: list[int] = field(default_factory=list)
+    """Bind sources in writable areas, opened safely (``--bind-fd``), closed once bwrap runs."""
+
+    def close_bind_fds(self) -> None:
+        for fd in self.bind_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.bind_fds.clear()
 
     def release(self, spec: BoxSpec) -> None:
         """Undo a failed start (blocking): the cgroup, the idmapped mounts, the state dir."""
@@ -132,6 +146,7 @@ class _Held:
                 self.cgroup.remove()
         if self.shared is not None:
             self.shared.release()
+        self.close_bind_fds()
         shutil.rmtree(spec.state_dir, ignore_errors=True)
         if self.owner is not None:
             self.owner.release()
@@ -268,7 +283,8 @@ class BwrapBackend(BackendBase):
             if held.primed is not None:
                 primed = asyncio.wrap_future(held.primed)
             pass_fds = (guest_end.fileno(), info_w, block_r, setup_r, sec_r, held.args_fd)
-            proc = await self._spawn(argv, pass_fds, owner.uid)
+            proc = await self._spawn(argv, (*pass_fds, *held.bind_fds), owner.uid)
+            held.close_bind_fds()  # bwrap has its copies; it mounts from them
             for fd in (held.args_fd, info_w, block_r, setup_r, sec_r):
                 os.close(fd)
             held.args_fd = info_w = block_r = setup_r = sec_r = -1
@@ -377,6 +393,7 @@ class BwrapBackend(BackendBase):
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
+        argv = self._binds_by_fd(spec, shared, argv, held)
         argv[0] = self.bwrap or "bwrap"
         argv, options = bwrap_args.hide_options(argv)
         held.args_fd = os.memfd_create("corral-bwrap-args", os.MFD_CLOEXEC)
@@ -386,6 +403,33 @@ class BwrapBackend(BackendBase):
         if shared.warning:
             held.warnings.append(shared.warning)
         return argv
+
+    @staticmethod
+    def _binds_by_fd(
+        spec: BoxSpec, shared: idmap.SharedPaths, argv: list[str], held: _Held
+    ) -> list[str]:
+        """Open every bind source that lies in a writable area (the workspace, ``allow_write``,
+        rw mounts, and their idmapped mount points) beneath that area without following any
+        symlink, and have bwrap mount it from the descriptor: a box running on the same
+        workspace cannot swap the path between the host's checks and bwrap's mount."""
+        areas = [
+            *writable_areas(spec.policy, spec.workspace),
+            str(shared.workspace),
+            *shared.sources.values(),
+        ]
+        fds: dict[str, int] = {}
+        for source in bwrap_args.bind_sources(argv):
+            if source in fds or safepath.area_of(source, areas) is None:
+                continue
+            try:
+                fds[source] = fd = safepath.open_path(source, os.O_PATH, areas)
+            except OSError as exc:
+                raise PolicyError(
+                    f"{source} lies in a writable area and cannot be opened without following "
+                    f"a link ({exc.strerror}; made by a box?): remove the link"
+                ) from None
+            held.bind_fds.append(fd)
+        return bwrap_args.binds_by_fd(argv, fds)
 
     async def _spawn(
         self, argv: list[str], pass_fds: tuple[int, ...], uid: int

@@ -108,6 +108,23 @@ def refuse_inside(field: str, path: Path | None, areas: Sequence[str | os.PathLi
         )
 
 
+def refuse_writable_policy(path: Path | None, areas: Sequence[str | os.PathLike[str]]) -> None:
+    """A PolicyError when the policy file a box's policy was loaded from lies in an area
+    that box can write: it could rewrite the policy (mounts, network, limits) that the next
+    run on this workspace loads."""
+    if path is None:
+        return
+    area = area_of(path, areas)
+    if area is not None:
+        raise errors.PolicyError(
+            f"policy file {path} is inside {area}, which the box can write: a box could "
+            "rewrite the policy a later run loads (its mounts, network, limits); keep the "
+            "policy outside the workspace and every allow_write or rw mount path, or take it "
+            "anyway with --trust-writable-policy (Policy.load(path, trust_writable=True)) "
+            "if you review it before each run"
+        )
+
+
 def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o600) -> int:
     """Open a file corral itself reads or appends to: no symlink as the last component, no
     FIFO to block on, nothing but a regular file (an OSError otherwise)."""

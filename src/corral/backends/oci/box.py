@@ -80,7 +80,13 @@ from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.host.threads import blocking
-from corral.backends.layout import SYSTEM_PATH, Bind, HostView, unplaceable_mount
+from corral.backends.layout import (
+    SYSTEM_PATH,
+    Bind,
+    HostView,
+    unplaceable_mount,
+    writable_areas,
+)
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
 from corral.backends.users import HOST_UID_BASE, id_map
@@ -315,6 +321,61 @@ def _open_cgroup(box_id: str, support: cgroups.CgroupSupport) -> cgroups.Cgroup 
     return cgroups.Cgroup(box_id, support.version, dirs, cgroups.CgroupLimits(), support)
 
 
+Pinned = tuple[str, int, int]
+"""A bind's guest path and the (st_dev, st_ino) its source had when the host opened it."""
+
+
+def _pin_binds(
+    spec: BoxSpec, shared: idmap.SharedPaths, mounts: list[dict[str, Any]]
+) -> list[Pinned]:
+    """Bind sources that lie in a writable area (the workspace, ``allow_write``, rw mounts,
+    their idmapped mount points) are opened beneath that area without following a symlink
+    (a PolicyError if that fails: a link planted by a box) and their identity kept. The
+    runtime mounts by path, so :func:`_check_pins` then compares what the box got: a box
+    running on the same workspace that swapped a path in between makes the start fail."""
+    areas = [
+        *writable_areas(spec.policy, spec.workspace),
+        str(shared.workspace),
+        *shared.sources.values(),
+    ]
+    last = {m.get("destination"): i for i, m in enumerate(mounts)}
+    pins: list[Pinned] = []
+    for i, mount in enumerate(mounts):
+        source, dest = mount.get("source"), mount.get("destination")
+        if mount.get("type") != "bind" or not isinstance(source, str) or not dest:
+            continue
+        if safepath.area_of(source, areas) is None:
+            continue
+        try:
+            fd = safepath.open_path(source, os.O_PATH, areas)
+        except OSError as exc:
+            raise PolicyError(
+                f"{source} lies in a writable area and cannot be opened without following "
+                f"a link ({exc.strerror}; made by a box?): remove the link"
+            ) from None
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if last[dest] == i:  # a later mount on the same path (a mask) is what the box sees
+            pins.append((str(dest), st.st_dev, st.st_ino))
+    return pins
+
+
+def _check_pins(init_pid: int, pins: list[Pinned]) -> None:
+    """Refuse a box whose bind mounts are not the objects :func:`_pin_binds` opened."""
+    for dest, dev, ino in pins:
+        try:
+            st = os.stat(f"/proc/{init_pid}/root{dest}", follow_symlinks=False)
+        except OSError as exc:
+            raise PolicyError(f"{dest}: the box's bind mount cannot be checked ({exc})") from None
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise PolicyError(
+                f"{dest}: its host source in a writable area changed while the box started "
+                "(swapped by another box on the same workspace?); the box was not started"
+            )
+
+
 def _write_bundle(bundle: Path, result: oci_config.OciBundle) -> None:
     rootfs = bundle / "rootfs"
     rootfs.mkdir(mode=0o755)
@@ -482,6 +543,7 @@ class OciBackend(BackendBase):
         cgroup: cgroups.Cgroup | None = None
         held: list[idmap.SharedPaths | ucounts.BoxOwner] = []
         userns = -1
+        pins: list[Pinned] = []  # bind sources in writable areas, checked once mounted
         try:
             # Directories, owner.json and the idmapped mounts, then the bundle, in threads:
             # mount calls wait for RCU grace periods, and a bundle is dozens of mkdirs.
@@ -507,12 +569,16 @@ class OciBackend(BackendBase):
                 compat, compat_warning = await blocking(gvisor_compat_library)
             bundle = spec.state_dir / "bundle"
             where = (userns_path, root)
-            await blocking(self._write_bundle, spec, shared, limits, netns, compat, bundle, where)
+            await blocking(
+                self._write_bundle, spec, shared, limits, netns, compat, bundle, where, pins
+            )
             relays = spec.network is not None and bool(
                 spec.network.forwarders() or spec.network.publishers
             )
             flags = runtime.run_flags(netns, relays)
             await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags)
+            if pins:  # before the agent hears of anything to run
+                _check_pins(_read_pid(spec.state_dir / "init.pid"), pins)
             cgroup = _open_cgroup(spec.sandbox_id, self.cgroup_support)
         except BaseException:
             host_end.close()
@@ -554,9 +620,10 @@ class OciBackend(BackendBase):
         compat: Path | None,
         bundle: Path,
         userns: tuple[str | None, int] = (None, HOST_UID_BASE),
+        pins: list[Pinned] | None = None,
     ) -> oci_config.OciBundle:
         """Translate the policy and write the bundle (config.json, root dir). Blocking."""
-        result = self._bundle(spec, shared, limits, netns, compat, userns)
+        result = self._bundle(spec, shared, limits, netns, compat, userns, pins)
         bundle.mkdir()
         _write_bundle(bundle, result)
         self.runtime.root.mkdir(parents=True, exist_ok=True)
@@ -570,6 +637,7 @@ class OciBackend(BackendBase):
         netns: str | None = None,
         compat: Path | None = None,
         userns: tuple[str | None, int] = (None, HOST_UID_BASE),
+        pins: list[Pinned] | None = None,
     ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
         config = {**agent_config(spec), "fd": 0}
@@ -607,7 +675,10 @@ class OciBackend(BackendBase):
             gvisor=self.runtime.gvisor,
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
-        return oci_config.oci_bundle(spec.policy, inputs, HostView(placeholder=make))
+        bundle = oci_config.oci_bundle(spec.policy, inputs, HostView(placeholder=make))
+        if pins is not None and not self.runtime.gvisor:  # gVisor's gofer: its own jail
+            pins += _pin_binds(spec, shared, bundle.config["mounts"])
+        return bundle
 
 
 _COMPAT_SOURCE = Path(__file__).with_name("gvisor_compat.c")

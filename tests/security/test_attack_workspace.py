@@ -1,0 +1,213 @@
+"""What one box leaves in a workspace for the next run (issue 13, round two): a policy file
+it rewrote, setuid files that were already there, and mount sources swapped for symlinks
+while a box starts.
+
+* A policy file inside an area the box can write is refused (``loaded_from``), unless the
+  caller takes it knowingly (``trust_writable``, ``--trust-writable-policy``).
+* Writable areas are mounted nosuid (and the box's user namespace does not map host root),
+  so a setuid-root file in the workspace grants nothing; corral never executes it.
+* bwrap mounts sources in writable areas from a descriptor the host opened beneath the area
+  (``--bind-fd``); the OCI runtimes mount by path, and the host checks the mounted object
+  against the one it opened before the agent runs anything.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corral import Policy, PolicyError, Sandbox
+from corral.backends.bwrap import args as bwrap_args
+from corral.backends.host import safepath
+from security.conftest import Canary
+from security.helpers import box_py, gvisor
+
+pytestmark = [pytest.mark.attack("filesystem"), pytest.mark.needs_bwrap]
+
+WIDER = '[[filesystem.mounts]]\nhost = "/"\nguest = "/host"\nmode = "rw"\n'
+
+
+def _policy_file(path: Path, box_policy: Policy, extra: str = "") -> Path:
+    """A policy file for ``box_policy``'s backend (the first box's, and the next run's)."""
+    lines = [f'backend = "{box_policy.backend}"']
+    if box_policy.runtime:
+        lines.append(f'runtime = "{box_policy.runtime}"')
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return path
+
+
+# ---- a policy file the box can write -------------------------------------------------------
+
+
+async def test_a_policy_file_the_box_rewrote_is_not_loaded(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """Box one (its caller trusted the file) appends a mount of the host root to
+    ``<workspace>/corral.toml``; the next run on that workspace, told to load that file,
+    refuses to start at all."""
+    path = _policy_file(workspace / "corral.toml", box_policy)
+    async with Sandbox(Policy.load(path, trust_writable=True), workspace=workspace) as sb:
+        r = await sb.run(["sh", "-c", f"printf '{WIDER}' >> /workspace/corral.toml"])
+        assert r.exit_code == 0, r
+    assert 'host = "/"' in path.read_text()
+    for policy in (path, Policy.load(path)):  # as a path, or loaded first
+        with pytest.raises(PolicyError, match=r"policy file .* which the box can write"):
+            async with Sandbox(policy, workspace=workspace):
+                pass
+
+
+async def test_a_policy_file_reached_through_a_link_is_refused_too(
+    box_policy: Policy, workspace: Path, tmp_path: Path
+) -> None:
+    inside = _policy_file(workspace / "p.toml", box_policy)
+    outside_link = tmp_path / "corral.toml"
+    outside_link.symlink_to(inside)  # the host's own link into the workspace
+    with pytest.raises(PolicyError, match="which the box can write"):
+        async with Sandbox(outside_link, workspace=workspace):
+            pass
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    in_allow_write = _policy_file(
+        shared / "p.toml", box_policy, f'[filesystem]\nallow_write = ["{shared}"]\n'
+    )
+    with pytest.raises(PolicyError, match="which the box can write"):
+        async with Sandbox(in_allow_write, workspace=workspace):
+            pass
+
+
+async def test_a_policy_file_outside_or_trusted_is_taken(
+    box_policy: Policy, workspace: Path, tmp_path: Path
+) -> None:
+    outside = _policy_file(tmp_path / "corral.toml", box_policy)
+    async with Sandbox(outside, workspace=workspace) as sb:
+        assert (await sb.run("echo ok")).stdout == "ok\n"
+    inside = _policy_file(workspace / "corral.toml", box_policy)
+    async with Sandbox(Policy.load(inside, trust_writable=True), workspace=workspace) as sb:
+        assert (await sb.run("echo ok")).stdout == "ok\n"
+
+
+def test_the_cli_refuses_a_policy_file_in_the_workspace(workspace: Path) -> None:
+    (workspace / "corral.toml").write_text("[limits]\nmax_pids = 64\n")
+    argv = [sys.executable, "-m", "corral", "run", "--policy", "corral.toml", "--", "true"]
+    r = subprocess.run(argv, cwd=workspace, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "which the box can write" in r.stderr, r
+    r = subprocess.run(
+        [*argv[:4], "--trust-writable-policy", *argv[4:]],
+        cwd=workspace,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r
+
+
+# ---- setuid files already in the workspace -------------------------------------------------
+
+SET_ID_RUN = r"""
+import subprocess
+res = {}
+for name in ('suid-id', 'sgid-id'):
+    out = subprocess.run(['/workspace/' + name, '-u'], capture_output=True, text=True)
+    grp = subprocess.run(['/workspace/' + name, '-g'], capture_output=True, text=True)
+    res[name] = [out.stdout.strip(), grp.stdout.strip()]
+res['mount'] = [l.split()[5] for l in open('/proc/self/mountinfo') if l.split()[4] == '/workspace']
+"""
+
+
+async def test_a_setuid_root_file_in_the_workspace_gives_no_privilege(
+    sandbox: Sandbox, workspace: Path
+) -> None:
+    """Made by the host (an older corral, another tool, a restored backup): root-owned
+    copies of ``id`` with the setuid and setgid bits. Run in the next box, they run as the
+    box user; the workspace mount is nosuid."""
+    for name, bits in (("suid-id", stat.S_ISUID), ("sgid-id", stat.S_ISGID)):
+        target = workspace / name
+        shutil.copy(shutil.which("id") or "/usr/bin/id", target)
+        os.chown(target, 0, 0)
+        target.chmod(0o755 | bits)
+        assert target.stat().st_mode & bits  # planted as asked
+    res = await box_py(sandbox, SET_ID_RUN)
+    assert res["suid-id"] == ["1000", "1000"], res
+    assert res["sgid-id"] == ["1000", "1000"], res
+    if not gvisor(sandbox):  # gVisor's mountinfo is its own; the bits are still ignored
+        assert res["mount"] and all("nosuid" in opts for opts in res["mount"]), res
+
+
+def test_host_code_never_executes_programs_in_the_workspace(workspace: Path) -> None:
+    """``corral run`` in a project directory: executables in it named like the programs
+    corral starts (bwrap, setpriv, unshare, python3, sh, ...) are never run by the host."""
+    marker = workspace.parent / "ran-from-workspace"
+    names = ("bwrap", "setpriv", "unshare", "cat", "python3", "sh", "crun", "runc", "nsenter")
+    for name in names:
+        fake = workspace / name
+        fake.write_text(f"#!/bin/sh\necho {name} >> {marker}\n")
+        fake.chmod(0o4755)
+    env = {**os.environ, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    argv = [sys.executable, "-m", "corral", "run", "--", "true"]
+    r = subprocess.run(argv, cwd=workspace, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r
+    assert not marker.exists(), marker.read_text()
+
+
+# ---- mount sources swapped between the host's check and the mount --------------------------
+
+
+def test_bwrap_mounts_the_object_the_host_opened_not_the_path(
+    workspace: Path, canary: Canary
+) -> None:
+    """The host opens ``<workspace>/shared`` beneath the workspace; a box running on the
+    same workspace then swaps it for a link to a host directory. bwrap, given the
+    descriptor, mounts what the host opened (or dies on the race), never the link's target."""
+    source = workspace / "shared"
+    source.mkdir()
+    (source / "mine").write_text("the workspace's\n")
+    fd = safepath.open_path(str(source), os.O_PATH, [str(workspace)])
+    try:
+        source.rename(workspace / "moved")
+        source.symlink_to(canary.dir)  # the swap
+        argv = ["bwrap", "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/"]
+        argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/mnt"]
+        argv += ["--ro-bind", str(source), "/mnt/data", "--", "ls", "/mnt/data"]
+        argv = bwrap_args.binds_by_fd(argv, {str(source): fd})
+        assert "--ro-bind-fd" in argv and str(source) not in argv
+        r = subprocess.run(argv, pass_fds=(fd,), capture_output=True, text=True, timeout=30)
+    finally:
+        os.close(fd)
+    assert canary.file.name not in r.stdout
+    assert r.stdout == "mine\n" or r.returncode != 0, r
+
+
+def test_a_link_already_in_place_is_never_opened(workspace: Path, canary: Canary) -> None:
+    (workspace / "shared").symlink_to(canary.dir)
+    with pytest.raises(OSError, match=r"link|loop"):
+        safepath.open_path(str(workspace / "shared"), os.O_PATH, [str(workspace)])
+
+
+async def test_an_oci_box_whose_mount_is_not_the_opened_object_is_refused(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """The OCI runtimes mount by path: the host compares the box's mount with the object it
+    opened (``_check_pins``) before the agent runs anything. Checked here against a running
+    box: its own ``.git`` passes, another directory's identity is refused."""
+    if box_policy.backend != "oci" or box_policy.runtime == "runsc":
+        pytest.skip("the check of runc's and crun's mounts")
+    from corral.backends.oci.box import _check_pins
+
+    (workspace / ".git").mkdir()
+    (workspace / "other").mkdir()
+    policy = Policy.from_dict(
+        {**box_policy.model_dump(exclude_unset=True), "filesystem": {"deny_write": [".git"]}}
+    )
+    async with Sandbox(policy, workspace=workspace) as sb:
+        pid = sb._box.init_pid  # type: ignore[union-attr]
+        assert pid is not None
+        git, other = (workspace / ".git").stat(), (workspace / "other").stat()
+        _check_pins(pid, [("/workspace/.git", git.st_dev, git.st_ino)])
+        with pytest.raises(PolicyError, match="changed while the box started"):
+            _check_pins(pid, [("/workspace/.git", other.st_dev, other.st_ino)])
