@@ -8,6 +8,7 @@ from the terminal goes through the same sans-IO Expecter the library uses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import itertools
 import json
@@ -98,10 +99,12 @@ class Terminal:
         fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
     async def start(self, *args: str) -> None:
+        await self.start_program(sys.executable, "-m", "corral.cli", *args)
+
+    async def start_program(self, *argv: str) -> None:
         assert self.slave is not None
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "corral.cli", *args,
-            stdin=self.slave, stdout=self.slave, stderr=self.slave, start_new_session=True,
+            *argv, stdin=self.slave, stdout=self.slave, stderr=self.slave, start_new_session=True,
         )  # fmt: skip
         os.close(self.slave)
         self.slave = None
@@ -420,3 +423,89 @@ async def test_agent_shells_are_attachable_only_when_the_toolbox_shares_them(
     listed = await asyncio.to_thread(attach.list_sessions)
     assert [s["session_id"] for _, s in listed] == [shared["session_id"]]
     assert private["session_id"] != shared["session_id"]
+
+
+# ---- the library: Sandbox.attach / attach_shell / reattach on the caller's own terminal ------
+SYNC_PROGRAM = """\
+import sys, corral
+with corral.SyncSandbox(workspace=sys.argv[1]) as sb:
+    r = sb.attach("sh", env={"GREETING": "hi"}, cwd="/tmp", detach_keys="ctrl-q")
+    print(f"\\r\\nFIRST {r.reason} {r.exit_code} {r.session_id}", flush=True)
+    r = sb.reattach(r.session_id, detach_keys="ctrl-q")
+    print(f"\\r\\nSECOND {r.reason} {r.exit_code}", flush=True)
+"""
+
+ASYNC_PROGRAM = """\
+import asyncio, sys, corral
+async def main():
+    async with corral.Sandbox(workspace=sys.argv[1]) as sb:
+        r = await sb.attach(["python3", "-q"], detach_keys="ctrl-p,ctrl-q")
+        print(f"\\r\\nDONE {r.reason} {r.exit_code}", flush=True)
+        r = await sb.attach_shell()
+        print(f"\\r\\nSHELL {r.reason} {r.exit_code}", flush=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.needs_bwrap
+async def test_sync_attach_detach_with_ctrl_q_and_reattach(
+    workspace: Path, terminals: list[Terminal]
+) -> None:
+    """The spec's attach from a program: its terminal in raw mode bridged to a PTY in the
+    box (env, cwd, window size and SIGWINCH), ctrl-q detaches, re-attach by session id."""
+    term = Terminal(cols=100, rows=30)
+    terminals.append(term)
+    await term.start_program(sys.executable, "-c", SYNC_PROGRAM, str(workspace))
+    await term.expect(r"\$ ", timeout=60)
+    term.type(b"echo $GREETING-$(pwd)\r")
+    await term.expect("hi-/tmp")
+    term.type(b"stty size\r")
+    await term.expect("30 100")
+    term.set_size(120, 40)  # the program has no controlling terminal here: signal it
+    assert term.proc is not None
+    term.proc.send_signal(signal.SIGWINCH)
+    for _ in range(50):  # the resize travels as a message: ask until the box sees it
+        term.type(b"stty size\r")
+        with contextlib.suppress(AssertionError):
+            await term.expect("40 120", timeout=0.2)
+            break
+    else:
+        pytest.fail("the box never saw the new window size")
+    term.type(b"echo still-$((2+2))\r")
+    await term.expect("still-4")
+    term.type(b"\x11")  # ctrl-q
+    first = await term.expect(r"FIRST detached None (\S+)")
+    assert first.captures[1]
+    await term.expect("still-4")  # re-attached: the replay of the screen
+    term.type(b"exit 7\r")
+    await term.expect("SECOND exited 7")
+    assert await term.exit_status() == 0
+
+
+@pytest.mark.needs_bwrap
+async def test_async_attach_forwards_ctrl_c_and_returns_the_exit_code(
+    workspace: Path, terminals: list[Terminal]
+) -> None:
+    term = Terminal()
+    terminals.append(term)
+    await term.start_program(sys.executable, "-c", ASYNC_PROGRAM, str(workspace))
+    await term.expect(">>> ", timeout=60)
+    term.type(b"while True: pass\r\r")
+    await term.expect(r"\.\.\. \r\n")
+    term.type(b"\x03")  # raw mode: Ctrl-C is a key for the box, not a signal for the host
+    await term.expect("KeyboardInterrupt")
+    term.type(b"import sys; sys.exit(3)\r")
+    await term.expect("DONE exited 3")
+    await term.expect(r"\$ ")  # attach_shell: bash if the box has it, else sh
+    term.type(b"exit 0\r")
+    await term.expect("SHELL exited 0")
+    assert await term.exit_status() == 0
+
+
+@pytest.mark.needs_bwrap
+async def test_library_attach_refuses_bad_detach_keys_before_starting(sandbox: Sandbox) -> None:
+    with pytest.raises(SandboxError, match="invalid detach keys"):
+        await sandbox.attach("sh", detach_keys="ctrl-")
+    assert sandbox.sessions() == []
+    with pytest.raises(SandboxError, match="session"):
+        await sandbox.reattach("no-such-session")

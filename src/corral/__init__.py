@@ -51,9 +51,11 @@ from corral.policy import (
 from corral.pool import SandboxPool
 from corral.processes import Process
 from corral.sandbox import Sandbox
+from corral.sessions.terminal import AttachOutcome
 from corral.sync import SyncSandbox
 
 __all__ = [
+    "AttachOutcome",
     "BackendError",
     "BackendUnavailable",
     "CommandFailed",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import posixpath
 import secrets
@@ -43,6 +44,14 @@ from corral.policy import Policy, PublishedPort, RlimitName
 from corral.processes import Process, ProcessRegistry, end_in_background
 from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
+from corral.sessions.terminal import (
+    DEFAULT_DETACH_KEYS,
+    AttachOutcome,
+    attach_terminal,
+    default_shell,
+    parse_detach_keys,
+    window_size,
+)
 from corral.streaming import ExecStream, PendingExecStream
 
 Command = str | Sequence[str]
@@ -633,6 +642,80 @@ class Sandbox:
         same user only) and returns its path; unshared sessions open no socket at all.
         """
         return await attach.offer(self._sessions.get(session.session_id))
+
+    # ---- the caller's own terminal (the spec's interactive attach) ------------------------
+    async def attach(
+        self,
+        command: Command,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        detach_keys: str = DEFAULT_DETACH_KEYS,
+        stdin: int = 0,
+        stdout: int = 1,
+    ) -> AttachOutcome:
+        """Run ``command`` on a terminal in the box and bridge this process's own terminal
+        to it (raw mode, window size and its changes, every key but the detach sequence),
+        until the program exits or you type ``detach_keys`` (docker syntax: ``ctrl-q``,
+        ``ctrl-p,ctrl-q``; default ``ctrl-]``).
+
+        Returns an :class:`AttachOutcome`: ``exit_code`` once the program exits; when you
+        detach, ``detached`` and the ``session_id`` it keeps running under: :meth:`reattach`
+        it, or ``corral attach ID`` from another terminal while this process runs. A string
+        command is split into words (no shell syntax); a list is the argv. ``stdin`` and
+        ``stdout`` are the terminal's file descriptors; input that is not a terminal is
+        forwarded as it is, and its end detaches."""
+        keys = parse_detach_keys(detach_keys)
+        line = command if isinstance(command, str) else shlex.join(to_argv(command))
+        if not line.strip():
+            raise _invalid("empty command")
+        cols, rows = window_size(stdout)
+        session = await self.shell(line, env=env, cwd=cwd, cols=cols, rows=rows)
+        return await self._bridge(session, keys, stdin, stdout)
+
+    async def attach_shell(
+        self,
+        shell: str | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        detach_keys: str = DEFAULT_DETACH_KEYS,
+        stdin: int = 0,
+        stdout: int = 1,
+    ) -> AttachOutcome:
+        """:meth:`attach` to a shell: ``shell``, else bash when the box has it, else
+        ``/bin/sh``."""
+        parse_detach_keys(detach_keys)  # before anything starts
+        shell = shell or await default_shell(self.run)
+        return await self.attach(
+            shell, env=env, cwd=cwd, detach_keys=detach_keys, stdin=stdin, stdout=stdout
+        )
+
+    async def reattach(
+        self,
+        session: PtySession | str,
+        *,
+        detach_keys: str = DEFAULT_DETACH_KEYS,
+        stdin: int = 0,
+        stdout: int = 1,
+    ) -> AttachOutcome:
+        """Bridge this process's terminal to a running session of this sandbox (one you
+        detached from, or any :meth:`shell`), by the session or its id; see :meth:`attach`."""
+        keys = parse_detach_keys(detach_keys)
+        found = self._sessions.get(session if isinstance(session, str) else session.session_id)
+        return await self._bridge(found, keys, stdin, stdout)
+
+    async def _bridge(
+        self, session: PtySession, keys: bytes, stdin: int, stdout: int
+    ) -> AttachOutcome:
+        server = await self.share(session)
+        outcome = await attach_terminal(
+            server, session.session_id, detach_keys=keys, in_fd=stdin, out_fd=stdout
+        )
+        if outcome.reason == "exited" and outcome.exit_code is None:
+            code = await session.wait_closed()
+            return dataclasses.replace(outcome, exit_code=code)
+        return outcome
 
     def session(self, session_id: str) -> PtySession:
         """An open session by id (SessionNotFound if unknown or closed)."""

@@ -25,6 +25,7 @@ from corral.net import Resolver
 from corral.policy import Policy, PublishedPort, RlimitName
 from corral.processes import Process
 from corral.sandbox import Command, Sandbox, StdinArg
+from corral.sessions.terminal import DEFAULT_DETACH_KEYS, AttachOutcome, forward_window_changes
 
 T = TypeVar("T")
 
@@ -191,6 +192,55 @@ class SyncSandbox:
             cmd, cwd=cwd, env=env, stdin=stdin, rlimits=rlimits, pty=pty, cols=cols, rows=rows
         )
         return SyncProcess(self._loop.call(spawn), self._loop)
+
+    def attach(
+        self,
+        command: Command,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        detach_keys: str = DEFAULT_DETACH_KEYS,
+        stdin: int = 0,
+        stdout: int = 1,
+    ) -> AttachOutcome:
+        """``Sandbox.attach``: this terminal bridged to ``command`` in the box, blocking."""
+        attach = self._sandbox.attach(
+            command, env=env, cwd=cwd, detach_keys=detach_keys, stdin=stdin, stdout=stdout
+        )
+        with forward_window_changes():
+            return self._loop.call(attach)
+
+    def attach_shell(
+        self,
+        shell: str | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        detach_keys: str = DEFAULT_DETACH_KEYS,
+        stdin: int = 0,
+        stdout: int = 1,
+    ) -> AttachOutcome:
+        """``Sandbox.attach_shell``, blocking."""
+        attach = self._sandbox.attach_shell(
+            shell, env=env, cwd=cwd, detach_keys=detach_keys, stdin=stdin, stdout=stdout
+        )
+        with forward_window_changes():
+            return self._loop.call(attach)
+
+    def reattach(
+        self,
+        session_id: str,
+        *,
+        detach_keys: str = DEFAULT_DETACH_KEYS,
+        stdin: int = 0,
+        stdout: int = 1,
+    ) -> AttachOutcome:
+        """``Sandbox.reattach``, blocking."""
+        attach = self._sandbox.reattach(
+            session_id, detach_keys=detach_keys, stdin=stdin, stdout=stdout
+        )
+        with forward_window_changes():
+            return self._loop.call(attach)
 
     def processes(self) -> list[ProcessInfo]:
         return self._sandbox.processes()

@@ -21,7 +21,9 @@ from corral.sessions.terminal import (
     DEFAULT_DETACH_KEYS,
     AttachOutcome,
     attach_terminal,
+    default_shell,
     parse_detach_keys,
+    window_size,
 )
 
 __all__ = ["register"]
@@ -101,9 +103,10 @@ def cmd_shell(args: argparse.Namespace) -> int:
     from corral import errors
     from corral.cli.options import build_policy, checked_workspace
     from corral.cli.run import with_signals
+    from corral.net.cli import say_published
     from corral.sandbox import Sandbox
 
-    keys = parse_detach_keys(args.detach_keys)
+    parse_detach_keys(args.detach_keys)  # a bad one fails before the box starts
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise errors.SandboxError(
             "corral shell needs a terminal on stdin and stdout; for piped input use "
@@ -117,17 +120,18 @@ def cmd_shell(args: argparse.Namespace) -> int:
         async with Sandbox(policy, workspace=workspace) as sb:
             for warning in sb.warnings:
                 print(f"corral: warning: {warning}", file=sys.stderr)
-            shell = args.shell or await _default_shell(sb)
-            session = await sb.shell(shell)
+            say_published(sb)
+            shell = args.shell or await default_shell(sb.run)
+            cols, rows = window_size(1)
+            session = await sb.shell(shell, cols=cols, rows=rows)
             sid = session.session_id
-            server = await sb.share(session)  # this terminal is its first attach
             print(
                 f"corral: {shell} in a fresh box (session {sid}); {args.detach_keys} detaches, "
                 "exit ends it",
                 file=sys.stderr,
                 flush=True,
             )
-            outcome = await attach_terminal(server, sid, detach_keys=keys)
+            outcome = await sb.reattach(session, detach_keys=args.detach_keys)
             if outcome.reason != "detached":
                 return _status(await session.wait_closed())
             _say(
@@ -138,13 +142,6 @@ def cmd_shell(args: argparse.Namespace) -> int:
             return _status(await session.wait_closed())
 
     return with_signals(go())
-
-
-async def _default_shell(sb: Any) -> str:
-    """bash (line editing, history) when the box has it, else /bin/sh."""
-    found = await sb.run(["sh", "-c", "command -v bash"], timeout=10)
-    path = found.stdout.strip()
-    return path if found.exit_code == 0 and path.startswith("/") else "/bin/sh"
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:

@@ -4,6 +4,12 @@ The terminal goes to raw mode so every key (Ctrl-C included) reaches the shell i
 the only keys kept back are the detach sequence (``ctrl-]`` by default, docker-style
 ``--detach-keys`` such as ``ctrl-q`` or ``ctrl-p,ctrl-q``). The window size is sent on
 attach and on every SIGWINCH. The terminal is restored however the bridge ends.
+
+Used by ``corral attach``/``corral shell`` and by the library's ``Sandbox.attach``,
+``attach_shell`` and ``reattach`` (and their ``SyncSandbox`` twins). SIGWINCH reaches a
+bridge through its event loop's signal handler when that loop runs in the main thread;
+otherwise (the sync facade's loop thread) through :func:`forward_window_changes`, which the
+calling main thread installs.
 """
 
 from __future__ import annotations
@@ -13,15 +19,25 @@ import contextlib
 import os
 import signal
 import termios
+import threading
 import tty
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from corral import errors
 from corral.agent import protocol
 
-__all__ = ["AttachOutcome", "DetachDetector", "attach_terminal", "parse_detach_keys"]
+__all__ = [
+    "AttachOutcome",
+    "DetachDetector",
+    "attach_terminal",
+    "default_shell",
+    "forward_window_changes",
+    "parse_detach_keys",
+    "window_size",
+]
 
 DEFAULT_DETACH_KEYS = "ctrl-]"
 _CTRL_SYMBOLS = "@[\\]^_"
@@ -91,13 +107,21 @@ class DetachDetector:
 
 @dataclass(frozen=True, slots=True)
 class AttachOutcome:
-    """How an attach ended: the human detached, the shell exited, or the owner went away."""
+    """How an attach ended: the human detached (the session runs on; re-attach with its
+    ``session_id``), the program exited (``exit_code``: its status, ``-N`` for signal N),
+    or the session's owner went away (the sandbox closed)."""
 
     reason: Literal["detached", "exited", "lost"]
     exit_code: int | None = None
+    session_id: str = ""
+
+    @property
+    def detached(self) -> bool:
+        return self.reason == "detached"
 
 
-def _window_size(fd: int) -> tuple[int, int]:
+def window_size(fd: int) -> tuple[int, int]:
+    """(columns, rows) of the terminal on ``fd``; 80x24 when it is not a terminal."""
     try:
         size = os.get_terminal_size(fd)
     except OSError:
@@ -144,7 +168,7 @@ class _Bridge:
             self.finish(AttachOutcome("detached"))
 
     def on_winch(self) -> None:
-        cols, rows = _window_size(self.out_fd)
+        cols, rows = window_size(self.out_fd)
         self.send({"op": "resize", "cols": cols, "rows": rows})
 
     def on_frame(self, message: dict[str, Any], payload: bytes) -> None:
@@ -193,7 +217,7 @@ async def attach_terminal(
     bridge = _Bridge(writer, detach_keys, in_fd, out_fd)
     saved: list[Any] | None = None
     try:
-        cols, rows = _window_size(out_fd)
+        cols, rows = window_size(out_fd)
         bridge.send({"op": "attach", "session_id": session_id, "cols": cols, "rows": rows})
         decoder = protocol.FrameDecoder()
         replay, early = await _handshake(reader, decoder, session_id)
@@ -204,13 +228,13 @@ async def attach_terminal(
         for frame in early:
             bridge.on_frame(*frame)
         loop.add_reader(in_fd, bridge.on_key)
-        loop.add_signal_handler(signal.SIGWINCH, bridge.on_winch)
+        unwatch = _watch_winch(loop, bridge.on_winch)
         pumping = asyncio.create_task(bridge.pump(reader, decoder))
         try:
-            return await bridge.done
+            return replace(await bridge.done, session_id=session_id)
         finally:
             loop.remove_reader(in_fd)
-            loop.remove_signal_handler(signal.SIGWINCH)
+            unwatch()
             with contextlib.suppress(ConnectionError):
                 await writer.drain()
             pumping.cancel()
@@ -222,3 +246,56 @@ async def attach_terminal(
         writer.close()
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
+
+
+# ---- window changes when the loop is not the main thread's ------------------------------------
+_winch_listeners: dict[int, tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}
+_winch_ids = iter(range(1 << 62))
+
+
+def _watch_winch(
+    loop: asyncio.AbstractEventLoop, callback: Callable[[], None]
+) -> Callable[[], None]:
+    """Call ``callback`` in ``loop`` on every SIGWINCH; returns the undo."""
+    if threading.current_thread() is threading.main_thread():
+        loop.add_signal_handler(signal.SIGWINCH, callback)
+
+        def remove() -> None:
+            loop.remove_signal_handler(signal.SIGWINCH)
+
+        return remove
+    key = next(_winch_ids)
+    _winch_listeners[key] = (loop, callback)
+
+    def forget() -> None:
+        _winch_listeners.pop(key, None)
+
+    return forget
+
+
+def _window_changed(signum: int, frame: object) -> None:
+    for loop, callback in list(_winch_listeners.values()):
+        with contextlib.suppress(RuntimeError):  # a loop that has just closed
+            loop.call_soon_threadsafe(callback)
+
+
+@contextlib.contextmanager
+def forward_window_changes() -> Iterator[None]:
+    """While inside: SIGWINCH, caught by this (main) thread, reaches the bridges running in
+    other threads' loops. Elsewhere than the main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGWINCH, _window_changed)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGWINCH, previous)
+
+
+async def default_shell(run: Callable[..., Awaitable[Any]]) -> str:
+    """bash (line editing, history) when the box has it, else /bin/sh; ``run`` is a
+    sandbox's ``run``."""
+    found = await run(["sh", "-c", "command -v bash"], timeout=10)
+    path = str(found.stdout).strip()
+    return path if found.exit_code == 0 and path.startswith("/") else "/bin/sh"
