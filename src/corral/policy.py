@@ -169,6 +169,14 @@ class FilesystemPolicy(_Model):
     """Host directories shared into the box."""
     tmp_size: Size = 256 << 20
     """Size cap of the private ``/tmp`` (a tmpfs)."""
+    workspace_size: Size | None = None
+    """Size cap of the workspace, for a temporary one (a sandbox started without
+    ``workspace=``): corral makes it a tmpfs of this size, so a box cannot fill the host's
+    disk. A host directory given as the workspace takes what its filesystem has: a cap is
+    refused there (corral sets no project quotas; see SECURITY.md)."""
+    workspace_inodes: int | None = Field(default=None, ge=1)
+    """Cap on files and directories in a temporary workspace (the tmpfs's ``nr_inodes``);
+    refused, as ``workspace_size``, for a host directory."""
 
 
 NetworkMode = Literal["none", "allowlist", "ports", "full"]
@@ -394,6 +402,12 @@ class Policy(_Model):
     (with ``CORRAL_SECRET_<NAME>`` variables). Values never enter the box's environment
     unless a tool call names their handle."""
     _loaded_from: Path | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal fields, equal policies: where one was loaded from is not a field."""
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
 
     @property
     def loaded_from(self) -> Path | None:

@@ -35,7 +35,7 @@ from types import TracebackType
 from corral import errors
 from corral.backends import backend_for
 from corral.backends.base import Backend
-from corral.backends.host import idmap, mounts
+from corral.backends.host import idmap, mounts, quota
 from corral.backends.host.staging import new_entry, release_staging, sweep_staging
 from corral.backends.host.state import BOX_PREFIX
 from corral.backends.host.threads import blocking
@@ -126,6 +126,12 @@ class SandboxPool:
             raise errors.PolicyError(
                 f"a pool's boxes cannot all publish on host port {fixed[0].port_on_host}: "
                 "publish on host port 0 (any free one; see Sandbox.published) or use a Sandbox"
+            )
+        if quota.asked(self.policy):
+            raise errors.PolicyError(
+                "filesystem.workspace_size/workspace_inodes: a pool's boxes take host "
+                "directories as workspaces, which corral cannot cap; use a Sandbox without "
+                "workspace= for a capped temporary workspace"
             )
         self.size = size
         self.owner = owner or (os.getuid(), os.getgid())

@@ -32,6 +32,7 @@ from corral.agent import protocol
 from corral.audit import AuditLog
 from corral.backends import backend_for, backend_loaded
 from corral.backends.base import Backend, Box, BoxSpec, BoxStats
+from corral.backends.host import quota
 from corral.backends.host.safepath import check_sources, refuse_inside, refuse_writable_policy
 from corral.backends.host.state import BOX_PREFIX, state_root
 from corral.backends.host.threads import blocking
@@ -154,6 +155,8 @@ class Sandbox:
         self._box: Box | None = None
         self._channel: Channel | None = None
         self._owned_workspace: Path | None = None
+        self._quota_workspace: Path | None = None
+        """A temporary workspace with a size/inode cap (a tmpfs), removed at close."""
         self.workspace: Path | None = self._workspace_arg
         self.sandbox_id = BOX_PREFIX + secrets.token_hex(6)
         tracking = self.policy.process_tracking
@@ -193,7 +196,13 @@ class Sandbox:
         if self._box is not None or self._closed:
             raise errors.SandboxClosed("a Sandbox can be started once; create a new one")
         if self._workspace_arg is None:
-            self._owned_workspace = Path(tempfile.mkdtemp(prefix="corral-ws-"))
+            if quota.asked(self.policy):  # a tmpfs of that size (a host dir can't be capped)
+                self._quota_workspace = await blocking(
+                    quota.make_workspace, self.policy, self.sandbox_id
+                )
+                self._owned_workspace = self._quota_workspace
+            else:
+                self._owned_workspace = Path(tempfile.mkdtemp(prefix="corral-ws-"))
             self.workspace = self._owned_workspace
             resolved = self.policy.for_workspace(self._owned_workspace)
             if resolved is not self.policy:
@@ -204,6 +213,8 @@ class Sandbox:
                 f"workspace {self._workspace_arg} is not a directory; create it or pick another",
                 code=errors.ErrorCode.INVALID_INPUT,
             )
+        else:
+            quota.refuse_for_host_dir(self.policy, self._workspace_arg)
         assert self.workspace is not None
         await blocking(_check_host_paths, self.policy, self.workspace)
         backend = self._backend
@@ -281,6 +292,9 @@ class Sandbox:
         await self._sessions.aclose()  # after the processes: their shells are gone by now
         for hook in self._after_close:
             await asyncio.to_thread(hook)
+        if self._quota_workspace is not None:
+            await blocking(quota.release_workspace, self._quota_workspace)
+            self._quota_workspace = self._owned_workspace = None
         if self._owned_workspace is not None:
             await blocking(shutil.rmtree, self._owned_workspace, True)
         self.audit.record("sandbox", event="close", broken=self._broken)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from corral import Policy, Sandbox
+from corral import Policy, PolicyError, Sandbox
 from corral.backends.layout import PTY_MAX
 from corral.backends.limits import DEFAULT_NOFILE
 from corral.processes import Process
@@ -254,3 +254,29 @@ async def test_open_files_are_capped_per_command_by_default(
     finally:
         for proc, _ in held:
             await proc.kill()
+
+
+async def test_a_capped_temporary_workspace_stops_a_filler(box_policy: Policy) -> None:
+    """``workspace_size``/``workspace_inodes``: a temporary workspace is a tmpfs of that
+    size, so filling it ends with ENOSPC there, not on the host's disk; it is gone at close."""
+    fs = {"workspace_size": "4M", "workspace_inodes": 200, "tmp_size": "64M"}
+    policy = Policy.from_dict({**box_policy.model_dump(exclude_unset=True), "filesystem": fs})
+    async with Sandbox(policy) as sb:
+        ws = sb.workspace
+        assert ws is not None
+        r = await sb.run("head -c 16M /dev/zero > big; ls -l big; df -k . | tail -1", timeout=30)
+        assert "No space left on device" in r.stderr, r
+        assert int(r.stdout.split()[4]) <= 4 << 20, r
+        r = await sb.run("rm big; i=0; while touch f$i 2>/dev/null; do i=$((i+1)); done; echo $i")
+        assert 0 < int(r.stdout) < 200, r
+    assert not ws.exists()
+
+
+async def test_a_cap_on_a_host_directory_is_refused_plainly(
+    box_policy: Policy, workspace: Path
+) -> None:
+    fs = {"workspace_size": "1G"}
+    policy = Policy.from_dict({**box_policy.model_dump(exclude_unset=True), "filesystem": fs})
+    with pytest.raises(PolicyError, match="host directory, which corral cannot cap"):
+        async with Sandbox(policy, workspace=workspace):
+            pass
