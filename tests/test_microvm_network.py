@@ -8,6 +8,8 @@ sends traffic anywhere but the host's loopback. The link's protocol rules are ch
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from corral.backends.host.state import state_root
 from corral.errors import BackendUnavailable
 from corral.net import StaticResolver
 from loopback_http import LoopbackHttp, echo_path
+from test_publish import echo, start_echo
 
 VM = {"cpus": 2, "memory_mb": 384}  # the shape of tests/test_microvm.py: one saved VM for both
 LIMITS = {"memory_bytes": 192 << 20}  # what a VM of 384 MiB holds beside the guest itself
@@ -76,7 +79,10 @@ async def ports_vm(
     tmp_path_factory: pytest.TempPathFactory, server: LoopbackHttp
 ) -> AsyncIterator[Sandbox]:
     policy = Policy(
-        backend="microvm", vm=VM, limits=LIMITS, network={"mode": "ports", "ports": [server.port]}
+        backend="microvm",
+        vm=VM,
+        limits=LIMITS,
+        network={"mode": "ports", "ports": [server.port], "publish": ["0:8000"]},
     )
     sb = Sandbox(policy, workspace=tmp_path_factory.mktemp("ws-ports"))
     await sb.start()
@@ -179,6 +185,17 @@ async def test_ports_mode_reaches_exactly_the_listed_port(
     assert "proxy" not in r.stdout.lower()
     r = await ports_vm.run(["ls", "/sys/class/net"], timeout=30)
     assert r.stdout.split() == ["lo"]
+
+
+async def test_a_published_vm_port_is_reached_from_the_host(ports_vm: Sandbox) -> None:
+    """``publish`` in a VM: the agent dials the host through the link (no NIC, no socket)."""
+    await start_echo(ports_vm, 8000)
+    port = ports_vm.published[0].port_on_host
+    blob = os.urandom(1 << 20)
+    assert await asyncio.to_thread(echo, port, blob) == blob
+    payloads = [os.urandom(50_000 + i) for i in range(4)]
+    got = await asyncio.gather(*(asyncio.to_thread(echo, port, p) for p in payloads))
+    assert got == payloads
 
 
 async def test_closing_ends_the_link_and_leaves_nothing(ports_vm: Sandbox) -> None:

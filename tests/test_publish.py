@@ -213,13 +213,6 @@ def test_publish_on_a_sync_sandbox(workspace: Path) -> None:
             assert response.read() == b"hello from the box\n"
 
 
-def test_microvm_refuses_publish_clearly() -> None:
-    from corral.backends import unavailable_reason
-
-    reason = unavailable_reason(Policy(backend="microvm", network={"publish": ["8080:8000"]}))
-    assert reason is not None and ("publish" in reason or "qemu" in reason)
-
-
 # ---- the CLI ------------------------------------------------------------------------------
 
 

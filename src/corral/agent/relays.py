@@ -19,9 +19,9 @@ def start(config: dict[str, Any]) -> None:
     """Start the relays the agent's config names (``forwarders``, ``publishers``,
     ``vmlink``)."""
     start_forwarders(list(config.get("forwarders") or []))
-    start_publishers(list(config.get("publishers") or []))
     if config.get("vmlink"):  # a microVM: the forwarders go over a virtio-serial port
         start_vmlink(dict(config["vmlink"]))
+    start_publishers(list(config.get("publishers") or []))  # after: they may use the link
 
 
 def start_forwarders(specs: list[dict[str, Any]]) -> None:
@@ -61,35 +61,52 @@ def start_publishers(specs: list[dict[str, Any]]) -> None:
     import threading
 
     for spec in specs:
-        args = (int(spec["port"]), str(spec["unix"]))
+        # the host socket, or (a microVM) the loopback forwarder of the link that reaches it
+        host = str(spec["unix"]) if spec.get("unix") else ("127.0.0.1", int(spec["link"]))
+        args = (int(spec["port"]), host)
         threading.Thread(target=publish_control, args=args, daemon=True).start()
 
 
-def publish_control(port: int, path: str) -> None:
+def dial_host(host: Any) -> socket.socket:
+    family = socket.AF_UNIX if isinstance(host, str) else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.connect(host)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def publish_control(port: int, host: Any) -> None:
     import threading
 
-    control = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        control.connect(path)
+        control = dial_host(host)
+    except OSError:
+        return
+    try:
         control.sendall(b"C")
         while True:
             asked = control.recv(4096)
             if not asked:
                 return
             for _ in asked:
-                threading.Thread(target=publish_conn, args=(port, path), daemon=True).start()
+                threading.Thread(target=publish_conn, args=(port, host), daemon=True).start()
     except OSError:
         return
     finally:
         control.close()
 
 
-def publish_conn(port: int, path: str) -> None:
-    """One data connection: to the host socket, then to the box port on loopback (IPv4,
-    else IPv6); a box port nobody listens on closes the data connection at once."""
-    data = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def publish_conn(port: int, host: Any) -> None:
+    """One data connection: to the host, then to the box port on loopback (IPv4, else
+    IPv6); a box port nobody listens on closes the data connection at once."""
     try:
-        data.connect(path)
+        data = dial_host(host)
+    except OSError:
+        return
+    try:
         data.sendall(b"D")
     except OSError:
         data.close()

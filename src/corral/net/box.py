@@ -67,6 +67,16 @@ def publish_socket(index: int, box_port: int) -> str:
     return f"publish-{index}-{box_port}.sock"
 
 
+LINK_PORT_BASE = 64900
+"""Guest loopback ports (from here up) of published ports' forwarders in a microVM: above the
+kernel's default ephemeral range (32768-60999), so no outgoing connection of the box takes
+one first."""
+
+
+def link_port(index: int) -> int:
+    return LINK_PORT_BASE + index
+
+
 class BoxNetwork:
     """The host side of a box's network policy: proxy, port relays, NAT."""
 
@@ -252,9 +262,23 @@ class BoxNetwork:
         return tuple(p.published for p in self.publishers)
 
     def unix_forwarders(self) -> list[tuple[int, Path]]:
-        """``(guest port, host unix socket)`` per forwarder, in :meth:`forwarders` order: for
-        a backend that cannot bind sockets into its box (the microVM relays them itself)."""
-        return [(f["port"], self.guest_dir / Path(f["unix"]).name) for f in self.forwarders()]
+        """``(guest port, host unix socket)`` per forwarder, in :meth:`forwarders` order, then
+        one per published port at :func:`link_port` (which the agent dials instead of the
+        socket, :meth:`linked_publishers`): for a backend that cannot bind sockets into its
+        box (the microVM relays them itself)."""
+        out = [(f["port"], self.guest_dir / Path(f["unix"]).name) for f in self.forwarders()]
+        out += [
+            (link_port(i), self.guest_dir / publish_socket(i, p.spec.box_port))
+            for i, p in enumerate(self.publishers)
+        ]
+        return out
+
+    def linked_publishers(self) -> list[dict[str, Any]]:
+        """:meth:`publishers_config` for a box whose agent reaches the host sockets through
+        loopback forwarders (``{"port": box port, "link": guest loopback port}``)."""
+        return [
+            {"port": p.spec.box_port, "link": link_port(i)} for i, p in enumerate(self.publishers)
+        ]
 
     def guest_files(self) -> dict[str, str]:
         """What a box that cannot bind the network directory must be given: the node preload

@@ -14,6 +14,9 @@ byte the host writes on it asks for one data connection. Every data connection r
 same box port, so the host pairs them with waiting clients in any order. A box port nobody
 listens on yields a data connection the agent closes at once, and the client's connection
 is closed too (as with docker). The host never connects to anything the box names.
+
+A microVM cannot bind the socket: its agent dials a loopback forwarder of the link
+(:mod:`corral.net.vmlink`) that reaches the same socket, at :func:`corral.net.box.link_port`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Start-up sequence::
     3. listen on a unix socket in the box's run directory; qemu connects to it as the
        client end of the virtio-serial port named ``corral``: the accepted socket is the
        channel. There is no NIC: a second port, ``corral-net``, carries the connections of
-       network modes ``allowlist`` and ``ports`` to the host's proxy and relays
-       (:mod:`corral.net.vmlink`); every VM has it, so the device set (a saved VM's shape)
+       network modes ``allowlist`` and ``ports`` to the host's proxy and relays, and the
+       agent's dial-backs for published ports (:mod:`corral.net.vmlink`,
+       :mod:`corral.net.publish`); every VM has it, so the device set (a saved VM's shape)
        does not depend on the network mode
     4. start qemu in its jail (:mod:`jail`: an unprivileged uid, namespaces, a root of its
        own, its ``-sandbox`` seccomp filter, a host cgroup) and restore the saved VM of this
@@ -248,6 +249,7 @@ def boot_plan(
     }
     if spec.network is not None:  # forwarders over the corral-net port (no NIC, no 9p sockets)
         config["vmlink"] = vmlink.guest_config(spec.network)
+        config["publishers"] = spec.network.linked_publishers()
     deny_read, deny_write = _masks(spec, shared)
     plan = initramfs.BootPlan(
         shares=tuple(shares),
@@ -613,11 +615,6 @@ class MicroVmBackend(BackendBase):
                 "network mode 'full' is not available on the microvm backend: its VMs have no "
                 "NIC; use network.mode 'allowlist' (HTTP/SOCKS proxy) or 'ports' (host "
                 "loopback ports), or the bwrap or oci backend for 'full'"
-            )
-        if policy.network.publish:
-            raise BackendUnavailable(
-                "network.publish (-p) is not available on the microvm backend yet; use the "
-                "bwrap or oci backend to reach a box port from the host"
             )
         if os.geteuid() != 0:
             raise BackendUnavailable(
