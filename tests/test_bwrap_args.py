@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from corral import Policy, PolicyError
+from corral import Mount, Policy, PolicyError
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.bwrap.args import BwrapFds, BwrapInputs, bwrap_argv
 from corral.backends.layout import CGROUP_DIR, HostView, _searchable, box_env, unplaceable_mount
@@ -123,7 +123,7 @@ def test_workspace_is_the_only_default_writable_bind() -> None:
 
 def test_existing_deny_read_paths_are_masked_and_missing_ones_skipped() -> None:
     binds = triples(argv(), "--ro-bind")
-    assert ("/run/corral/shared/masked-dir", "/root/.ssh") in binds
+    assert not any(dest.startswith("/root") for _, dest in binds)  # not in the box at all
     assert ("/run/corral/shared/masked-file", "/etc/shadow") in binds
     assert ("/run/corral/shared/masked-dir", "/etc/ssh") in binds
     assert not any(dest == "/root/.aws" for _, dest in binds)  # does not exist on the host
@@ -201,8 +201,16 @@ def test_paths_the_box_cannot_reach_need_no_mask() -> None:
     )
     masked = bwrap_argv(policy, inputs(), user_ws)
     assert "/etc/shadow" in masked and "/root/.ssh" not in masked
-    as_root = bwrap_argv(policy, inputs(), replace(user_ws, owner=lambda p: (0, 0)))
-    assert "/root/.ssh" in as_root
+    # Shared at its own path (idmapped: the box user owns what root owns): masked there.
+    shared = policy.model_copy(
+        update={
+            "filesystem": policy.filesystem.model_copy(
+                update={"mounts": (Mount(host=Path("/root"), guest="/root"),)}
+            )
+        }
+    )
+    mask = ("/run/corral/shared/masked-dir", "/root/.ssh")
+    assert mask in triples(bwrap_argv(shared, inputs(), user_ws), "--ro-bind")
 
 
 def test_searchable_follows_the_mode_bits_of_every_ancestor() -> None:
@@ -291,7 +299,7 @@ def test_a_mask_follows_the_host_object_into_the_workspace() -> None:
     ids = {"/root": (1, 2), "/root/.ssh": (1, 3), "/ws": (1, 2)}
     host = replace(fake_host(), ident=lambda p: ids.get(p))
     binds = triples(bwrap_argv(Policy(), inputs(), host), "--ro-bind")
-    assert ("/run/corral/shared/masked-dir", "/root/.ssh") in binds
+    assert not any(dest == "/root/.ssh" for _, dest in binds)  # /root is not in the box
     assert ("/run/corral/shared/masked-dir", "/workspace/.ssh") in binds
     assert ("/run/corral/shared/masked-file", "/workspace/.ssh") not in binds
 
@@ -302,3 +310,49 @@ def test_the_hosts_capped_devpts_covers_bwraps_own() -> None:
     capped = bwrap_argv(Policy(), replace(inputs(), devpts=Path("/run/corral/devpts")), fake_host())
     assert ("/run/corral/devpts", "/dev/pts") in triples(capped, "--dev-bind")
     assert capped.index("--dev-bind") > capped.index("--dev")
+
+
+def test_the_default_root_is_the_host_system_not_its_data() -> None:
+    top = [*HOST_TOP, "srv", "mnt", "media", "boot", "opt", "work", "vmlinuz"]
+    host = replace(
+        fake_host(),
+        listdir=lambda _p: top,
+        isdir=lambda p: p in DIRS or p in {"/var/lib/dpkg", "/opt"},
+    )
+    args = bwrap_argv(Policy(), inputs(), host)
+    dests = {d for _, d in triples(args, "--ro-bind")} | {d for _, d in triples(args, "--bind")}
+    assert {"/usr", "/etc", "/opt", "/var/lib/dpkg"} <= dests
+    for data in ("/root", "/srv", "/mnt", "/media", "/boot", "/work", "/vmlinuz", "/var"):
+        assert data not in dests, data
+    links = {d: t for t, d in triples(args, "--symlink")}
+    assert links["/var/tmp"] == "/tmp" and links["/var/run"] == "/run"
+    # /var is the box's own directory, listable, holding only those.
+    assert args[args.index("/var") - 3 : args.index("/var")] == ["--perms", "0755", "--dir"]
+
+
+def test_the_box_has_its_own_passwd_and_group_on_every_root() -> None:
+    for policy in (Policy(), Policy.from_dict({"filesystem": {"inherit_readable": False}})):
+        ro = triples(argv(policy), "--ro-bind")
+        assert ("/run/corral/shared/passwd", "/etc/passwd") in ro
+        assert ("/run/corral/shared/group", "/etc/group") in ro
+        assert ro.index(("/run/corral/shared/passwd", "/etc/passwd")) > next(
+            (i for i, b in enumerate(ro) if b[1] == "/etc"), -1
+        )
+
+
+def test_deny_write_never_shows_a_hidden_host_path() -> None:
+    """A read-only bind of a ``deny_write`` path outside the box's view would add host data."""
+    host = replace(fake_host(), lexists=lambda p: p in EXISTING or p == "/srv/data")
+    args = bwrap_argv(
+        Policy.from_dict({"filesystem": {"deny_write": ["/srv/data"]}}), inputs(), host
+    )
+    assert not any("/srv" in a for a in args)
+
+
+def test_host_data_is_shown_where_the_policy_mounts_it() -> None:
+    policy = Policy.from_dict(
+        {"filesystem": {"mounts": [{"host": "/srv/data", "guest": "/srv/data"}]}}
+    )
+    args = argv(policy)
+    assert ("/srv/data", "/srv/data") in triples(args, "--ro-bind")
+    assert unplaceable_mount(policy, fake_host()) is None  # /srv is the box's own directory

@@ -333,7 +333,7 @@ async def test_runsc_box_cannot_read_a_host_users_private_file(
     runsc: Policy, workspace: Path, tmp_path: Path
 ) -> None:
     # Box uid 1000 is not host uid 1000: a 0600 file of that host user stays unreadable.
-    secret = Path("/var/tmp") / f"corral-test-{os.getpid()}"
+    secret = Path("/opt") / f"corral-test-{os.getpid()}"  # in the system view
     secret.write_text("private")
     os.chown(secret, 1000, 1000)
     secret.chmod(0o600)

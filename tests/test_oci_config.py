@@ -28,12 +28,25 @@ HOST_TOP = [
     "home",
     "root",
     "sys",
+    "opt",
     "mnt",
+    "srv",
     "x.json",
 ]
 LINKS = {"/bin": "usr/bin"}
 EXISTING = {"/root", "/root/.ssh", "/etc/shadow", "/etc/ssh", "/usr", "/ws/.git", "/x.json"}
-DIRS = {"/root", "/root/.ssh", "/etc", "/etc/ssh", "/usr", "/ws", "/ws/.git", "/mnt", "/data"}
+DIRS = {
+    "/root",
+    "/root/.ssh",
+    "/etc",
+    "/etc/ssh",
+    "/usr",
+    "/ws",
+    "/ws/.git",
+    "/mnt",
+    "/opt",
+    "/data",
+}
 
 
 def fake_host() -> HostView:
@@ -59,7 +72,14 @@ def inputs(**update: Any) -> OciInputs:
         "masked_dir": Path("/run/corral/shared/masked-dir"),
         "passwd_file": Path("/run/corral/shared/passwd"),
         "agent_args": ("{}",),
-        "host_mounts": ("/", "/mnt/inner", "/proc", "/sys/fs/cgroup/memory", "/tmp/x"),
+        "host_mounts": (
+            "/",
+            "/opt/inner",
+            "/mnt/inner",
+            "/proc",
+            "/sys/fs/cgroup/memory",
+            "/tmp/x",
+        ),
     }
     return OciInputs(**{**base, **update})
 
@@ -137,7 +157,8 @@ def test_root_is_read_only_and_host_entries_are_bound_read_only() -> None:
 
 def test_submounts_of_read_only_binds_are_read_only_too() -> None:
     bound = binds(bundle().config)
-    assert ("/mnt/inner", "/mnt/inner", False) in bound
+    assert ("/opt/inner", "/opt/inner", False) in bound
+    assert not any(dest.startswith("/mnt") for _, dest, _ in bound)  # host data: not there
     # /sys is the box's own read-only sysfs: no host cgroup mount comes along.
     assert not any(dest.startswith("/sys/") for _, dest, _ in bound)
     sysfs = mounts_at(bundle().config, "/sys")
@@ -159,7 +180,7 @@ def test_workspace_is_the_only_default_writable_bind() -> None:
 
 def test_deny_read_masks_come_after_what_they_cover() -> None:
     bound = binds(bundle().config)
-    assert ("/run/corral/shared/masked-dir", "/root/.ssh", False) in bound
+    assert not any(d.startswith("/root") for _, d, _ in bound)  # not in the box: no mask
     assert ("/run/corral/shared/masked-file", "/etc/shadow", False) in bound
     dests = [d for _, d, _ in bound]
     assert dests.index("/etc/shadow") > dests.index("/etc")
@@ -215,7 +236,7 @@ def test_mount_points_outside_host_binds_are_made_in_the_root_dir() -> None:
     b = bundle(policy)
     dirs = dict(b.dirs)
     assert {"/workspace", "/proc", "/etc", "/data", "/data/in", "/data/in/deep"} <= set(dirs)
-    assert "/x.json" in b.files  # a top-level host file is bound on a file
+    assert "/x.json" not in b.files  # a top-level host file is host data
     assert "/run/corral/agent" not in dirs  # inside the box's /run tmpfs: the runtime's job
     assert "/etc/shadow" not in b.files  # exists on the host under the /etc bind
 

@@ -157,7 +157,11 @@ class Mount(_Model):
 
 class FilesystemPolicy(_Model):
     inherit_readable: bool = True
-    """See the host root read-only (true), or only a minimal root for sh/python3/node (false)."""
+    """See the host *system* read-only (true: ``/usr``, ``/bin``, ``/sbin``, ``/lib*``,
+    ``/etc`` but its secrets, ``/opt``, ``/sys``, ``/nix``, ``/gnu``, ``/snap`` and
+    ``/var/lib/dpkg``), or only a minimal root for sh/python3/node (false). Host data
+    (``/home``, ``/root``, ``/srv``, ``/mnt``, ``/media``, the rest of ``/var``, any other
+    top-level directory) is in neither, unless ``mounts`` or ``allow_write`` share it."""
     allow_write: Paths = ()
     """Extra host paths writable inside (at the same path). The workspace is always writable.
     A relative path is relative to the workspace (see :meth:`Policy.for_workspace`)."""

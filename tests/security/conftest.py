@@ -105,8 +105,8 @@ class Canary:
 
 @pytest.fixture(scope="session")
 def canary() -> Iterator[Canary]:
-    # /var/tmp is on the host root, which boxes see read-only (not their private /tmp).
-    base = Path("/var/tmp") / f"corral-canary-{secrets.token_hex(4)}"
+    # /opt is part of the host system every box sees read-only (/var/tmp is the box's /tmp).
+    base = Path("/opt") / f"corral-canary-{secrets.token_hex(4)}"
     base.mkdir(mode=0o755)
     content = f"canary {secrets.token_hex(8)}\n"
     file = base / "canary.txt"

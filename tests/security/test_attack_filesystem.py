@@ -142,7 +142,7 @@ async def test_read_root_home_secrets(sandbox: Sandbox) -> None:
     res = await box_py(
         sandbox, "res = [err(os.listdir, '/root'), err(os.stat, '/root/.ssh/id_rsa')]"
     )
-    assert res[0] == "EACCES" and res[1] in ("EACCES", "ENOENT")
+    assert res[0] in ("EACCES", "ENOENT") and res[1] in ("EACCES", "ENOENT")  # not there
 
 
 async def test_policy_deny_read_survives_symlink_and_rename(

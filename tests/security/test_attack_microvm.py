@@ -154,7 +154,7 @@ async def test_qemu_is_jailed_on_the_host(sandbox: Sandbox) -> None:
 def private_host_files() -> Iterator[Path]:
     """Host files outside every share, in the system view: one only uid 1000 may read, one
     only root may, and a uid-1000 home-like directory (0700) with a 0644 key in it."""
-    base = Path("/var/tmp") / f"corral-private-{secrets.token_hex(4)}"
+    base = Path("/opt") / f"corral-private-{secrets.token_hex(4)}"
     base.mkdir(mode=0o755)
     base.chmod(0o755)
     try:

@@ -52,6 +52,24 @@ def as_user(uid: int, gid: int) -> Iterator[None]:
         os.setegid(0)
 
 
+def make_home(path: str, uid: int, gid: int) -> None:
+    """Make the command user's home, owned by it and 0755, where the backend could not (a
+    bwrap tmpfs belongs to the box's root, and the agent has no CAP_CHOWN): created as that
+    user in its parent (the agent's, opened to it for the moment: no command runs yet).
+    Nothing to do where it exists (the OCI and microVM backends make it the user's)."""
+    if os.path.lexists(path):
+        return
+    parent = os.path.dirname(path)
+    mode = os.stat(parent).st_mode & 0o7777
+    os.chmod(parent, 0o777)
+    try:
+        with as_user(uid, gid):
+            os.mkdir(path, 0o755)
+            os.chmod(path, 0o755)  # whatever the umask
+    finally:
+        os.chmod(parent, mode)
+
+
 class FileOpFailed(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

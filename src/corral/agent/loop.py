@@ -114,6 +114,7 @@ class Agent:
         self.running = True
         self.files: files.FileOps
         self.inherited_rlimits: dict[str, int] = {}
+        self.home = str(config.get("home") or "")
         self.info_extra = dict(config.get("info", {}))
         self.cgroup = str(config.get("cgroup") or "")
         if config.get("forwarders") or config.get("vmlink") or config.get("publishers"):
@@ -511,6 +512,8 @@ class Agent:
         import subprocess  # noqa: F401
 
         self.files = files.FileOps(self.uid, self.gid)
+        if self.home:  # before any command: the user's home where the backend did not make it
+            files.make_home(self.home, self.uid, self.gid)
         # Limits every command gets anyway are set once on the agent and inherited, so the
         # common spawn needs no Python pre-exec hook in the child (about 0.8 ms a command).
         self.inherited_rlimits = commands.set_inherited_rlimits(

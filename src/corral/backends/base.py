@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from corral.backends.host.state import orphaned_boxes, pid_alive, state_root
 from corral.backends.host.threads import blocking
 from corral.backends.limits import agent_rlimits
-from corral.backends.users import BOX_UID
+from corral.backends.users import BOX_UID, GUEST_HOME
 from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
@@ -98,6 +98,7 @@ def agent_config(spec: BoxSpec, *, uid: int = BOX_UID, gid: int = BOX_UID) -> di
     return {
         "uid": uid,
         "gid": gid,
+        "home": GUEST_HOME,  # the agent makes it the user's where the backend did not
         "info": {"sandbox_id": spec.sandbox_id, "workdir": spec.policy.workdir},
         "rlimits": agent_rlimits(spec.policy.limits),
     }

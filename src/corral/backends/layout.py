@@ -4,8 +4,11 @@ microVM's guest mount script).
 
 Layout of a box (guest paths)::
 
-    /                  a read-only tmpfs holding each top-level host entry read-only
-                       (inherit_readable) or only what sh/python3/node need
+    /                  a read-only tmpfs holding the host *system* read-only
+                       (inherit_readable: :data:`SYSTEM_TOP`, /var/lib/dpkg) or only what
+                       sh/python3/node need; host data (/root, /srv, /mnt, /media, the rest
+                       of /var, any other top-level directory) is not there at all
+    /etc/passwd /etc/group  the box's own (:mod:`corral.backends.users`)
     /proc /dev         the box's own procfs (its PID namespace) and a minimal devtmpfs
     /tmp               private tmpfs, size-capped
     /run               private tmpfs: hides the host's sockets (docker, dbus, ...), which
@@ -29,11 +32,23 @@ from corral.net import env as net_env
 from corral.policy import Policy
 
 GUEST_AGENT_DIR = "/run/corral/agent"
+BOX_EMAIL = "user@corral.invalid"
+"""The box user's e-mail address (``EMAIL``): git commits work out of the box."""
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # What a minimal root needs to run sh, python3 and node: the usual merged-/usr layout.
 MINIMAL_RO_DIRS = ("/usr", "/etc/alternatives", "/etc/ssl", "/etc/ca-certificates")
 MINIMAL_RO_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/hosts")
 MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+SYSTEM_TOP = frozenset(
+    {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "opt", "sys"}
+    | {"nix", "gnu", "snap"}  # the stores of Nix, Guix and snapd: software, not data
+)
+"""Top-level host entries of the system view (``inherit_readable``): what programs run
+from. Everything else at the top of the host (``/root``, ``/srv``, ``/mnt``, ``/media``,
+``/boot``, other projects' directories) is host *data*: absent unless the policy mounts it."""
+VAR_SYSTEM = ("/var/lib/dpkg",)
+"""The part of the host's /var programs read (dpkg's database: dpkg -l, apt, pip's
+``--system`` checks); the rest of /var (logs, mail, spools, databases) is host data."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,20 +148,30 @@ class Symlink:
     dest: str
 
 
+VAR_LINKS = (("/run", "/var/run"), ("/run/lock", "/var/lock"), ("/tmp", "/var/tmp"))
+"""``(target, link)``: the system view's /var otherwise holds only these links, to the box's
+own /run and /tmp."""
+
+
 def root_entries(policy: Policy, python: str, host: HostView) -> list[Bind | Symlink]:
-    """The host side of the box's root: each top-level host entry read-only
-    (``inherit_readable``), or only what sh, python3 and node need (then the box gets its
-    own /etc/passwd too: :func:`passwd_binds`)."""
+    """The host side of the box's root: the host *system* read-only (``inherit_readable``:
+    each top-level entry of :data:`SYSTEM_TOP` there is, :data:`VAR_SYSTEM`), or only what
+    sh, python3 and node need. Host data is never part of it (see :data:`SYSTEM_TOP`)."""
     entries: list[Bind | Symlink] = []
     if policy.filesystem.inherit_readable:
         for name in sorted(host.listdir("/")):
             path = "/" + name
-            if name in PRIVATE_TOP or path == policy.workdir:
+            if name not in SYSTEM_TOP or path == policy.workdir:
                 continue
             if host.islink(path):
                 entries.append(Symlink(host.readlink(path), path))
             else:
                 entries.append(Bind(path, path))
+        if not host.islink("/var"):
+            entries += [Bind(p, p) for p in VAR_SYSTEM if host.isdir(p)]
+            entries += [Symlink(target, link) for target, link in VAR_LINKS]
+        if not _on_system_view(python):
+            entries.append(_interpreter_prefix(python))
         return entries
     for link in MERGED_USR_LINKS:
         if host.islink(link):
@@ -156,17 +181,44 @@ def root_entries(policy: Policy, python: str, host: HostView) -> list[Bind | Sym
     entries += [Bind(p, p) for p in MINIMAL_RO_DIRS + MINIMAL_RO_FILES if host.lexists(p)]
     if not python.startswith("/usr/"):
         # An interpreter outside /usr (pyenv, a venv's base) must be visible too.
-        prefix = str(Path(python).resolve().parent.parent)
-        entries.append(Bind(prefix, prefix))
+        entries.append(_interpreter_prefix(python))
     return entries
 
 
-def passwd_binds(policy: Policy, passwd_file: Path) -> list[Bind]:
-    """corral's /etc/passwd (:func:`corral.backends.users.passwd_text`) on a minimal root;
-    nothing when the root inherits the host's /etc."""
+def _interpreter_prefix(python: str) -> Bind:
+    """The installation the agent's interpreter belongs to (``<prefix>/bin/python3``)."""
+    prefix = str(Path(python).resolve().parent.parent)
+    return Bind(prefix, prefix)
+
+
+def _on_system_view(path: str) -> bool:
+    top = path.strip("/").split("/")[0]
+    return top in SYSTEM_TOP or any(_within(path, p) for p in VAR_SYSTEM)
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def on_root(path: str, policy: Policy) -> bool:
+    """Whether the host ``path`` appears in the box at its own path through the box's root
+    (the system view or the minimal root), before any policy bind."""
     if policy.filesystem.inherit_readable:
-        return []
-    return [Bind(str(passwd_file), "/etc/passwd")]
+        return _on_system_view(path)
+    minimal = ("/usr", *MERGED_USR_LINKS, *MINIMAL_RO_DIRS, *MINIMAL_RO_FILES)
+    return any(_within(path, p) for p in minimal)
+
+
+def passwd_binds(policy: Policy, passwd_file: Path) -> list[Bind]:
+    """The box's own /etc/passwd and /etc/group (:func:`corral.backends.users.passwd_text`,
+    :func:`~corral.backends.users.group_text`: ``group`` beside ``passwd_file``), on every
+    root: the box user is ``user`` (as ``USER`` says), never the host's name for its uid, and
+    the host's accounts are not listed."""
+    del policy  # the same on every root
+    return [
+        Bind(str(passwd_file), "/etc/passwd"),
+        Bind(str(passwd_file.with_name("group")), "/etc/group"),
+    ]
 
 
 def policy_binds(
@@ -189,9 +241,14 @@ def policy_binds(
     binds += [
         Bind(src.get(str(m.host), str(m.host)), m.guest, writable=m.mode == "rw") for m in fs.mounts
     ]
-    # Where each writable host directory appears in the box: masks must follow the host
+    bound = [b.dest for b in binds]
+
+    def visible(guest: str) -> bool:
+        return on_root(guest, policy) or any(_within(guest, d) for d in bound)
+
+    # Where each bound host directory appears in the box: masks must follow the host
     # object (by st_dev/st_ino) to every path the box sees it at, not only the one spelled.
-    shown = [(b.source, b.dest) for b in binds if b.writable]
+    shown = [(b.source, b.dest) for b in binds]  # read-only mounts show it too
     areas = [(_host_path(b.dest, policy, workspace), b.dest) for b in binds if b.writable]
     for raw in fs.deny_write:
         guest = guest_path(raw, policy, host)
@@ -208,7 +265,8 @@ def policy_binds(
             binds.append(Bind(str(masked_dir), guest))
             continue
         for dest in _everywhere(source, guest, shown, host):
-            binds.append(Bind(source, dest))
+            if dest != guest or visible(guest):  # a read-only bind would *show* hidden data
+                binds.append(Bind(source, dest))
     uid, gid = host.owner(str(workspace))
     for raw in fs.deny_read:
         guest = guest_path(raw, policy, host)
@@ -218,8 +276,9 @@ def policy_binds(
             continue  # nothing to hide, and no mount point can be made on a read-only root
         mask = str(masked_dir if host.isdir(source) else masked_file)
         dests = _everywhere(source, guest, shown, host)
-        if not host.searchable(source, uid, gid):
-            dests.remove(guest)  # out of reach at its own path (/root/.ssh for a user's box)
+        shared = any(_within(guest, d) for d in bound)  # a bind's files: always masked
+        if not shared and (not on_root(guest, policy) or not host.searchable(source, uid, gid)):
+            dests.remove(guest)  # not in the box at its own path, or out of reach there
         binds += [Bind(mask, dest) for dest in dests]
     return binds
 
@@ -315,8 +374,8 @@ def unplaceable_mount(policy: Policy, host: HostView | None = None) -> str | Non
             continue
         top = guest.strip("/").split("/")[0]
         parent = posixpath.dirname(guest)
-        if top in PRIVATE_TOP or parent == "/" or not host.lexists("/" + top):
-            continue
+        if top not in SYSTEM_TOP or parent == "/" or not host.lexists("/" + top):
+            continue  # the box's own directories (/var, /srv, ...) are made as needed
         existing = parent
         while not host.lexists(existing):
             existing = posixpath.dirname(existing)
@@ -352,6 +411,9 @@ def box_env(policy: Policy, term: str = "xterm-256color") -> dict[str, str]:
         "LANG": "C.UTF-8",
         "TERM": term,
         "TMPDIR": "/tmp",
+        # git's author when neither the repository nor the policy's env names one (git reads
+        # EMAIL after user.email, and the name from /etc/passwd: "box user").
+        "EMAIL": BOX_EMAIL,
     }
     env.update(net_env.command_env(policy.network))
     env.update(policy.env)

@@ -58,10 +58,17 @@ def id_map(owner: int, root: int = HOST_UID_BASE) -> str:
 
 
 def passwd_text(uid: int, gid: int) -> str:
-    """The box's /etc/passwd where corral writes one (a minimal root): the agent, the box
-    user (``uid``/``gid``) and nobody."""
+    """The box's /etc/passwd (every backend, every root): the agent, the box user
+    (``uid``/``gid``, named ``user`` as ``USER`` says, full name ``box user``: git's default
+    author name) and nobody. The host's accounts are never listed."""
     return (
         "root:x:0:0:box agent:/run/corral:/usr/sbin/nologin\n"
         f"user:x:{uid}:{gid}:box user:{GUEST_HOME}:/bin/sh\n"
         "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
     )
+
+
+def group_text(gid: int) -> str:
+    """The box's /etc/group: the agent's, ``tty`` (the owner group of the box's PTYs), the
+    box user's and the overflow group."""
+    return f"root:x:0:\ntty:x:5:\nuser:x:{gid}:\nnogroup:x:65534:\n"

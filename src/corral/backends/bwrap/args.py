@@ -29,7 +29,6 @@ from corral.backends.layout import (
     policy_binds,
     root_entries,
 )
-from corral.backends.users import GUEST_HOME
 from corral.policy import Policy
 
 
@@ -88,13 +87,14 @@ def _render(entry: Bind | Symlink) -> list[str]:
     return ["--bind" if entry.writable else "--ro-bind", entry.source, entry.dest]
 
 
-def _root_args(policy: Policy, inp: BwrapInputs, host: HostView) -> list[str]:
+def _root_args(policy: Policy, inp: BwrapInputs, host: HostView, made: set[str]) -> list[str]:
     """The box's root is bwrap's tmpfs (so mount points like /workspace can be made), with
-    each top-level host entry bound read-only on it; ``--remount-ro /`` seals it at the end."""
+    the host system's entries bound read-only on it; ``--remount-ro /`` seals it at the end."""
     # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
     args = [] if policy.filesystem.inherit_readable else ["--perms", "0755", "--dir", "/etc"]
     roots = root_entries(policy, inp.python, host) + passwd_binds(policy, inp.passwd_file)
     for entry in roots:
+        args += _parent_dirs(entry.dest, made)  # /var of /var/lib/dpkg
         args += _render(entry)
     return args
 
@@ -132,7 +132,8 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
         "--cap-add",
         "CAP_SETGID",
     ]
-    args += _root_args(policy, inp, host)
+    made: set[str] = {"/etc"}
+    args += _root_args(policy, inp, host, made)
     args += ["--dev", "/dev"]
     if inp.devpts is not None:  # bwrap's own devpts has no max=: the host's capped one
         args += ["--dev-bind", str(inp.devpts), "/dev/pts"]
@@ -143,12 +144,12 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     for path in PROC_READ_ONLY:
         args += ["--ro-bind-try", path, path]
     args += ["--size", str(fs.tmp_size), "--tmpfs", "/tmp"]
-    args += ["--tmpfs", "/run", "--tmpfs", "/home", "--dir", GUEST_HOME]
-    args += ["--chmod", "1777", "/tmp", "--chmod", "0777", GUEST_HOME]
+    # The box user's home is made by the agent, as that user (a tmpfs here is box root's).
+    args += ["--tmpfs", "/run", "--perms", "0755", "--tmpfs", "/home"]
+    args += ["--chmod", "1777", "/tmp"]
     args += ["--ro-bind", str(inp.agent_dir), GUEST_AGENT_DIR]
     for extra in inp.extra_binds:
         args += _render(extra)
-    made: set[str] = set()
     binds = policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources)
     for bind in binds:
         args += _parent_dirs(bind.dest, made)

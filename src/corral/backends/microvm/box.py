@@ -75,7 +75,7 @@ from corral.backends.layout import (
 )
 from corral.backends.limits import Capabilities, LimitPlan, plan_limits
 from corral.backends.microvm import initramfs, jail, vmsnap
-from corral.backends.users import BOX_UID, passwd_text
+from corral.backends.users import BOX_UID, group_text, passwd_text
 from corral.errors import BackendError, BackendUnavailable
 from corral.net import vmlink
 from corral.policy import Policy, vm_memory_mb
@@ -262,6 +262,7 @@ def boot_plan(
         deny_write=deny_write,
         minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
         passwd=passwd_text(uid, gid),
+        group=group_text(gid),
         memory_max=limits.memory_max,
         pids_max=limits.pids_max,
         cpu_max_us=limits.cpu_quota_us,

@@ -381,6 +381,8 @@ class BootPlan:
     link target, box path)`` entries (read-only binds of the host's root share; an entry
     whose first item starts with ``->`` is a symlink), and :attr:`passwd` as /etc/passwd."""
     passwd: str = ""
+    group: str = ""
+    """The box's /etc/group (and :attr:`passwd` its /etc/passwd), on every root."""
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_max_us: int | None = None
@@ -411,7 +413,10 @@ def boot_script(plan: BootPlan) -> str:
             ",nosuid,nodev overlay /newroot"
         )
     else:
-        lines += _minimal_root(plan.minimal_root, plan.passwd)
+        lines += _minimal_root(plan.minimal_root)
+    # The box's own accounts, on every root: the overlay's upper layer holds them.
+    lines.append(f"printf %s {q(plan.passwd)} > $R/etc/passwd")
+    lines.append(f"printf %s {q(plan.group)} > $R/etc/group")
     lines += [
         "mount -t proc proc $R/proc",
         "mount -t sysfs sys $R/sys",
@@ -487,7 +492,7 @@ def boot_script(plan: BootPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _minimal_root(entries: tuple[tuple[str, str], ...], passwd: str) -> list[str]:
+def _minimal_root(entries: tuple[tuple[str, str], ...]) -> list[str]:
     """A tmpfs root with read-only binds of a few host paths (``inherit_readable = false``)."""
     q = shlex.quote
     lines = [
@@ -506,7 +511,6 @@ def _minimal_root(entries: tuple[tuple[str, str], ...], passwd: str) -> list[str
             f"mount --bind {lower} {target}",
             f"mount -o remount,bind,ro,nosuid,nodev {target}",
         ]
-    lines.append(f"printf %s {q(passwd)} > $R/etc/passwd")
     return lines
 
 

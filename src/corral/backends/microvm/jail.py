@@ -197,7 +197,12 @@ def jail_argv(
     args += ["--perms", "0755", "--dir", VIEW]
     for name in VIEW_MOUNT_POINTS:
         args += ["--perms", "0755", "--dir", f"{VIEW}/{name}"]
+    made: set[str] = set()
     for entry in view:
+        for parent in _parents(entry.dest):  # nested entries (/var/lib/dpkg): listable parents
+            if parent not in made:
+                made.add(parent)
+                args += ["--perms", "0755", "--dir", VIEW + parent]
         if isinstance(entry, Symlink):
             args += ["--symlink", entry.target, VIEW + entry.dest]
         else:
@@ -207,6 +212,12 @@ def jail_argv(
         args += [how, str(fds.open(share.host)), f"{SHARES}/{share.tag}"]
     args += ["--bind-fd", str(fds.open(run_dir)), RUN, "--chdir", RUN, "--"]
     return args + list(qemu_argv)
+
+
+def _parents(path: str) -> list[str]:
+    """The directories above ``path`` (not /), outermost first."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _render(rt: Runtime, fds: JailFds, boot_files: Sequence[str]) -> Iterator[str]:

@@ -50,7 +50,7 @@ from corral.backends.layout import (
     root_entries,
 )
 from corral.backends.limits import Capabilities, LimitPlan, plan_limits
-from corral.backends.users import GUEST_HOME, HOST_UID_BASE, id_ranges
+from corral.backends.users import BOX_UID, GUEST_HOME, HOST_UID_BASE, id_ranges
 from corral.policy import Policy
 
 OCI_VERSION = "1.0.2"
@@ -198,7 +198,7 @@ def _system_mounts(policy: Policy, own_netns: bool = True) -> list[dict[str, Any
         _tmpfs("/tmp", "1777", tmp_size),
         _tmpfs("/run", "755"),
         _tmpfs("/home", "755"),
-        _tmpfs(GUEST_HOME, "777", tmp_size),
+        _tmpfs(GUEST_HOME, "755", tmp_size, [f"uid={BOX_UID}", f"gid={BOX_UID}"]),  # the user's
     ]
 
 
