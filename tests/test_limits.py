@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from corral import Policy, Sandbox
+from corral import Policy, PolicyError, Sandbox
+from corral.backends.limits import DEFAULT_NOFILE
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 
@@ -75,3 +76,17 @@ async def test_rlimits_apply_to_commands(workspace: Path) -> None:
         assert lines[1] != "0"
         r = await sb.run("ulimit -n", rlimits={"nofile": 32})
         assert r.stdout.strip() == "32"
+
+
+async def test_open_files_default_to_the_planners_cap(workspace: Path) -> None:
+    """No ``nofile`` in the policy: every command gets DEFAULT_NOFILE as soft and hard
+    limit (inherited from the agent), and a call may lower it but not raise it."""
+    async with Sandbox(Policy(), workspace=workspace) as sb:
+        r = await sb.run("ulimit -Sn; ulimit -Hn")
+        assert r.stdout.split() == [str(DEFAULT_NOFILE)] * 2
+        assert (await sb.run("ulimit -n", rlimits={"nofile": 100})).stdout == "100\n"
+        with pytest.raises(PolicyError, match=r"rlimits\.nofile: 5000 is above"):
+            await sb.run("true", rlimits={"nofile": 5000})
+    policy = Policy.from_dict({"limits": {"rlimits": {"nofile": 8192}}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        assert (await sb.run("ulimit -Hn")).stdout == "8192\n"

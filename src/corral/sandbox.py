@@ -37,11 +37,12 @@ from corral.backends.host.safepath import check_sources, refuse_inside, refuse_w
 from corral.backends.host.state import BOX_PREFIX, state_root
 from corral.backends.host.threads import blocking
 from corral.backends.layout import box_env, shared_sources, writable_areas
+from corral.backends.limits import agent_rlimits
 from corral.channel import Channel
 from corral.files import Files
 from corral.models import CommandResult, NetworkRefusal, ProcessInfo
 from corral.net import BoxNetwork, Resolver
-from corral.policy import Policy, PublishedPort, RlimitName
+from corral.policy import Limits, Policy, PublishedPort, RlimitName
 from corral.processes import Process, ProcessRegistry, end_in_background
 from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
@@ -84,10 +85,18 @@ _RLIMIT_NAMES: tuple[str, ...] = typing.get_args(RlimitName)
 
 
 def _checked_rlimits(
-    rlimits: Mapping[RlimitName, int] | Mapping[str, int] | None,
+    rlimits: Mapping[RlimitName, int] | Mapping[str, int] | None, limits: Limits
 ) -> dict[str, int]:
     """A call's rlimits, refused as a PolicyError naming the entry when the agent could not
-    set it (an unknown name, a value that is not a count)."""
+    set it (an unknown name, a value that is not a count, more open files than the box's
+    cap: commands inherit it as their hard limit and hold no capability to raise it)."""
+    cap = agent_rlimits(limits)["nofile"]
+    wanted = (rlimits or {}).get("nofile")
+    if isinstance(wanted, int) and wanted > cap:
+        raise errors.PolicyError(
+            f"rlimits.nofile: {wanted} is above this box's open-file cap ({cap}); a call may "
+            "only lower it: raise limits.rlimits.nofile in the policy"
+        )
     out: dict[str, int] = {}
     for name, value in (rlimits or {}).items():
         if name not in _RLIMIT_NAMES:
@@ -460,7 +469,10 @@ class Sandbox:
             "argv": argv,
             "cwd": self._cwd(cwd),
             "env": {**box_env(self.policy), **(env or {})},
-            "rlimits": {**self.policy.limits.rlimits, **_checked_rlimits(rlimits)},
+            "rlimits": {
+                **self.policy.limits.rlimits,
+                **_checked_rlimits(rlimits, self.policy.limits),
+            },
             "pty": pty,
             "cols": cols,
             "rows": rows,

@@ -449,7 +449,10 @@ def boot_script(plan: BootPlan) -> str:
         mode = "ro" if share.read_only else "rw"
         target = q("/newroot" + share.guest)
         lines.append(f"mkdir -p {target}")
-        lines.append(f"mount -t 9p -o {opts},{mode},cache={share.cache} {share.tag} {target}")
+        # nosuid, nodev: a setuid-root file left in a share grants nothing here either.
+        lines.append(
+            f"mount -t 9p -o {opts},{mode},nosuid,nodev,cache={share.cache} {share.tag} {target}"
+        )
     if plan.own_workdir is not None:
         lines.append(f"chown {plan.uid}:{plan.gid} {q('/newroot' + plan.own_workdir)}")
         # The host owner's files show as root here (9p cannot idmap): git must still trust
@@ -460,7 +463,7 @@ def boot_script(plan: BootPlan) -> str:
         target = q("/newroot" + path)
         lines.append(
             f"if [ -e {target} ]; then mount --bind {target} {target};"
-            f" mount -o remount,bind,ro {target}; fi"
+            f" mount -o remount,bind,ro,nosuid,nodev {target}; fi"
         )
     for path in plan.deny_read:
         target = q("/newroot" + path)
