@@ -20,6 +20,7 @@ import pytest
 
 from conftest import backend_policy
 from corral import Policy, PublishedPort, Sandbox, SyncSandbox
+from corral.audit import read_records
 from corral.errors import PolicyError, SandboxError
 from corral.net import PortInUse
 from corral.processes import Process
@@ -171,7 +172,8 @@ async def test_publish_works_in_the_other_network_modes(
 async def test_a_box_port_nobody_listens_on_closes_the_connection(
     tmp_path: Path, workspace: Path
 ) -> None:
-    policy = backend_policy(BACKEND, network={"publish": ["0:8000"]})
+    audit = tmp_path / "audit.jsonl"
+    policy = backend_policy(BACKEND, network={"publish": ["0:8000"]}, audit_log=audit)
     async with Sandbox(policy, workspace=workspace) as sb:
         port = sb.published[0].port_on_host
         # no hang: the client's connection ends (EOF or reset) at once
@@ -179,6 +181,9 @@ async def test_a_box_port_nobody_listens_on_closes_the_connection(
             assert await asyncio.to_thread(echo, port, b"anyone?") == b""
         await start_echo(sb)  # and a server started later is reached
         assert await asyncio.to_thread(echo, port, b"now\n") == b"now\n"
+    records = [r for r in read_records(audit) if r.get("protocol") == "publish"]
+    assert len(records) == 2, records
+    assert {(r["port"], r["box_port"]) for r in records} == {(port, 8000)}
 
 
 async def test_a_host_port_in_use_fails_the_start_clearly(workspace: Path) -> None:
@@ -189,6 +194,18 @@ async def test_a_host_port_in_use_fails_the_start_clearly(workspace: Path) -> No
             async with Sandbox(policy, workspace=workspace):
                 pass
         assert info.value.code == "invalid_input"
+
+
+async def test_info_and_the_sandbox_info_tool_name_the_published_ports(workspace: Path) -> None:
+    from corral.tools import Toolbox
+
+    policy = backend_policy(BACKEND, network={"publish": ["0:8000"]})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        where = str(sb.published[0])
+        assert where.startswith("127.0.0.1:") and where.endswith("->8000/tcp")
+        assert (await sb.info())["published"] == [where]
+        result = await Toolbox(sb).call("sandbox_info", {})
+        assert result["published"] == [where]
 
 
 async def test_every_interface_only_when_asked(workspace: Path) -> None:

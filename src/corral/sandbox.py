@@ -772,11 +772,15 @@ class Sandbox:
         return PendingExecStream(start, cmd if isinstance(cmd, str) else shlex.join(argv))
 
     async def info(self) -> dict[str, Any]:
-        """Kernel, hostname, cpus, memory of the box, plus its backend and limits."""
+        """Kernel, hostname, cpus, memory of the box, plus its backend and limits, and its
+        published ports (``"published": ["127.0.0.1:41234->8000/tcp"]``) when it has any."""
         reply, _ = await self._request("info")
         reply.pop("re", None)
         assert self._box is not None
-        return {**reply, **self._box.describe(), "workspace": str(self.workspace)}
+        info = {**reply, **self._box.describe(), "workspace": str(self.workspace)}
+        if self.published:
+            info["published"] = [str(p) for p in self.published]
+        return info
 
     def stats(self) -> BoxStats:
         """Resource use of the whole box (from its cgroup)."""

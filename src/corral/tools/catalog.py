@@ -200,7 +200,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         args=SandboxInfoArgs,
         result=r.SandboxInfoResult,
         read_only=True,
-        description="Describe the sandbox: kernel, cpus, memory, limits, workspace.",
+        description="Describe the sandbox: kernel, cpus, memory, limits, workspace, and the "
+        "host address of each published box port (a server there is what the user can reach).",
     ),
 )
 
