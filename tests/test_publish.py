@@ -298,3 +298,24 @@ def test_a_pool_refuses_a_fixed_host_port() -> None:
 
     with pytest.raises(PolicyError, match="host port 0"):
         SandboxPool(Policy(network={"publish": ["8080:8000"]}))
+
+
+async def test_clients_waiting_for_the_box_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no agent answering, at most MAX_WAITING host clients wait; more are closed."""
+    from corral.net import publish
+
+    monkeypatch.setattr(publish, "MAX_WAITING", 2)
+    publisher = publish.PortPublisher(PublishedPort.parse("0:8000"))
+    await publisher.listen()
+    try:
+        port = publisher.host_port
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        async with asyncio.timeout(10):
+            assert await reader.read() == b""  # closed at once
+        writer.close()
+        assert len(publisher._waiting) == 2
+        for _, w in held:
+            w.close()
+    finally:
+        await publisher.close()

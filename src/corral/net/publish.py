@@ -35,6 +35,9 @@ HELLO_TIMEOUT = 10.0
 """How long a new unix connection has to say what it is."""
 ANSWER_TIMEOUT = 30.0
 """How long a host client waits for the agent's data connection."""
+MAX_WAITING = 256
+"""Host clients waiting for the agent at once; more are closed at once (each one asks the
+agent for a connection and a thread, so a flood of them must not pile up in the box)."""
 CONTROL, DATA, REQUEST = b"C", b"D", b"\x01"
 
 _Client = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -86,6 +89,10 @@ class PortPublisher(UnixService):
 
     # ---- host clients ----------------------------------------------------------------------
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._waiting) >= MAX_WAITING:
+            writer.close()
+            self._record("error", reason=f"{MAX_WAITING} connections already wait for the box")
+            return
         client = (reader, writer)
         self._waiting.append(client)
         self._ask()
