@@ -68,6 +68,40 @@ async def test_an_owners_workspace_is_the_box_users(box_policy: Policy, workspac
     assert not _mnt_entries(sandbox_id)
 
 
+async def test_another_users_files_in_the_workspace_can_be_removed_as_on_the_host(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """Unmapped on-disk owners made ``rm`` fail with EOVERFLOW ("Value too large for defined
+    data type"); now the owner's directory decides, as on the host."""
+    os.chown(workspace, 4321, 4321)
+    for name in ("roots", "strangers"):
+        (workspace / name).write_text("x\n")
+    os.chown(workspace / "strangers", 1001, 1001)
+    (workspace / "theirs").mkdir()
+    (workspace / "theirs" / "f").write_text("x\n")
+    os.chown(workspace / "theirs", 1001, 1001)
+    async with Sandbox(box_policy, workspace=workspace) as sb:
+        r = await sb.run("stat -c %u strangers; rm -f roots && mv strangers moved && rm moved")
+        assert (r.exit_code, r.stdout) == (0, "65534\n"), r.stderr  # nobody, inside
+        r = await sb.run("rm theirs/f; chmod 777 theirs")
+        assert "Value too large" not in r.stderr and "Permission denied" in r.stderr
+        assert "Operation not permitted" in r.stderr
+    assert sorted(os.listdir(workspace)) == ["theirs"]
+    assert (workspace / "theirs" / "f").exists()
+
+
+def test_other_on_disk_ids_map_to_ids_no_box_holds() -> None:
+    text = idmap.id_map_text(4321, box_root=True)
+    lines = [tuple(map(int, line.split())) for line in text.splitlines()]
+    assert (4321, COMMAND_HOST_ID, 1) in lines
+    inside = sorted((a, a + n) for a, _, n in lines)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(inside, inside[1:], strict=False))
+    assert inside[0][0] == 0 and inside[-1][1] >= idmap.FOREIGN_COUNT
+    for a, b, n in lines:
+        assert b >= idmap.FOREIGN_BASE or (a, b) in ((4321, COMMAND_HOST_ID), (2_000_000,) * 2)
+        assert b + n <= 2**32 - 1
+
+
 async def test_allow_write_and_rw_mounts_are_idmapped_too(workspace: Path, tmp_path: Path) -> None:
     writable = tmp_path / "writable"
     writable.mkdir(mode=0o755)

@@ -60,8 +60,36 @@ def _syscall_for(path: str, nr: int, *args: object) -> int:
         raise OSError(exc.errno, exc.strerror, path) from None
 
 
+FOREIGN_BASE = 3_000_000_000
+"""On-disk ids other than the owner's (another host user's files in the workspace) appear
+on an idmapped mount as ``FOREIGN_BASE + id``: a host id nobody holds, mapped in no box
+(so a box shows them as nobody, 65534), but valid, so the box user may delete or rename them
+where it may write the directory, as any user may on the host. Unmapped, the kernel refused
+that with EOVERFLOW ("Value too large for defined data type")."""
+FOREIGN_COUNT = 1_000_000_000
+"""On-disk ids below this are mapped so (ids above it stay unmapped: EOVERFLOW)."""
+
+
+def id_map_text(owner: int, box_root: bool = False) -> str:
+    """uid_map/gid_map text of an idmapped mount's namespace: on-disk ``owner`` ->
+    COMMAND_HOST_ID (the box user), ``box_root``: HOST_UID_BASE -> itself (see
+    :func:`userns_fd`), every other on-disk id below :data:`FOREIGN_COUNT` ->
+    :data:`FOREIGN_BASE` + id."""
+    special = {owner: COMMAND_HOST_ID}
+    if box_root:
+        special[HOST_UID_BASE] = HOST_UID_BASE
+    lines = [f"{inside} {outside} 1\n" for inside, outside in sorted(special.items())]
+    start = 0
+    for inside in [*sorted(i for i in special if i < FOREIGN_COUNT), FOREIGN_COUNT]:
+        if inside > start:
+            lines.append(f"{start} {FOREIGN_BASE + start} {inside - start}\n")
+        start = inside + 1
+    return "".join(lines)
+
+
 def userns_fd(uid: int, gid: int, box_root: bool = False) -> int:
-    """A user namespace mapping on-disk ``uid``/``gid`` to COMMAND_HOST_ID.
+    """A user namespace mapping on-disk ``uid``/``gid`` to COMMAND_HOST_ID, and other
+    on-disk ids to :data:`FOREIGN_BASE` + id.
 
     ``box_root``: on-disk HOST_UID_BASE maps to itself too, so the box's root may create
     files (gVisor's file server, box root, creates every file, then chowns it to its creator:
@@ -83,9 +111,8 @@ def userns_fd(uid: int, gid: int, box_root: bool = False) -> int:
             assert proc.stdout is not None and proc.stdin is not None
             if not proc.stdout.readline():
                 raise OSError(f"unshare --user failed (exit {proc.wait()})")
-            root = f"{HOST_UID_BASE} {HOST_UID_BASE} 1\n" if box_root else ""
-            Path(f"/proc/{proc.pid}/uid_map").write_text(f"{uid} {COMMAND_HOST_ID} 1\n{root}")
-            Path(f"/proc/{proc.pid}/gid_map").write_text(f"{gid} {COMMAND_HOST_ID} 1\n{root}")
+            Path(f"/proc/{proc.pid}/uid_map").write_text(id_map_text(uid, box_root))
+            Path(f"/proc/{proc.pid}/gid_map").write_text(id_map_text(gid, box_root))
             fd = os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             if proc.stdin is not None:

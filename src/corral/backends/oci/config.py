@@ -4,7 +4,7 @@ The box looks exactly like a bwrap box (same layout from :mod:`corral.backends.l
 agent, same users), expressed in the OCI runtime spec so that runc, crun or runsc builds it::
 
     root.path          an empty per-box directory, read-only; only mount points live in it
-    mounts             /proc /dev /dev/pts /dev/shm /sys (read-only), the host's top-level
+    mounts             /proc /dev /dev/pts /dev/shm /sys (read-only), the host system's
                        entries read-only (their submounts too), /tmp /run /home tmpfs,
                        the agent, the workspace, then deny_write and deny_read covers
     linux.namespaces   user, pid, ipc, uts, mount, cgroup, network (empty, or a path
