@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -95,7 +96,7 @@ def test_other_on_disk_ids_map_to_ids_no_box_holds() -> None:
     lines = [tuple(map(int, line.split())) for line in text.splitlines()]
     assert (4321, COMMAND_HOST_ID, 1) in lines
     inside = sorted((a, a + n) for a, _, n in lines)
-    assert all(end <= nxt for (_, end), (nxt, _) in zip(inside, inside[1:], strict=False))
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(inside))
     assert inside[0][0] == 0 and inside[-1][1] >= idmap.FOREIGN_COUNT
     for a, b, n in lines:
         assert b >= idmap.FOREIGN_BASE or (a, b) in ((4321, COMMAND_HOST_ID), (2_000_000,) * 2)
