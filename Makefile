@@ -3,12 +3,31 @@ SHELL := /bin/bash
 PY := /usr/bin/python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static runsc
+APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static runsc uidmap
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-microvm test-runsc lint bench clean security-report
+# Unprivileged test users (tests/rootless/): one with subordinate ids, one without.
+ROOTLESS_USER := corral-rootless
+NOSUBID_USER := corral-nosubid
+ROOTLESS_SUBIDS := 100000:65536
 
-setup: $(STAMP)
+.PHONY: setup rootless-users demo test test-microvm test-runsc lint bench clean security-report
+
+setup: $(STAMP) rootless-users
+
+# Idempotent: each user is made once (no home, no login shell needed), the first gets a
+# subordinate uid and gid range for newuidmap/newgidmap, the second none. Skipped (with a
+# word) when make does not run as root: the rootless tests then skip too.
+rootless-users:
+	@if [ "$$(id -u)" != 0 ]; then echo "not root: test users $(ROOTLESS_USER)/$(NOSUBID_USER) not made"; exit 0; fi; \
+	for u in $(ROOTLESS_USER) $(NOSUBID_USER); do \
+	  getent passwd $$u >/dev/null || useradd --system --user-group --no-create-home --shell /bin/sh $$u; \
+	done; \
+	for f in /etc/subuid /etc/subgid; do \
+	  touch $$f; \
+	  grep -q '^$(ROOTLESS_USER):' $$f || echo '$(ROOTLESS_USER):$(ROOTLESS_SUBIDS)' >> $$f; \
+	  sed -i '/^$(NOSUBID_USER):/d' $$f; \
+	done
 
 $(STAMP): pyproject.toml
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
