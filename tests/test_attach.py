@@ -507,5 +507,14 @@ async def test_library_attach_refuses_bad_detach_keys_before_starting(sandbox: S
     with pytest.raises(SandboxError, match="invalid detach keys"):
         await sandbox.attach("sh", detach_keys="ctrl-")
     assert sandbox.sessions() == []
-    with pytest.raises(SandboxError, match="session"):
-        await sandbox.reattach("no-such-session")
+    r, w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        with pytest.raises(SandboxError, match="session"):
+            await sandbox.reattach("no-such-session", stdin=r)
+        with pytest.raises(SandboxError, match="/dev/null"):
+            await sandbox.attach_shell(stdin=null)
+    finally:
+        for fd in (r, w, null):
+            os.close(fd)
+    assert sandbox.sessions() == []

@@ -50,6 +50,7 @@ from corral.sessions.terminal import (
     DEFAULT_DETACH_KEYS,
     AttachOutcome,
     attach_terminal,
+    check_input,
     default_shell,
     parse_detach_keys,
     window_size,
@@ -692,6 +693,7 @@ class Sandbox:
         ``stdout`` are the terminal's file descriptors; input that is not a terminal is
         forwarded as it is, and its end detaches."""
         keys = parse_detach_keys(detach_keys)
+        check_input(stdin)
         line = command if isinstance(command, str) else shlex.join(to_argv(command))
         if not line.strip():
             raise _invalid("empty command")
@@ -712,6 +714,7 @@ class Sandbox:
         """:meth:`attach` to a shell: ``shell``, else bash when the box has it, else
         ``/bin/sh``."""
         parse_detach_keys(detach_keys)  # before anything starts
+        check_input(stdin)
         shell = shell or await default_shell(self.run)
         return await self.attach(
             shell, env=env, cwd=cwd, detach_keys=detach_keys, stdin=stdin, stdout=stdout
@@ -728,6 +731,7 @@ class Sandbox:
         """Bridge this process's terminal to a running session of this sandbox (one you
         detached from, or any :meth:`shell`), by the session or its id; see :meth:`attach`."""
         keys = parse_detach_keys(detach_keys)
+        check_input(stdin)
         found = self._sessions.get(session if isinstance(session, str) else session.session_id)
         return await self._bridge(found, keys, stdin, stdout)
 

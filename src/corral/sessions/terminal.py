@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import termios
 import threading
@@ -33,6 +34,7 @@ __all__ = [
     "AttachOutcome",
     "DetachDetector",
     "attach_terminal",
+    "check_input",
     "default_shell",
     "forward_window_changes",
     "parse_detach_keys",
@@ -118,6 +120,28 @@ class AttachOutcome:
     @property
     def detached(self) -> bool:
         return self.reason == "detached"
+
+
+def check_input(fd: int) -> None:
+    """Refuse input an event loop cannot wait on (a regular file, ``/dev/null``) before
+    anything starts: a terminal, a pipe or a socket is needed."""
+    poller = select.epoll()
+    try:
+        poller.register(fd, select.EPOLLIN)
+    except PermissionError:
+        raise errors.SandboxError(
+            f"attach reads keys from fd {fd}, which is a regular file or a device that cannot "
+            "be waited on (such as /dev/null); give a terminal, a pipe or a socket (for input "
+            "from a file use Sandbox.run(stdin=...) or spawn)",
+            code=errors.ErrorCode.INVALID_INPUT,
+        ) from None
+    except OSError as exc:
+        raise errors.SandboxError(
+            f"attach cannot read keys from fd {fd}: {exc.strerror or exc}",
+            code=errors.ErrorCode.INVALID_INPUT,
+        ) from None
+    finally:
+        poller.close()
 
 
 def window_size(fd: int) -> tuple[int, int]:
