@@ -33,6 +33,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -387,7 +388,11 @@ class BwrapBackend(BackendBase):
         # which then passes while the rest is prepared, bwrap starts and builds the mounts.
         held.cgroup, held.warnings = self._make_cgroup(spec, limits)
         if held.cgroup is not None:
-            held.primed = submit(cgroups.prime_migration, self.cgroup_support)
+            started = threading.Event()
+            held.primed = submit(cgroups.prime_migration, self.cgroup_support, started)
+            # Until the prime's thread is in its write (GIL released): this thread's Python
+            # work below would otherwise hold it back by a millisecond or more.
+            started.wait(0.05)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         masked_file, masked_dir, passwd = shared_files()
         held.owner = owner = ucounts.claim_owner(spec.sandbox_id)

@@ -343,7 +343,7 @@ def late_unenforced(group: Cgroup, plan: LimitPlan) -> list[str]:
     ]
 
 
-def prime_migration(support: CgroupSupport) -> None:
+def prime_migration(support: CgroupSupport, started: threading.Event | None = None) -> None:
     """Start the RCU grace period that the next move of a process between cgroups waits for,
     so that it passes while the caller does other work. Blocking (a thread's job).
 
@@ -353,31 +353,42 @@ def prime_migration(support: CgroupSupport) -> None:
     already in (the v1 ``tasks`` file, or the process to its own v2 group): no task changes
     group, but the grace period starts now, and a move made while it runs or just after it
     does not wait again.
+
+    ``started`` is set just before that write (or when there is nothing to write): a caller
+    that has more Python work to do waits for it, so the write is not held back by the GIL.
     """
+    try:
+        found = _own_group(support)
+    finally:
+        if started is not None:
+            started.set()
+    if found is not None:
+        with contextlib.suppress(OSError):
+            _write(*found)
+
+
+def _own_group(support: CgroupSupport) -> tuple[Path, str] | None:
+    """The file that adds this thread (v1) or process (v2) to its own group, and the id."""
     try:
         own = Path("/proc/thread-self/cgroup").read_text().splitlines()
     except OSError:
-        return
+        return None
     paths: dict[str, str] = {}
     for line in own:
         _, controllers, where = line.split(":", 2)
         for name in controllers.split(","):
             paths[name] = where
     if any(".." in where.split("/") for where in paths.values()):
-        return  # outside our cgroup namespace's view: nothing to re-add to
+        return None  # outside our cgroup namespace's view: nothing to re-add to
     if support.version == "v1":
         usable = [c for c in _V1_WANTED if c in support.mounts and c in paths]
         if not usable:
-            return
+            return None
         target = Path(support.mounts[usable[0]], paths[usable[0]].lstrip("/"), "tasks")
-        me = str(threading.get_native_id())
-    elif support.version == "v2" and "" in paths:
-        target = Path(support.root, paths[""].lstrip("/"), "cgroup.procs")
-        me = str(os.getpid())
-    else:
-        return
-    with contextlib.suppress(OSError):
-        _write(target, me)
+        return target, str(threading.get_native_id())
+    if support.version == "v2" and "" in paths:
+        return Path(support.root, paths[""].lstrip("/"), "cgroup.procs"), str(os.getpid())
+    return None
 
 
 def _swap_active() -> bool:
