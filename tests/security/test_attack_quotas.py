@@ -280,3 +280,78 @@ async def test_a_cap_on_a_host_directory_is_refused_plainly(
     with pytest.raises(PolicyError, match="host directory, which corral cannot cap"):
         async with Sandbox(policy, workspace=workspace):
             pass
+
+
+SYSV_FILL = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+IPC_PRIVATE, IPC_CREAT = 0, 0o1000
+counts = {}
+for name, make in (("shm", lambda: libc.shmget(IPC_PRIVATE, 4096, IPC_CREAT | 0o600)),
+                   ("sem", lambda: libc.semget(IPC_PRIVATE, 1, IPC_CREAT | 0o600)),
+                   ("msg", lambda: libc.msgget(IPC_PRIVATE, IPC_CREAT | 0o600))):
+    n = 0
+    while n < 40000 and make() >= 0:
+        n += 1
+    counts[name] = n
+print(counts["shm"], counts["sem"], counts["msg"], flush=True)
+sys.stdin.read()
+"""
+SYSV_ONE = (
+    "import ctypes; c = ctypes.CDLL(None); "
+    "print(min(c.shmget(0, 4096, 0o1600), c.semget(0, 1, 0o1600), c.msgget(0, 0o1600)) >= 0)"
+)
+
+
+async def test_sysv_ipc_of_one_box_leaves_the_others_theirs(
+    sandbox: Sandbox, other_box: Sandbox
+) -> None:
+    """SysV shared memory, semaphores and message queues are counted per IPC namespace, and
+    each box has its own: box A's identifiers run out, B's and the host's do not."""
+    host_kernel_only(sandbox)
+    proc, line = await hold(sandbox, SYSV_FILL)
+    try:
+        assert all(int(n) >= 1 for n in line.split()), line
+        r = await other_box.run(["python3", "-c", SYSV_ONE], timeout=30)
+        assert r.stdout == "True\n", r
+        ids = [libc.shmget(0, 4096, 0o1600), libc.semget(0, 1, 0o1600), libc.msgget(0, 0o1600)]
+        assert min(ids) >= 0, ids
+        libc.shmctl(ids[0], 0, None)  # IPC_RMID: the host's own, removed at once
+        libc.semctl(ids[1], 0, 0)
+        libc.msgctl(ids[2], 0, None)
+    finally:
+        await proc.kill()
+
+
+SIGQUEUE_FILL = r"""
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+class Val(ctypes.Union):
+    _fields_ = [("i", ctypes.c_int), ("p", ctypes.c_void_p)]
+n = 0
+while n < 1 << 20 and libc.sigqueue(os.getpid(), signal.SIGRTMIN, Val(0)) == 0:
+    n += 1
+print(n, ctypes.get_errno(), flush=True)
+sys.stdin.read()
+"""
+SIGQUEUE_ONE = (
+    "import ctypes, os, signal; signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN]); "
+    "print(ctypes.CDLL(None).sigqueue(os.getpid(), signal.SIGRTMIN, 0) == 0)"
+)
+
+
+async def test_queued_signals_of_one_box_leave_the_others_theirs(
+    sandbox: Sandbox, other_box: Sandbox
+) -> None:
+    """``RLIMIT_SIGPENDING`` is counted per user namespace owner up the chain, like message
+    queues: box A fills its queue, B and the host still queue signals."""
+    host_kernel_only(sandbox)
+    proc, line = await hold(sandbox, SIGQUEUE_FILL)
+    try:
+        count, errno_ = map(int, line.split())
+        assert count >= 1 and errno_ == 11, line  # EAGAIN: its own pending limit
+        r = await other_box.run(["python3", "-c", SIGQUEUE_ONE], timeout=30)
+        assert r.stdout == "True\n", r
+    finally:
+        await proc.kill()
