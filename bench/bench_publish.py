@@ -2,7 +2,7 @@
 
     python bench/bench_publish.py [--connections N] [--mib N]
 
-The same server script (sends N MiB of zeros to each connection) runs
+The same server script (sends one byte, then N MiB of zeros, to each connection) runs
   host       on the host's 127.0.0.1
   published  in a bwrap box with network mode ``none``, published on a free host port: the
              host listener -> the guest agent's dial-back over the unix socket -> the box's
@@ -32,6 +32,7 @@ while True:
     conn, _ = srv.accept()
     with conn:
         try:
+            conn.sendall(b"+")  # a first byte of its own: connect latency, not a chunk's copy
             for _ in range(int(sys.argv[2])):
                 conn.sendall(chunk)
         except OSError:
@@ -83,12 +84,21 @@ async def main(connections: int, mib: int) -> None:
             while not proc.output().strip():
                 await queue.get()
         port = sb.published[0].port_on_host
-        await asyncio.to_thread(measure, "published", port, connections)
+        # the client in a process of its own, as a user's would be (not sharing the GIL of
+        # the process that runs the sandbox and its relays)
+        client = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--client", str(port), "--connections", str(connections)
+        )
+        await client.wait()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--connections", type=int, default=50)
     parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--client", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    asyncio.run(main(args.connections, args.mib))
+    if args.client:
+        measure("published", args.client, args.connections)
+    else:
+        asyncio.run(main(args.connections, args.mib))

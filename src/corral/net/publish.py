@@ -46,6 +46,8 @@ _Client = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 class PortInUse(SandboxError):
     """The host port of a published port is taken (or cannot be bound)."""
 
+    code = ErrorCode.INVALID_INPUT
+
 
 class PortPublisher(UnixService):
     """Host side of one published port; see the module docstring."""
@@ -73,7 +75,7 @@ class PortPublisher(UnixService):
                 self._on_client, host, port, limit=RELAY_CHUNK
             )
         except OSError as exc:
-            raise PortInUse(_bind_problem(self.spec, exc), code=ErrorCode.INVALID_INPUT) from None
+            raise PortInUse(_bind_problem(self.spec, exc)) from None
         self.host_port = self._listener.sockets[0].getsockname()[1]
 
     async def serve(self, path: Path) -> None:
