@@ -356,3 +356,23 @@ def test_host_data_is_shown_where_the_policy_mounts_it() -> None:
     args = argv(policy)
     assert ("/srv/data", "/srv/data") in triples(args, "--ro-bind")
     assert unplaceable_mount(policy, fake_host()) is None  # /srv is the box's own directory
+
+
+def test_binds_in_writable_areas_can_come_from_descriptors() -> None:
+    args = ["bwrap", "--bind", "/ws", "/workspace", "--ro-bind", "/ws/.git", "/workspace/.git"]
+    args += ["--ro-bind", "/usr", "/usr", "--", "agent", "--bind", "/ws", "/x"]
+    assert bwrap_args.bind_sources(args) == ["/ws", "/ws/.git", "/usr"]
+    out = bwrap_args.binds_by_fd(args, {"/ws": 7, "/ws/.git": 8})
+    assert out[:10] == [
+        "bwrap",
+        "--bind-fd",
+        "7",
+        "/workspace",
+        "--ro-bind-fd",
+        "8",
+        "/workspace/.git",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
+    assert out[out.index("--") :] == args[args.index("--") :]  # the command is left alone

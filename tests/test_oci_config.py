@@ -15,7 +15,7 @@ from corral.backends.layout import HostView, Symlink
 from corral.backends.limits import Capabilities, plan_limits
 from corral.backends.oci import config as oci_config
 from corral.backends.oci.config import OciBundle, OciInputs, oci_bundle
-from corral.backends.users import HOST_UID_BASE
+from corral.backends.users import HOST_UID_BASE, OWNER_UID_BASE
 
 HOST_TOP = [
     "bin",
@@ -111,6 +111,16 @@ def test_every_namespace_is_new_and_the_network_empty() -> None:
 def test_a_prepared_network_namespace_is_joined() -> None:
     linux = bundle(netns_path="/run/netns/box").config["linux"]
     assert {"type": "network", "path": "/run/netns/box"} in linux["namespaces"]
+
+
+def test_a_namespace_made_by_its_own_owner_is_joined_with_box_root_mapped_to_it() -> None:
+    owner = OWNER_UID_BASE + 3
+    config = bundle(userns_path="/proc/1/fd/9", root_uid=owner).config
+    linux = config["linux"]
+    assert {"type": "user", "path": "/proc/1/fd/9"} in linux["namespaces"]
+    assert linux["uidMappings"][0] == {"containerID": 0, "hostID": owner, "size": 1}
+    assert linux["gidMappings"][0] == {"containerID": 0, "hostID": owner, "size": 1}
+    assert "rlimits" not in config["process"]  # runc's prlimit from outside: the agent's own
 
 
 def test_box_users_map_to_unprivileged_ids_and_the_workspace_owner() -> None:

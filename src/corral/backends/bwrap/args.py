@@ -177,8 +177,10 @@ _BY_FD = {"--bind": "--bind-fd", "--ro-bind": "--ro-bind-fd"}
 
 
 def bind_sources(argv: list[str]) -> list[str]:
-    """The host paths ``--bind`` and ``--ro-bind`` options of ``argv`` mount, in order."""
-    return [argv[i + 1] for i, arg in enumerate(argv[:-2]) if arg in _BY_FD]
+    """The host paths ``--bind`` and ``--ro-bind`` options of ``argv`` mount, in order
+    (bwrap's options only: nothing after ``--``)."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return [options[i + 1] for i, arg in enumerate(options[:-2]) if arg in _BY_FD]
 
 
 def binds_by_fd(argv: list[str], fds: Mapping[str, int]) -> list[str]:
