@@ -384,8 +384,10 @@ class ProcessTracking(_Model):
 class Policy(_Model):
     """Everything a sandbox may do. Immutable; build variants with ``model_copy(update=...)``."""
 
-    backend: Literal["bwrap", "oci", "microvm"] = "bwrap"
-    """``bwrap`` (default), ``oci`` (runc, crun or runsc) or ``microvm`` (qemu)."""
+    backend: Literal["bwrap", "bwrap-rootless", "oci", "microvm"] = "bwrap"
+    """``bwrap`` (default), ``oci`` (runc, crun or runsc) or ``microvm`` (qemu).
+    ``bwrap`` runs rootless when corral is not root; ``bwrap-rootless`` asks for that mode
+    anywhere (as root too, for tests)."""
     runtime: Literal["runc", "crun", "runsc"] | None = None
     """The OCI runtime of ``backend = "oci"``; default: the first that works here."""
     vm: VmPolicy = VmPolicy()

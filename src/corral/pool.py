@@ -50,6 +50,8 @@ def needs_fresh_box(policy: Policy) -> str | None:
     """Why boxes of this policy can't be pooled, or None."""
     if policy.backend != "bwrap":
         return f"the warm pool supports the bwrap backend, not {policy.backend!r}"
+    if os.geteuid() != 0:
+        return "the warm pool needs root (its staging mounts); rootless boxes start fresh"
     fs = policy.filesystem
     if policy.for_workspace("/") is not policy:
         return "relative allow_write or mount paths are resolved when a box starts"

@@ -86,8 +86,23 @@ class CharDevice:
             view = view[os.write(self.fd, view) :]
 
 
+def become_root(home: str) -> None:
+    """Take box root (rootless bwrap with subordinate ids: bwrap's own id is the command
+    user's, box uid 1000, and holds CAP_SETUID/CAP_SETGID only). First, as that user, make
+    its home in bwrap's /home (the user's here: box root could not write it); then drop the
+    host user's supplementary groups, which commands must not inherit."""
+    if home and not os.path.lexists(home):
+        os.mkdir(home, 0o755)
+        os.chmod(home, 0o755)  # whatever the umask
+    os.setgroups([])
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+
+
 class Agent:
     def __init__(self, config: dict[str, Any]) -> None:
+        if config.get("become_root"):
+            become_root(str(config.get("home") or ""))
         self.uid = int(config.get("uid", 1000))
         self.gid = int(config.get("gid", 1000))
         self.sock: socket.socket | CharDevice

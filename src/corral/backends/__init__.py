@@ -7,6 +7,7 @@ starting anything, why it cannot run here (used by ``corral doctor`` and the tes
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -20,22 +21,31 @@ if TYPE_CHECKING:
 # never loads the microVM code.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "bwrap": ("corral.backends.bwrap.box", "BwrapBackend"),
+    "bwrap-rootless": ("corral.backends.bwrap.rootless", "RootlessBwrapBackend"),
     "oci": ("corral.backends.oci.box", "OciBackend"),
     "microvm": ("corral.backends.microvm.box", "MicroVmBackend"),
 }
 
 
+def effective_backend(policy: Policy) -> str:
+    """The backend that runs ``policy``'s boxes: ``bwrap`` is ``bwrap-rootless`` when corral
+    is not root (an ordinary user: its boxes need no privilege, see
+    :mod:`corral.backends.bwrap.rootless`)."""
+    if policy.backend == "bwrap" and os.geteuid() != 0:
+        return "bwrap-rootless"
+    return policy.backend
+
+
 def backend_for(policy: Policy) -> Backend:
     """A ready backend for ``policy.backend`` (BackendUnavailable naming the fix if not)."""
-    module_name, class_name = _BACKENDS[policy.backend]
+    name = effective_backend(policy)
+    module_name, class_name = _BACKENDS[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise
-        raise BackendUnavailable(
-            f"the {policy.backend!r} backend is not part of this corral build"
-        ) from None
+        raise BackendUnavailable(f"the {name!r} backend is not part of this corral build") from None
     factory = getattr(module, class_name)
     backend: Backend = factory.for_policy(policy)
     return backend
@@ -44,7 +54,7 @@ def backend_for(policy: Policy) -> Backend:
 def backend_loaded(policy: Policy) -> bool:
     """Whether ``policy``'s backend module is imported already: :func:`backend_for` is then
     cheap enough for the event loop (the first call imports it and probes the host)."""
-    return _BACKENDS[policy.backend][0] in sys.modules
+    return _BACKENDS[effective_backend(policy)][0] in sys.modules
 
 
 def unavailable_reason(policy: Policy) -> str | None:

@@ -64,7 +64,7 @@ not raise it above the box's."""
 PAGE_SIZE = 4096
 """Memory limits are kept in whole pages by the kernel (x86-64 and arm64 with 4 KiB pages)."""
 
-Mechanism = Literal["cgroup v1", "cgroup v2", "guest cgroup v2", "none"]
+Mechanism = Literal["cgroup v1", "cgroup v2", "guest cgroup v2", "rlimits", "none"]
 Swap = Literal["capped", "inactive", "uncapped"]
 
 CGROUP_LIMITS = ("memory_bytes", "cpu_quota", "max_pids")
@@ -164,11 +164,15 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
     unenforced = {
         name
         for name in asked
-        if caps.mechanism == "none" or _CONTROLLER[name] not in caps.controllers
+        if caps.mechanism in ("none", "rlimits") or _CONTROLLER[name] not in caps.controllers
     }
-    for name in sorted(unenforced):
+    rlimits = _command_rlimits(limits)
+    silent: set[str] = set()
+    if caps.mechanism == "rlimits":
+        silent = _rlimit_fallback(limits, memory, rlimits, caps.reason, warnings)
+    for name in sorted(unenforced - silent):
         why = caps.reason or "no cgroups here"
-        if caps.mechanism != "none":
+        if caps.mechanism not in ("none", "rlimits"):
             why = f"no {_CONTROLLER[name]} controller ({caps.mechanism})"
         warnings.append(f"limits.{name} not enforced: {why}")
     memory_enforced = memory is not None and "memory_bytes" not in unenforced
@@ -178,7 +182,6 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
             "accounting (boot with swapaccount=1), so a box can page out past the limit"
         )
     pids = limits.max_pids
-    rlimits = _command_rlimits(limits)
     return LimitPlan(
         mechanism=caps.mechanism,
         memory_bytes=memory,
@@ -191,6 +194,33 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
         unenforced=frozenset(unenforced),
         warnings=tuple(warnings),
     )
+
+
+def _rlimit_fallback(
+    limits: Limits, memory: int | None, rlimits: dict[str, int], why: str, warnings: list[str]
+) -> set[str]:
+    """Without a cgroup (rootless, no delegated subtree): the cgroup limits each command can
+    still get as an rlimit of its own, a weaker bound each warning names; returns the ones
+    approximated (no cgroup enforces them, their warning is said here). A policy's own
+    ``rlimits`` value wins."""
+    unenforced: set[str] = set()
+    if memory is not None:
+        rlimits.setdefault("as", memory)
+        warnings.append(
+            f"limits.memory_bytes enforced per process only (RLIMIT_AS {rlimits['as']}: address "
+            f"space, not a cap on the whole box; {why})"
+        )
+    if limits.max_pids is not None:
+        rlimits.setdefault("nproc", limits.max_pids)
+        warnings.append(
+            f"limits.max_pids enforced as RLIMIT_NPROC {rlimits['nproc']} on the command user's "
+            f"processes in the box, not by a pids cgroup ({why})"
+        )
+    if memory is not None:
+        unenforced.add("memory_bytes")
+    if limits.max_pids is not None:
+        unenforced.add("max_pids")
+    return unenforced
 
 
 def _command_rlimits(limits: Limits) -> dict[str, int]:

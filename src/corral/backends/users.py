@@ -72,3 +72,21 @@ def group_text(gid: int) -> str:
     """The box's /etc/group: the agent's, ``tty`` (the owner group of the box's PTYs), the
     box user's and the overflow group."""
     return f"root:x:0:\ntty:x:5:\nuser:x:{gid}:\nnogroup:x:65534:\n"
+
+
+def rootless_ranges(user_id: int, sub_start: int | None) -> list[tuple[int, int, int]]:
+    """``(box id, host id, count)`` of a rootless box (bwrap run by an ordinary user).
+
+    With a subordinate range (``sub_start``, from ``/etc/subuid``/``/etc/subgid``) the box's
+    root and every other box id map onto it, and box id 1000 (commands) onto the user's own
+    id, as podman's ``keep-id``: what commands write in the workspace belongs to the user on
+    the host, and the agent is an id of its own that commands cannot signal or inspect.
+    Without one, the kernel maps a single id: box root is the user, and commands run as it
+    too (without capabilities)."""
+    if sub_start is None:
+        return [(0, user_id, 1)]
+    return [
+        (0, sub_start, BOX_UID),
+        (BOX_UID, user_id, 1),
+        (BOX_UID + 1, sub_start + BOX_UID, ID_RANGE - BOX_UID - 1),
+    ]

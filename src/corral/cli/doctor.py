@@ -48,10 +48,68 @@ def check_root() -> Check:
         return Check("privileges", True, "running as root: uid maps and cgroups can be set up")
     return Check(
         "privileges",
-        False,
-        "not root: the bwrap backend maps box users and creates cgroups as root",
-        "run corral as root (for example in a VM or container dedicated to agents)",
+        True,
+        "not root: boxes run rootless (backend bwrap-rootless); the checks 'rootless ...' "
+        "below say what differs from root mode",
     )
+
+
+def check_rootless() -> list[Check]:
+    """What an ordinary user's boxes get, each difference from root mode named with its fix."""
+    if os.geteuid() == 0:
+        return []
+    from corral.backends.bwrap.rootless import NO_CGROUP
+    from corral.backends.host import subids
+
+    found = subids.probe()
+    checks = []
+    if found.userns_problem is not None:
+        checks.append(Check("rootless user namespaces", False, found.userns_problem))
+    if found.mapped:
+        s = found.subids
+        checks.append(
+            Check(
+                "rootless ids",
+                True,
+                f"{found.user}: box root -> subordinate uid {s.uid_start} (gid {s.gid_start}), "
+                f"commands -> your own uid {found.uid}: files they write are yours; they cannot "
+                "signal or inspect the guest agent",
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "rootless ids",
+                False,
+                "single id mapping: commands run as the guest agent's id (no capabilities), so "
+                "a command can signal the agent and keeps your supplementary groups",
+                found.separation_problem or "",
+                required=False,
+            )
+        )
+    checks.append(
+        Check(
+            "rootless limits",
+            False,
+            f"{NO_CGROUP}: limits.memory_bytes -> RLIMIT_AS per process, limits.max_pids -> "
+            "RLIMIT_NPROC, limits.cpu_quota not enforced (each box lists these in warnings and "
+            "info()['unenforced'])",
+            "run corral as root for cgroup limits",
+            required=False,
+        )
+    )
+    checks.append(
+        Check(
+            "rootless differences",
+            False,
+            "network.mode 'full' is refused (its fence needs root); no warm pool; the box's "
+            "devpts is bwrap's (no PTY count cap); workspaces are not idmapped (commands act "
+            "as you in them)",
+            "run corral as root for these",
+            required=False,
+        )
+    )
+    return checks
 
 
 def check_userns() -> Check:
@@ -244,6 +302,7 @@ def run_checks() -> list[Check]:
     checks = [
         check_bwrap(),
         check_root(),
+        *check_rootless(),
         check_userns(),
         check_idmap(),
         check_cgroups(),

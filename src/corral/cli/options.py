@@ -89,7 +89,9 @@ def add_sandbox_options(p: argparse.ArgumentParser) -> None:
         help="take a --policy file that lies where the box can write (you review it each run)",
     )
     p.add_argument(
-        "--backend", choices=["bwrap", "oci", "microvm"], help="isolation backend (default: bwrap)"
+        "--backend",
+        choices=["bwrap", "bwrap-rootless", "oci", "microvm"],
+        help="isolation backend (default: bwrap; rootless when not root)",
     )
     p.add_argument(
         "--runtime",

@@ -150,7 +150,8 @@ class BoxNetwork:
         await listen_all(self.publishers)  # first: a host port in use fails the start at once
         self.host_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._started = True
-        os.chown(self.host_dir, self.box_root, self.box_root)
+        if os.geteuid() == 0:  # rootless: the directory is the user's, in its state root
+            os.chown(self.host_dir, self.box_root, self.box_root)
         self.host_dir.chmod(0o700)
         self.guest_dir.mkdir(mode=0o755, exist_ok=True)
         self.guest_dir.chmod(0o755)
@@ -175,7 +176,14 @@ class BoxNetwork:
             resolv.chmod(0o644)
 
     def _grant(self, socket_path: Path) -> None:
-        """Let the box's root and its user (see the module docstring) connect, no one else."""
+        """Let the box's root and its user (see the module docstring) connect, no one else.
+
+        Rootless (corral is not root): the sockets stay the user's, open to any id, since
+        box root is a subordinate id of the user's; they lie in the user's 0700 state
+        directory, which no other host user can enter."""
+        if os.geteuid() != 0:
+            socket_path.chmod(0o666)
+            return
         os.chown(socket_path, self.box_root, self.box_user_gid)
         socket_path.chmod(SOCKET_MODE)
 
@@ -188,7 +196,7 @@ class BoxNetwork:
         self.box_root, self.box_user_gid = uid, gid
         if namespace_owner is not None and self.nat is not None:
             self.nat.runas = namespace_owner
-        if self._started:
+        if self._started and os.geteuid() == 0:
             os.chown(self.host_dir, uid, uid)
             for path in self.guest_dir.iterdir():
                 if path.is_socket():

@@ -20,13 +20,32 @@ BOX_PREFIX = "cb-"
 
 def state_root() -> Path:
     """Where every backend keeps per-box state (``boxes/<id>``) for the orphan sweep."""
-    return Path(os.environ.get("CORRAL_STATE_DIR", "/run/corral"))
+    explicit = os.environ.get("CORRAL_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    if os.geteuid() == 0:
+        return Path("/run/corral")
+    # An ordinary user (rootless): its runtime directory, else its own one in /tmp (the
+    # rootless backend refuses one another user made).
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.geteuid():
+        return Path(runtime, "corral")
+    return Path(f"/tmp/corral-{os.geteuid()}")
 
 
 def cache_root() -> Path:
     """Where derived files that outlive boxes and reboots live (the microVM's kernel,
     initramfs and snapshots): each is keyed on its inputs and rebuilt when they change."""
-    return Path(os.environ.get("CORRAL_CACHE_DIR", "/var/cache/corral"))
+    explicit = os.environ.get("CORRAL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    if os.geteuid() == 0:
+        return Path("/var/cache/corral")
+    home = os.path.expanduser("~")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+    if os.access(cache, os.W_OK) or os.access(home, os.W_OK):
+        return Path(cache, "corral")
+    return state_root() / "cache"  # a user without a home (a system or CI account)
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,0 +1,338 @@
+"""The bwrap backend for an ordinary user (rootless): ``backend="bwrap"`` when corral is not
+root, and ``backend="bwrap-rootless"`` anywhere (tests run it as root too).
+
+What changes from root mode (:mod:`corral.backends.bwrap.box`), and why:
+
+- **ids.** bwrap runs as the user, who owns the box's user namespace. With subordinate ids
+  (``/etc/subuid``, ``/etc/subgid``) and ``newuidmap``/``newgidmap`` the host maps box root
+  and the other box ids onto the user's subordinate range and box uid 1000 (commands) onto
+  the user (:func:`corral.backends.users.rootless_ranges`): files commands write in the
+  workspace belong to the user, and the agent is an id commands cannot signal or inspect.
+  bwrap's own process is then box uid 1000, so the agent takes box root itself at start
+  (``become_root``: it holds CAP_SETUID/CAP_SETGID, drops the user's supplementary groups,
+  and keeps no other capability). Without subordinate ids the kernel maps one id: box root is
+  the user and commands run as box root too, with no capability at all (bwrap's
+  ``--cap-drop ALL``); a command can then signal the agent: a warning says so.
+- **limits.** No cgroup (a user cannot create one without a delegated subtree): the
+  planner's ``rlimits`` fallback (RLIMIT_AS for memory, RLIMIT_NPROC for processes, the
+  timeout for time; a CPU quota is not enforced) and a warning per limit.
+- **no host-side mounts.** No idmapped workspace, no capped devpts of the host's making
+  (bwrap's own devpts), no warm pool (its staging mounts are root's).
+- **network.** ``none``, ``allowlist``, ``ports`` and published ports (their sockets are the
+  user's); ``full`` needs root's nftables fence and is refused.
+
+Everything else is root mode's: the same bwrap options (read-only host root, masks of the
+user's own credentials, private /tmp, seccomp, no new privileges), the same agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import posixpath
+import shutil
+import socket
+import stat
+from pathlib import Path
+from typing import Any, ClassVar
+
+from corral.backends.base import AGENT_DIR, BackendBase, BoxSpec, agent_config, kill_child
+from corral.backends.bwrap import args as bwrap_args
+from corral.backends.bwrap.box import (
+    BwrapBackend,
+    BwrapBox,
+    _bwrap_stderr,
+    _Held,
+    _read_info,
+)
+from corral.backends.host import idmap, safepath, seccomp, subids
+from corral.backends.host.boxfiles import shared_files
+from corral.backends.host.python import ensure_agent_compiled, find_python
+from corral.backends.host.state import state_root, write_owner
+from corral.backends.host.threads import blocking
+from corral.backends.layout import (
+    GUEST_AGENT_DIR,
+    SYSTEM_PATH,
+    Bind,
+    HostView,
+    unplaceable_mount,
+)
+from corral.backends.limits import Capabilities, LimitPlan, agent_rlimits, plan_limits
+from corral.backends.users import BOX_UID, rootless_ranges
+from corral.errors import BackendError, BackendUnavailable, PolicyError
+
+NO_CGROUP = (
+    "rootless: no delegated cgroup for this user, so each command gets an rlimit instead "
+    "and the timeout bounds time"
+)
+SINGLE_ID_WARNING = (
+    "rootless without subordinate ids: commands run as the box's root id (no capabilities), "
+    "the same id as the guest agent, so a command can signal the agent (end its own box) and "
+    "keeps the user's supplementary groups; {why}"
+)
+
+
+def _private_dir(path: Path) -> None:
+    """Make ``path`` (the state root) the user's own, mode 0700, refusing one that another
+    user made first (``/tmp`` is shared: a directory planted there would see every box)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise BackendUnavailable(
+            f"corral's state directory {path} is not a directory of this user: remove it, or "
+            "set CORRAL_STATE_DIR to a directory only you can write"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _map_argv(tool: str, pid: int, ranges: list[tuple[int, int, int]]) -> list[str]:
+    return [tool, str(pid), *(str(n) for r in ranges for n in r)]
+
+
+def rootless_argv(argv: list[str], mapped: bool) -> list[str]:
+    """Root mode's bwrap options made a rootless box's: bwrap's own uid is box uid 1000 when
+    subordinate ids are mapped (the agent takes box root itself), and with one id mapped the
+    box keeps no capability at all (no second id to switch to)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg in ("--uid", "--gid") and mapped:
+            out += [arg, str(BOX_UID)]
+            i += 2
+            continue
+        if arg == "--cap-add" and not mapped:
+            i += 2
+            continue
+        if arg == "--ro-bind" and argv[i + 2 : i + 3] == [GUEST_AGENT_DIR] and mapped:
+            # Its parent would be bwrap's, 0700: box root (the agent) could not enter it.
+            out += ["--perms", "0755", "--dir", posixpath.dirname(GUEST_AGENT_DIR)]
+        out.append(arg)
+        i += 1
+    return out
+
+
+class RootlessBwrapBox(BwrapBox):
+    backend = "bwrap-rootless"
+    rootless: dict[str, str]
+
+    def _facts(self) -> dict[str, Any]:
+        """``info()["rootless"]``: how commands are separated from the agent, and what
+        enforces the limits (the warnings say what that leaves unenforced)."""
+        return {**super()._facts(), "rootless": dict(self.rootless)}
+
+
+class RootlessBwrapBackend(BackendBase):
+    name = "bwrap-rootless"
+
+    _found: ClassVar[RootlessBwrapBackend | None] = None
+
+    @classmethod
+    def for_policy(cls, policy: object) -> RootlessBwrapBackend:
+        if cls._found is None:
+            cls._found = cls()
+        return cls._found
+
+    def __init__(self) -> None:
+        if os.geteuid() == 0:
+            raise BackendUnavailable(
+                "the bwrap-rootless backend runs as an ordinary user (its commands act as that "
+                "user on the host): as root use backend 'bwrap', or run corral as that user "
+                "(e.g. runuser -u USER -- corral ...)"
+            )
+        self.bwrap = shutil.which("bwrap")
+        if self.bwrap is None:
+            raise BackendUnavailable(
+                "bubblewrap (bwrap) is not installed; as root run once: apt-get install bubblewrap"
+            )
+        if os.stat(self.bwrap).st_mode & stat.S_ISUID:
+            raise BackendUnavailable(
+                f"{self.bwrap} is setuid root, which refuses the options corral's rootless mode "
+                f"needs (--userns-block-fd); as root run once: chmod u-s {self.bwrap}"
+            )
+        self.probe = subids.probe()
+        if self.probe.userns_problem is not None:
+            raise BackendUnavailable(f"rootless bwrap: {self.probe.userns_problem}")
+        self.python = find_python()
+        self.limit_caps = Capabilities("rlimits", controllers=frozenset(), reason=NO_CGROUP)
+        self.warnings: tuple[str, ...] = ()
+        if not self.probe.mapped:
+            self.warnings = (SINGLE_ID_WARNING.format(why=self.probe.separation_problem),)
+
+    def sweep_orphans(self) -> list[str]:
+        from corral.backends.bwrap.box import sweep_orphans
+
+        return sweep_orphans(None)
+
+    async def start(self, spec: BoxSpec) -> BwrapBox:
+        policy = spec.policy
+        if policy.network.mode == "full":
+            raise PolicyError(
+                "network.mode 'full' needs root (its nftables fence is set up by root) and is "
+                "not available rootless; use 'allowlist' with the hosts the box needs"
+            )
+        await blocking(_private_dir, state_root())
+        await self.prepare()
+        await ensure_agent_compiled(AGENT_DIR, self.python)
+        problem = unplaceable_mount(policy)
+        if problem is not None:
+            raise PolicyError(problem)
+        limits = plan_limits(policy.limits, self.limit_caps)
+        held = _Held()
+        host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        info_r, info_w = os.pipe()
+        block_r, block_w = os.pipe()
+        sec_r, sec_w = os.pipe()
+        fds = bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r)
+        proc: asyncio.subprocess.Process | None = None
+        try:
+            argv = await blocking(
+                self._prepare_box, spec, limits, held, fds, sec_w, guest_end.fileno()
+            )
+            sec_w = -1
+            pass_fds = (guest_end.fileno(), info_w, block_r, sec_r, held.args_fd, *held.bind_fds)
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                pass_fds=pass_fds,
+                env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+                start_new_session=True,
+            )
+            held.close_bind_fds()
+            for fd in (held.args_fd, info_w, block_r, sec_r):
+                os.close(fd)
+            held.args_fd = info_w = block_r = sec_r = -1
+            info = await _read_info(info_r, proc)
+            info_r = -1
+            child = int(info["child-pid"])
+            write_owner(spec.state_dir, "bwrap", bwrap_pid=proc.pid)
+            await self._map_ids(child, proc)
+            os.write(block_w, b"1")  # bwrap builds the mounts, then execs the agent
+        except BaseException:
+            if proc is not None and proc.returncode is None:
+                kill_child(proc)
+                await proc.wait()
+            host_end.close()
+            await blocking(held.release, spec)
+            raise
+        finally:
+            guest_end.close()
+            for fd in (info_r, info_w, block_r, block_w, sec_r, sec_w):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            if held.args_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(held.args_fd)
+        host_end.setblocking(False)
+        box = RootlessBwrapBox(spec, proc, host_end, None, tuple(held.warnings), limits)
+        box.rootless = {
+            "ids": "subordinate" if self.probe.mapped else "single",
+            "limits": "rlimits",
+        }
+        return box
+
+    async def _map_ids(self, child: int, proc: asyncio.subprocess.Process) -> None:
+        """Write the box's uid and gid maps: through newuidmap/newgidmap (subordinate ids),
+        or the one id the kernel lets the user map itself."""
+        p = self.probe
+        if not p.mapped:
+            await blocking(self._map_single, child)
+            return
+        assert p.newuidmap and p.newgidmap
+        jobs = [
+            (p.newuidmap, rootless_ranges(os.getuid(), p.subids.uid_start)),
+            (p.newgidmap, rootless_ranges(os.getgid(), p.subids.gid_start)),
+        ]
+        runs = [
+            await asyncio.create_subprocess_exec(
+                *_map_argv(tool, child, ranges),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+            )
+            for tool, ranges in jobs
+        ]
+        for (tool, _), run in zip(jobs, runs, strict=True):
+            _, err = await run.communicate()
+            if run.returncode != 0:
+                said = err.decode(errors="replace").strip() or await _bwrap_stderr(proc)
+                raise BackendError(
+                    f"{os.path.basename(tool)} could not map the box's ids ({said}); check the "
+                    f"ranges of {self.probe.user} in /etc/subuid and /etc/subgid "
+                    "(`corral doctor` says what it found)"
+                )
+
+    @staticmethod
+    def _map_single(child: int) -> None:
+        Path(f"/proc/{child}/uid_map").write_text(f"0 {os.getuid()} 1\n")
+        Path(f"/proc/{child}/setgroups").write_text("deny")
+        Path(f"/proc/{child}/gid_map").write_text(f"0 {os.getgid()} 1\n")
+
+    def _prepare_box(
+        self,
+        spec: BoxSpec,
+        limits: LimitPlan,
+        held: _Held,
+        fds: bwrap_args.BwrapFds,
+        sec_w: int,
+        channel_fd: int,
+    ) -> list[str]:
+        """Everything before bwrap runs (blocking); what it makes goes into ``held``."""
+        policy = spec.policy
+        try:
+            os.write(sec_w, seccomp.build_filter(policy.security.preset))
+        finally:
+            os.close(sec_w)
+        held.warnings = [*limits.warnings, *self.warnings]
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
+        masked_file, masked_dir, passwd = shared_files()
+        mapped = self.probe.mapped
+        # Commands are box uid 1000 (the user on the host) or, with one id, box root.
+        box_id = BOX_UID if mapped else 0
+        held.shared = shared = idmap.SharedPaths(spec.workspace, uid=os.getuid(), gid=os.getgid())
+        config = {**agent_config(spec, uid=box_id, gid=box_id), "fd": channel_fd}
+        config["rlimits"] = {
+            **agent_rlimits(policy.limits),
+            **{k: v for k, v in limits.rlimits.items() if k in ("as", "nproc")},
+        }
+        if mapped:
+            config["become_root"] = True
+        net = spec.network
+        if net is not None:
+            config["forwarders"] = net.forwarders()
+            config["publishers"] = net.publishers_config()
+            net.admit(os.getuid(), os.getgid())
+        inputs = bwrap_args.BwrapInputs(
+            workspace=spec.workspace,
+            agent_dir=AGENT_DIR,
+            python=self.python,
+            masked_file=masked_file,
+            masked_dir=masked_dir,
+            passwd_file=passwd,
+            fds=fds,
+            agent_args=(json.dumps(config, separators=(",", ":")),),
+            extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
+            sources=shared.sources,
+        )
+        make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
+        argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
+        argv = rootless_argv(argv, mapped)
+        if not mapped:
+            argv[1:1] = ["--cap-drop", "ALL"]
+        argv = BwrapBackend._binds_by_fd(spec, shared, argv, held)
+        argv[0] = self.bwrap or "bwrap"
+        argv, options = bwrap_args.hide_options(argv)
+        held.args_fd = os.memfd_create("corral-bwrap-args", os.MFD_CLOEXEC)
+        os.write(held.args_fd, options)
+        os.lseek(held.args_fd, 0, os.SEEK_SET)
+        argv[2] = str(held.args_fd)
+        return argv
