@@ -43,7 +43,7 @@ def test_with_subordinate_ids_commands_are_the_user_and_the_rest_subordinate() -
     # Every box id is mapped once, and no host id twice; all but the user's fit the range.
     assert sum(count for _, _, count in ranges) == ID_RANGE
     subordinate = [(host, count) for box, host, count in ranges if box != BOX_UID]
-    assert all(100000 <= host and host + count <= 100000 + 65536 for host, count in subordinate)
+    assert all(host >= 100000 and host + count <= 100000 + 65536 for host, count in subordinate)
 
 
 def test_without_subordinate_ids_one_id_is_mapped() -> None:
