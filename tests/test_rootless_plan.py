@@ -6,6 +6,8 @@ switches to it)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,9 +124,9 @@ def test_disabled_user_namespaces_are_named_with_the_root_command_that_fixes_the
 def test_missing_helpers_and_ranges_are_named_with_their_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(subids.shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)
     assert "apt-get install uidmap" in (subids.probe().separation_problem or "")
-    monkeypatch.setattr(subids.shutil, "which", lambda name, **k: f"/usr/bin/{name}")
+    monkeypatch.setattr(shutil, "which", lambda name, **k: f"/usr/bin/{name}")
     monkeypatch.setattr(subids, "read_subids", lambda user, uid: subids.SubIds(None, 0, 5, 65536))
     problem = subids.probe().separation_problem or ""
     assert "/etc/subuid" in problem and "/etc/subgid" not in problem
@@ -132,10 +134,8 @@ def test_missing_helpers_and_ranges_are_named_with_their_fix(
 
 
 def test_bwrap_means_rootless_for_an_ordinary_user(monkeypatch: pytest.MonkeyPatch) -> None:
-    import corral.backends as backends
-
-    monkeypatch.setattr(backends.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert effective_backend(Policy()) == "bwrap-rootless"
     assert effective_backend(Policy(backend="oci")) == "oci"
-    monkeypatch.setattr(backends.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert effective_backend(Policy()) == "bwrap"

@@ -35,18 +35,13 @@ import posixpath
 import shutil
 import socket
 import stat
+import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from corral.backends.base import AGENT_DIR, BackendBase, BoxSpec, agent_config, kill_child
+from corral.backends.base import AGENT_DIR, BackendBase, BoxSpec, agent_config
 from corral.backends.bwrap import args as bwrap_args
-from corral.backends.bwrap.box import (
-    BwrapBackend,
-    BwrapBox,
-    _bwrap_stderr,
-    _Held,
-    _read_info,
-)
+from corral.backends.bwrap.box import BwrapBackend, BwrapBox, _Bwrap, _Held, _read_info
 from corral.backends.host import idmap, safepath, seccomp, subids
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
@@ -189,36 +184,29 @@ class RootlessBwrapBackend(BackendBase):
         block_r, block_w = os.pipe()
         sec_r, sec_w = os.pipe()
         fds = bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r)
-        proc: asyncio.subprocess.Process | None = None
+        proc: _Bwrap | None = None
         try:
             argv = await blocking(
                 self._prepare_box, spec, limits, held, fds, sec_w, guest_end.fileno()
             )
             sec_w = -1
             pass_fds = (guest_end.fileno(), info_w, block_r, sec_r, held.args_fd, *held.bind_fds)
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=pass_fds,
-                env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
-                start_new_session=True,
-            )
+            proc = self._spawn(argv, pass_fds)
             held.close_bind_fds()
             for fd in (held.args_fd, info_w, block_r, sec_r):
                 os.close(fd)
             held.args_fd = info_w = block_r = sec_r = -1
-            info = await _read_info(info_r, proc)
-            info_r = -1
+            fd, info_r = info_r, -1
+            info = await _read_info(fd, proc)
             child = int(info["child-pid"])
             write_owner(spec.state_dir, "bwrap", bwrap_pid=proc.pid)
             await self._map_ids(child, proc)
             os.write(block_w, b"1")  # bwrap builds the mounts, then execs the agent
         except BaseException:
-            if proc is not None and proc.returncode is None:
-                kill_child(proc)
+            if proc is not None:
+                proc.kill()
                 await proc.wait()
+                proc.close()
             host_end.close()
             await blocking(held.release, spec)
             raise
@@ -239,7 +227,26 @@ class RootlessBwrapBackend(BackendBase):
         }
         return box
 
-    async def _map_ids(self, child: int, proc: asyncio.subprocess.Process) -> None:
+    @staticmethod
+    def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> _Bwrap:
+        """Start bwrap as this user (``Popen`` on the loop: vfork + exec, see ``_Bwrap``)."""
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=pass_fds,
+            env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+            start_new_session=True,
+        )
+        try:
+            return _Bwrap(popen)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+
+    async def _map_ids(self, child: int, proc: _Bwrap) -> None:
         """Write the box's uid and gid maps: through newuidmap/newgidmap (subordinate ids),
         or the one id the kernel lets the user map itself."""
         p = self.probe
@@ -264,7 +271,7 @@ class RootlessBwrapBackend(BackendBase):
         for (tool, _), run in zip(jobs, runs, strict=True):
             _, err = await run.communicate()
             if run.returncode != 0:
-                said = err.decode(errors="replace").strip() or await _bwrap_stderr(proc)
+                said = err.decode(errors="replace").strip() or await proc.stderr()
                 raise BackendError(
                     f"{os.path.basename(tool)} could not map the box's ids ({said}); check the "
                     f"ranges of {self.probe.user} in /etc/subuid and /etc/subgid "
