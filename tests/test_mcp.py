@@ -256,6 +256,11 @@ async def test_http_session_gets_a_sandbox_closed_at_session_end(
             assert (
                 await call(client, "wait_for_process", {"pid": job["pid"], "timeout_ms": 5000})
             )["exit_code"] == 0
+            # How the command ended and the timeout in effect, checked against the schema.
+            [run] = [t for t in listed if t.name == "run_command"]
+            assert {"ended", "timeout_secs"} <= set(run.output_schema["properties"])  # type: ignore[index]
+            done = await call(client, "run_command", {"command": "exit 3", "timeout_secs": 9})
+            assert (done["exit_code"], done["ended"], done["timeout_secs"]) == (3, "exited", 9)
             assert len(app.sessions) == 1
         assert len(app.sessions) == 0
 

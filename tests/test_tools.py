@@ -33,8 +33,20 @@ async def test_run_command_oneshot_returns_the_spec_shape(sandbox: Sandbox) -> N
     result = await box(sandbox).call(
         "run_command", {"command": "sh", "args": ["-c", "echo out; echo err >&2; exit 3"]}
     )
-    assert set(result) == {"pid", "exit_code", "timed_out", "stdout", "stderr"}
+    assert set(result) == {
+        "pid", "exit_code", "ended", "timed_out", "timeout_secs", "stdout", "stderr"
+    }  # fmt: skip
     assert (result["exit_code"], result["stdout"], result["stderr"]) == (3, "out\n", "err\n")
+    assert (result["ended"], result["timeout_secs"]) == ("exited", 60)  # the tool's default
+
+
+async def test_run_command_reports_a_signal_and_the_policy_timeout(
+    box_policy: Policy, workspace: Path
+) -> None:
+    limits = box_policy.limits.model_copy(update={"exec_timeout_secs": 45.0})
+    async with Sandbox(box_policy.model_copy(update={"limits": limits}), workspace=workspace) as sb:
+        result = await box(sb).call("run_command", {"command": "kill -USR1 $$"})
+    assert (result["exit_code"], result["ended"], result["timeout_secs"]) == (-10, "signalled", 45)
 
 
 async def test_run_command_timeout_kills_and_reports_timed_out(sandbox: Sandbox) -> None:
@@ -42,6 +54,7 @@ async def test_run_command_timeout_kills_and_reports_timed_out(sandbox: Sandbox)
         "run_command", {"command": "echo started; sleep 30", "timeout_secs": 0.3}
     )
     assert result["timed_out"] is True
+    assert (result["ended"], result["timeout_secs"]) == ("timed_out", 0.3)
     assert result["stdout"] == "started\n"
 
 

@@ -63,7 +63,9 @@ TOOLS: tuple[ToolSpec, ...] = (
         read_only=False,
         destructive=True,
         description="Run a command in the sandbox. wait=true (default) blocks until it exits "
-        "and returns pid, exit_code, timed_out, stdout, stderr: one call, one answer. wait=false "
+        "and returns pid, exit_code, ended (exited, signalled, timed_out, oom_killed, lost), "
+        "timed_out, timeout_secs (the timeout in effect), stdout, stderr: one call, one answer. "
+        "wait=false "
         "returns {pid, status: 'running'} at once for long jobs." + _WHEN,
     ),
     ToolSpec(

@@ -114,7 +114,9 @@ class Handlers:
         out = r.RunCommandResult(
             pid=done.pid,
             exit_code=done.exit_code,
+            ended=done.ended,
             timed_out=done.timed_out,
+            timeout_secs=done.timeout,
             stdout=done.stdout,
             stderr=done.stderr,
         )

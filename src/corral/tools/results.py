@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from corral.models import Ending
+
 __all__ = [
     "Approval",
     "BatchStepResult",
@@ -95,14 +97,27 @@ class NetworkRefusalResult(_Part):
 
 
 class RunCommandResult(ToolResult):
-    """``wait=true``: pid, exit_code, timed_out, stdout, stderr. ``wait=false``: pid,
-    ``status: "running"`` and a hint."""
+    """``wait=true``: pid, exit_code, ended, timed_out, timeout_secs, stdout, stderr.
+    ``wait=false``: pid, ``status: "running"`` and a hint."""
 
     pid: int
     status: Literal["running"] | None = None
     hint: str | None = None
-    exit_code: int | None = None
+    exit_code: int | None = Field(
+        default=None, description="The exit status; -N when a signal N ended the command."
+    )
+    ended: Ending | None = Field(
+        default=None,
+        description="How the command ended: exited (by itself, any status), signalled, "
+        "timed_out (SIGTERM, then SIGKILL after the policy's grace), oom_killed, lost (the "
+        "sandbox died).",
+    )
     timed_out: bool | None = None
+    timeout_secs: float | None = Field(
+        default=None,
+        description="The timeout in effect: the call's timeout_secs, else the policy's "
+        "exec_timeout_secs, else the tool's default.",
+    )
     stdout: str | None = None
     stderr: str | None = None
     oom_killed: bool | None = Field(default=None, description="Present (true) after an OOM kill.")
