@@ -7,6 +7,7 @@ the box afterwards is checked from inside the box.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -139,3 +140,91 @@ async def test_the_result_reports_the_effective_timeout_and_the_ending(
 def test_the_grace_is_validated_and_named(grace: object) -> None:
     with pytest.raises(PolicyError, match="kill_grace_secs"):
         Policy.from_dict({"limits": {"kill_grace_secs": grace}})
+
+
+# ---- leaving early: the stream's block, a shell's close, the sandbox's close ----------------
+
+
+async def test_leaving_a_stream_early_sends_term_then_kill_after_the_grace(box: Sandbox) -> None:
+    loop = asyncio.get_running_loop()
+    async with box.exec_stream(["sh", "-c", STUBBORN]) as stream:
+        await wait_for_file(box, "/workspace/pid")
+        left = loop.time()
+    assert loop.time() - left >= GRACE  # the SIGKILL waited for the grace
+    assert (stream.exit_code, stream.process.ended) == (-9, "signalled")
+    assert await box.files.read_text("order") == "TERM\n"
+    assert await left_over(box) == 0
+
+
+async def test_leaving_a_stream_early_lets_a_command_end_on_term(box: Sandbox) -> None:
+    async with box.exec_stream(["sleep", "30"]) as stream:
+        pass
+    assert stream.exit_code == -15
+
+
+async def test_closing_a_shell_terms_its_job_then_kills_after_the_grace(box: Sandbox) -> None:
+    sh = await box.shell()
+    # A job that ignores the hang-up and logs the SIGTERM: only the SIGKILL ends it.
+    await sh.write("sh -c \"trap '' HUP; " + STUBBORN.replace('"', '\\"') + '"\n')
+    await wait_for_file(box, "/workspace/pid")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await sh.close(GRACE)
+    assert loop.time() - started >= GRACE
+    assert await box.files.read_text("order") == "TERM\n"
+    assert await left_over(box) == 0
+
+
+async def test_closing_an_idle_shell_does_not_wait_for_the_grace(
+    box_policy: Policy, workspace: Path
+) -> None:
+    limits = box_policy.limits.model_copy(update={"kill_grace_secs": 30.0})
+    async with Sandbox(box_policy.model_copy(update={"limits": limits}), workspace=workspace) as sb:
+        sh = await sb.shell()
+        async with asyncio.timeout(10):  # the hang-up ends the shell; no 30 s grace
+            await sh.close()
+            await sb.aclose()  # no shell left: nothing to wait for either
+
+
+async def test_closing_the_sandbox_terms_everything_with_one_grace_for_all(
+    box_policy: Policy, workspace: Path
+) -> None:
+    grace, count = 1.0, 5
+    limits = box_policy.limits.model_copy(update={"kill_grace_secs": grace})
+    sb = Sandbox(box_policy.model_copy(update={"limits": limits}), workspace=workspace)
+    await sb.start()
+    try:
+        procs = [
+            await sb.spawn(["sh", "-c", STUBBORN.replace("/workspace/pid", f"/workspace/pid{n}")])
+            for n in range(count)
+        ]
+        shell = await sb.shell()  # an idle shell ignores SIGTERM; the hang-up ends it
+        for n in range(count):
+            await wait_for_file(sb, f"/workspace/pid{n}")
+    finally:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await sb.aclose()
+    took = loop.time() - started
+    assert grace <= took < grace + 2.5  # one grace for all five, not five in a row
+    assert (workspace / "order").read_text() == "TERM\n" * count
+    assert [(p.exit_code, p.ended) for p in procs] == [(-9, "signalled")] * count
+    assert shell.exit_code is not None and shell.exit_code != -9
+
+
+async def test_commands_do_not_inherit_signals_the_host_ignored(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """Started under ``nohup`` or as a shell's ``cmd &``, the host process ignores SIGHUP or
+    SIGINT; a command in the box still gets the default action (a shell ends on its hang-up)."""
+    ignored = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM)
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored}
+    try:
+        sb = Sandbox(box_policy, workspace=workspace)
+        await sb.start()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    async with sb:
+        r = await sb.run("grep SigIgn /proc/self/status")
+        assert int(r.stdout.split()[1], 16) & sum(1 << (s - 1) for s in ignored) == 0

@@ -73,10 +73,10 @@ async def test_wait_returns_the_status_and_large_output_is_complete(sandbox: San
     assert await stream.wait() == 0
 
 
-async def test_leaving_the_context_kills_a_running_command(sandbox: Sandbox) -> None:
+async def test_leaving_the_context_ends_a_running_command(sandbox: Sandbox) -> None:
     async with await sandbox.exec_stream("sleep 60") as stream:
         pass
-    assert stream.exit_code == -9
+    assert stream.exit_code == -15  # SIGTERM first (tests/test_process_lifecycle.py: the KILL)
 
 
 async def test_writing_without_stdin_is_refused(sandbox: Sandbox) -> None:
@@ -97,7 +97,7 @@ async def test_iterating_the_call_directly_starts_and_streams(sandbox: Sandbox) 
 async def test_the_call_is_also_a_context_manager(sandbox: Sandbox) -> None:
     async with sandbox.exec_stream("echo up; sleep 60") as stream:
         assert await anext(stream) == Stdout(b"up\n")
-    assert stream.exit_code == -9  # left running: killed on the way out
+    assert stream.exit_code == -15  # left running: ended (SIGTERM) on the way out
 
 
 async def test_the_command_starts_once_and_only_when_used(sandbox: Sandbox) -> None:

@@ -19,7 +19,7 @@ import shlex
 import signal as _signal
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Literal
 
 from corral import errors
@@ -48,6 +48,33 @@ def _forget(task: asyncio.Task[Any]) -> None:
     _ending.discard(task)
     if not task.cancelled():
         task.exception()  # a box that went away meanwhile: nothing left to end
+
+
+async def end_all(
+    procs: Collection[Process], grace: float | None = None, *, hang_up: Collection[Process] = ()
+) -> None:
+    """End many processes at once: SIGTERM to every group, one grace for all of them, SIGKILL
+    to what is left, and the reaps; at most the longest grace plus :data:`REAP_MARGIN` seconds,
+    however many there are. ``grace`` defaults to each process's ``kill_grace``.
+
+    ``hang_up``: shells on a terminal, which ignore SIGTERM; each also gets a SIGHUP (what
+    closing its terminal sends), right after the SIGTERM of its group."""
+    procs = [p for p in procs if p.exit_code is None]
+    if not procs:
+        return
+    graces = [p.kill_grace if grace is None else max(0.0, grace) for p in procs]
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(max(graces) + REAP_MARGIN):
+            # A box that stopped answering fails these; the wait below then ends with it.
+            await asyncio.gather(
+                *(p._start_ending(g) for p, g in zip(procs, graces, strict=True)),
+                return_exceptions=True,
+            )
+            await asyncio.gather(
+                *(p.signal("SIGHUP", group=False) for p in hang_up if p.exit_code is None),
+                return_exceptions=True,
+            )
+            await asyncio.gather(*(p._exited.wait() for p in procs))
 
 
 def parse_signal(sig: str | int) -> int:
@@ -208,11 +235,16 @@ class Process:
         plus :data:`REAP_MARGIN` seconds (a box that stopped answering).
         """
         grace = self.kill_grace if grace is None else max(0.0, grace)
+        await self._start_ending(grace)
+        return await self.wait(grace + REAP_MARGIN)
+
+    async def _start_ending(self, grace: float) -> None:
+        """SIGTERM to the group now and SIGKILL after ``grace`` (the agent keeps the time);
+        returns at once: the exit event reports the end."""
         if self.exit_code is None:
             self._terminating = True
             with contextlib.suppress(errors.ProcessNotFound):  # exiting: its event follows
                 await self._request("terminate", pid=self.pid, grace=grace)
-        return await self.wait(grace + REAP_MARGIN)
 
     def _timeout_result(self, timeout: float) -> WaitResult:
         return WaitResult(

@@ -43,7 +43,7 @@ from corral.files import Files
 from corral.models import CommandResult, NetworkRefusal, ProcessInfo
 from corral.net import BoxNetwork, Resolver
 from corral.policy import Limits, Policy, PublishedPort, RlimitName
-from corral.processes import Process, ProcessRegistry, end_in_background
+from corral.processes import Process, ProcessRegistry, end_all, end_in_background
 from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
 from corral.sessions.terminal import (
@@ -62,6 +62,8 @@ StdinArg = bytes | str | Literal["pipe"] | None
 READY_TIMEOUT = 15.0
 HEARTBEAT_EVERY = 5.0
 """Seconds between two heartbeats (a ``ping`` the agent answers from its loop)."""
+ENDING_OPS = frozenset({"terminate", "signal"})
+"""What closing a sandbox asks of processes still running (SIGTERM, SIGHUP, the grace)."""
 PID_MAX = 1 << 22
 """Linux's PID_MAX_LIMIT: an agent reporting a larger pid is lying."""
 
@@ -174,6 +176,8 @@ class Sandbox:
         self._sessions = SessionRegistry()
         self.files = Files(self.policy, self._request)
         self._closed = False
+        self._closing_ops: frozenset[str] = frozenset()
+        """Requests ``aclose`` still makes once the sandbox is closed to its callers."""
         self._broken: str | None = None
         self._after_close: list[Callable[[], object]] = []
         self._heartbeat: asyncio.Task[None] | None = None
@@ -275,7 +279,11 @@ class Sandbox:
         )
 
     async def aclose(self) -> None:
-        """Kill everything in the box and remove every trace of it. Idempotent."""
+        """End everything in the box and remove every trace of it. Idempotent.
+
+        Processes still running get what a timeout gives them: SIGTERM to their groups (and
+        SIGHUP to open shells), ``limits.kill_grace_secs`` for all of them together, then
+        SIGKILL; anything else left in the box is killed with it."""
         if self._closed:
             return
         self._closed = True
@@ -284,6 +292,14 @@ class Sandbox:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
         if self._channel is not None and not self._channel.lost.is_set():
+            # What still runs ends as a timeout ends it: SIGTERM to every group at once (and a
+            # SIGHUP to each shell on a terminal), one grace for all, SIGKILL to what is left.
+            shells = [session.process for session in self._sessions.list()]
+            self._closing_ops = ENDING_OPS  # closed to callers, open to the ending
+            try:
+                await end_all(self._registry.running(), hang_up=shells)
+            finally:
+                self._closing_ops = frozenset()
             with contextlib.suppress(errors.SandboxError, TimeoutError):
                 async with asyncio.timeout(2):
                     await self._channel.request("shutdown")
@@ -357,7 +373,7 @@ class Sandbox:
         return self._box.warnings if self._box is not None else ()
 
     async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
-        if self._closed:
+        if self._closed and op not in self._closing_ops:
             raise errors.SandboxClosed("the sandbox is closed")
         if self._broken is not None:
             raise errors.SandboxBroken(f"the sandbox is gone: {self._broken}")

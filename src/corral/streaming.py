@@ -8,7 +8,7 @@
             case Stderr(data): ...
             case Exited(code): ...
 
-    async with sb.exec_stream(["tail", "-f", "app.log"]) as stream:  # killed on exit
+    async with sb.exec_stream(["tail", "-f", "app.log"]) as stream:  # ended on exit
         async for event in stream: ...
 
     stream = await sb.exec_stream(["cat"], stdin="pipe")  # the handle, started
@@ -35,8 +35,6 @@ from corral import errors
 from corral.processes import Process
 
 __all__ = ["ExecEvent", "ExecStream", "Exited", "PendingExecStream", "Stderr", "Stdout"]
-
-KILL_GRACE = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,10 +169,9 @@ class ExecStream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self.process.exit_code is None:
+        if self.process.exit_code is None:  # left early: SIGTERM, the grace, SIGKILL
             with contextlib.suppress(errors.SandboxError):
-                await self.process.kill()
-            await self.process.wait(KILL_GRACE)
+                await self.process.terminate()
         self._finish()
 
 
@@ -183,7 +180,8 @@ class PendingExecStream:
 
     * ``await`` it for the :class:`ExecStream` (to write to stdin, wait, signal...);
     * ``async for event in`` it directly;
-    * ``async with`` it: the stream, and the command killed on exit if still running.
+    * ``async with`` it: the stream, and the command ended on exit if still running
+      (SIGTERM, ``limits.kill_grace_secs``, SIGKILL).
     """
 
     def __init__(self, start: Callable[[], Awaitable[ExecStream]], command: str) -> None:

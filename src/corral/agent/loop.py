@@ -144,6 +144,14 @@ class Agent:
         self.wake_r = rd
         signal.set_wakeup_fd(wr)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        # A signal the host process ignored (SIGHUP under nohup; SIGINT and SIGQUIT for a
+        # shell's `cmd &`) stays ignored across fork and exec, so every command would ignore
+        # it too: a shell would survive its hang-up, Ctrl-C would not stop a job. A handler
+        # is reset to the default on exec: commands start with the default action, and the
+        # agent still ignores them.
+        for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                signal.signal(sig, lambda *_: None)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         self.sel.register(self.sock, lean.EVENT_READ, "chan")
         self.sel.register(rd, lean.EVENT_READ, "wake")

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from corral import errors
-from corral.processes import Process, Request
+from corral.processes import Process, Request, end_all
 from corral.sessions.batch import BatchResult, BatchStep, run_batch
 from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match
 
@@ -41,7 +41,6 @@ __all__ = ["PtySession", "SessionRegistry", "to_case"]
 # Raw output kept for replay on attach: enough for a full screen of a wide terminal.
 TAIL_BYTES = 64 * 1024
 DEFAULT_TIMEOUT = 30.0
-CLOSE_GRACE = 2.0
 
 Watcher = Callable[[bytes | None], None]  # a chunk of output, or None at the end
 CloseHook = Callable[[], Awaitable[None]]
@@ -317,20 +316,17 @@ class PtySession:
 
         return await run_batch(self, steps, timeout)
 
-    async def close(self, grace: float = CLOSE_GRACE) -> int | None:
-        """Hang up the terminal (SIGHUP, then SIGKILL after ``grace``). Idempotent."""
+    async def close(self, grace: float | None = None) -> int | None:
+        """Hang up the terminal and end what runs on it: SIGTERM to the shell's group and its
+        foreground job's, SIGHUP to the shell, then SIGKILL to both groups once ``grace``
+        seconds (default ``limits.kill_grace_secs``) have passed and anything of them is
+        left. Returns the shell's exit status once it is reaped. Idempotent."""
         if self._closed:
             return self.exit_code
         self._closed = True
         self._forget(self)
         if not self._ended.is_set():
-            with contextlib.suppress(errors.SandboxError):
-                await self.process.signal("SIGHUP", group=False)
-                try:
-                    async with asyncio.timeout(grace):
-                        await self._ended.wait()
-                except TimeoutError:
-                    await self.process.signal("SIGKILL", group=False)
+            await end_all([self.process], grace, hang_up=[self.process])
         await self._stop_pump()
         await self._run_close_hooks()
         return self.exit_code
