@@ -169,8 +169,8 @@ async def test_closing_a_shell_terms_its_job_then_kills_after_the_grace(box: San
     await wait_for_file(box, "/workspace/pid")
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await sh.close(GRACE)
-    assert loop.time() - started >= GRACE
+    await sh.close(2.0)  # the trap has time to run on a busy host
+    assert loop.time() - started >= 2.0
     assert await box.files.read_text("order") == "TERM\n"
     assert await left_over(box) == 0
 
