@@ -187,6 +187,7 @@ class Sandbox:
         self.files.on_denied = self._audit_file_denied
         # Box counters (OOM kills, pids-limit hits) already reported as violations.
         self._seen_violations = (0, 0)
+        self._hints: tuple[str, ...] | None = None  # what in the workspace won't run here
         self._spawn_marks: dict[int, int] = {}
 
     def __repr__(self) -> str:
@@ -369,8 +370,16 @@ class Sandbox:
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        """Limits of the policy the host could not enforce (empty when all hold)."""
-        return self._box.warnings if self._box is not None else ()
+        """Limits of the policy the host could not enforce, and what in the workspace will
+        not run in the box (a venv whose interpreter it does not see); empty when all hold."""
+        if self._box is None:
+            return ()
+        if self._hints is None:
+            from corral.tools.presets import venv_hints
+
+            ws = self.workspace
+            self._hints = tuple(venv_hints(ws, self.policy)) if ws is not None else ()
+        return (*self._box.warnings, *self._hints)
 
     async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
         if self._closed and op not in self._closing_ops:

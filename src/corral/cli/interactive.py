@@ -101,7 +101,7 @@ def _report(outcome: AttachOutcome, session_id: str) -> int:
 
 def cmd_shell(args: argparse.Namespace) -> int:
     from corral import errors
-    from corral.cli.options import build_policy, checked_workspace
+    from corral.cli.options import build_policy, checked_workspace, with_presets
     from corral.cli.run import with_signals
     from corral.net.cli import say_published
     from corral.sandbox import Sandbox
@@ -114,7 +114,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
             code=errors.ErrorCode.INVALID_INPUT,
         )
     workspace = checked_workspace(args)
-    policy = build_policy(args)
+    policy = with_presets(build_policy(args), args, workspace)
 
     async def go() -> int:
         async with Sandbox(policy, workspace=workspace) as sb:

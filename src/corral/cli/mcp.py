@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from corral import errors
 from corral.policy import Policy
+from corral.tools import presets
 from corral.tools.approvals import MODES
 from corral.tools.presets import PRESETS
 from corral.tools.secrets import SecretStore
@@ -72,9 +73,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
     trust = bool(getattr(args, "trust_writable_policy", False))
     loaded = Policy.load(args.policy, trust_writable=trust) if args.policy else Policy()
-    policy = loaded
-    for name in args.preset:
-        policy = PRESETS[name](policy).derived_from(loaded)
+    policy = presets.apply(loaded, list(args.preset), args.workspace).derived_from(loaded)
     secrets = SecretStore.from_env()
     if args.workspace:
         areas = writable_areas(policy, Path(args.workspace).resolve())

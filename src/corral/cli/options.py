@@ -6,12 +6,15 @@ import argparse
 import contextlib
 import os
 import pwd
+import sys
 from pathlib import Path
 from typing import TextIO
 
 from corral import errors
 from corral.net.cli import apply_network_options
 from corral.policy import Limits, Policy
+from corral.tools import presets
+from corral.tools.presets import PRESETS
 
 __all__ = [
     "EXIT_SANDBOX",
@@ -21,6 +24,7 @@ __all__ = [
     "build_policy",
     "checked_workspace",
     "terminal_safe",
+    "with_presets",
     "workspace_danger",
 ]
 
@@ -69,6 +73,21 @@ def build_policy(args: argparse.Namespace) -> Policy:
     return apply_network_options(policy, args).derived_from(loaded)
 
 
+def with_presets(policy: Policy, args: argparse.Namespace, workspace: str) -> Policy:
+    """``policy`` with the ``--preset`` toolchains and those the workspace asks for
+    (:func:`corral.tools.presets.detect`; each said on stderr), unless ``--no-presets``."""
+    names = list(getattr(args, "preset", None) or [])
+    if not getattr(args, "no_presets", False):
+        for name, why in presets.detect(workspace, policy).items():
+            if name not in names:
+                names.append(name)
+                print(
+                    f"corral: preset {name} ({why}), shared read-only; --no-presets turns this off",
+                    file=sys.stderr,
+                )
+    return presets.apply(policy, names, workspace)
+
+
 def _with_backend(policy: Policy, backend: str | None, runtime: str | None) -> Policy:
     """``--backend``/``--runtime`` over the policy file; ``--runtime`` alone implies oci."""
     if backend is None and runtime is None:
@@ -100,6 +119,19 @@ def add_sandbox_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--workspace", metavar="DIR", default=".", help="host dir mounted read-write (default: .)"
+    )
+    p.add_argument(
+        "--preset",
+        action="append",
+        default=[],
+        choices=sorted(PRESETS),
+        help="share a toolchain from your home read-only (rust: ~/.cargo and ~/.rustup, node: "
+        "nvm's default node, python: pyenv and the interpreter of a workspace venv)",
+    )
+    p.add_argument(
+        "--no-presets",
+        action="store_true",
+        help="apply no preset the workspace's files ask for (Cargo.toml, package.json, ...)",
     )
     p.add_argument(
         "--force-workspace",

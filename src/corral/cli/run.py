@@ -32,6 +32,7 @@ from corral.cli.options import (
     build_policy,
     checked_workspace,
     terminal_safe,
+    with_presets,
 )
 from corral.net.cli import (
     add_network_options,
@@ -215,7 +216,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             code=errors.ErrorCode.INVALID_INPUT,
         )
     workspace = checked_workspace(args)
-    policy = build_policy(args)
+    policy = with_presets(build_policy(args), args, workspace)
     if args.mount:
         fs = policy.filesystem
         mounts = [m.model_dump() for m in fs.mounts] + list(args.mount)
