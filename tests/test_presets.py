@@ -85,12 +85,18 @@ async def test_node_preset_puts_nvms_node_first_in_a_real_box(
     assert r.stdout.splitlines()[1].split()[0] == "drwxr-xr-x"  # the home stays the user's
 
 
-@pytest.mark.skipif(not (PYENV / "versions").is_dir(), reason="no pyenv in the home here")
-async def test_a_venv_made_with_a_pyenv_python_runs_with_the_preset(
-    tmp_path: Path, workspace: Path
-) -> None:
+@pytest.fixture
+def pyenv_venv(workspace: Path) -> Path:
+    if not (PYENV / "versions").is_dir():
+        pytest.skip("no pyenv in the home here")
     base = max((PYENV / "versions").iterdir()) / "bin" / "python3"
     subprocess.run([str(base), "-m", "venv", "--without-pip", str(workspace / ".venv")], check=True)
+    return workspace / ".venv"
+
+
+async def test_a_venv_made_with_a_pyenv_python_runs_with_the_preset(
+    pyenv_venv: Path, workspace: Path
+) -> None:
     async with Sandbox(Policy(), workspace=workspace) as sb:
         assert any("--preset python" in w for w in sb.warnings)
         r = await sb.run([".venv/bin/python", "-c", "print('venv ok')"])
