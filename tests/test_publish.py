@@ -217,6 +217,21 @@ async def test_every_interface_only_when_asked(workspace: Path) -> None:
         assert await asyncio.to_thread(echo, everywhere.port_on_host, b"x") == b"x"
 
 
+async def test_an_ipv6_host_address(workspace: Path) -> None:
+    policy = backend_policy(BACKEND, network={"publish": ["[::1]:0:8000"]})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        await start_echo(sb)
+        port = sb.published[0].port_on_host
+
+        def over_ipv6() -> bytes:
+            with socket.create_connection(("::1", port), timeout=30) as conn:
+                conn.sendall(b"six\n")
+                conn.shutdown(socket.SHUT_WR)
+                return conn.recv(64)
+
+        assert await asyncio.to_thread(over_ipv6) == b"six\n"
+
+
 def test_publish_on_a_sync_sandbox(workspace: Path) -> None:
     policy = backend_policy(BACKEND, network={"publish": "0:8000"})
     with SyncSandbox(policy, workspace=workspace) as sb:
