@@ -522,8 +522,9 @@ class BwrapBackend(BackendBase):
             *shared.sources.values(),
         ]
         fds: dict[str, int] = {}
+        in_area = safepath.area_finder(areas)
         for source in bwrap_args.bind_sources(argv):
-            if source in fds or safepath.area_of(source, areas) is None:
+            if source in fds or in_area(source) is None:
                 continue
             try:
                 fds[source] = fd = safepath.open_path(source, os.O_PATH, areas)

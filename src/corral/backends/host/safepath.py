@@ -49,13 +49,25 @@ def _within(path: str, root: str) -> bool:
 def area_of(path: str | os.PathLike[str], areas: Iterable[str | os.PathLike[str]]) -> str | None:
     """The writable area holding ``path`` (as spelled, or once the host's own symlinks are
     resolved: either counts), or None."""
-    spelled = _norm(path)
-    real = os.path.realpath(spelled)
-    for area in areas:
-        for root in {_norm(area), os.path.realpath(area)}:
+    return area_finder(areas)(path)
+
+
+def area_finder(
+    areas: Iterable[str | os.PathLike[str]],
+) -> Callable[[str | os.PathLike[str]], str | None]:
+    """:func:`area_of` for many paths against the same areas: each area is resolved once
+    (a box start checks ~40 bind sources; resolving every area again for each took ~1 ms)."""
+    roots = [r for a in areas for r in dict.fromkeys((_norm(a), os.path.realpath(a)))]
+
+    def find(path: str | os.PathLike[str]) -> str | None:
+        spelled = _norm(path)
+        real = os.path.realpath(spelled)
+        for root in roots:
             if _within(spelled, root) or _within(real, root):
                 return root
-    return None
+        return None
+
+    return find
 
 
 def open_beneath(root: str | os.PathLike[str], rel: str, flags: int, mode: int = 0) -> int:
