@@ -423,3 +423,29 @@ async def test_failures_share_one_shape(sandbox: Sandbox) -> None:
         result = await tools.call(name, arguments)
         assert set(result) <= {"error", "fields"}, result
         assert set(result["error"]) == {"code", "message"}
+
+
+async def test_a_toolbox_builds_nothing_slow_on_the_event_loop(
+    box_policy: Policy, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the loop watch (no callback over 20 ms): a Toolbox with rules and a secrets
+    file, its schemas in every format and a call. Building the schemas (pydantic's work,
+    milliseconds each) happens once per process, in a thread the first Toolbox starts."""
+    from corral.tools import catalog
+
+    catalog._schema_text.cache_clear()  # as in a fresh process
+    monkeypatch.setattr(catalog, "_warming", None)
+    secrets = tmp_path / "secrets"
+    secrets.write_text("api-key=sk-live-123\n")
+    policy = box_policy.model_copy(update={"secrets_file": secrets})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        tools = Toolbox(sb, rules=[Rule(tool="run_command", command=r"\bgit\s+push\b")])
+        warming = catalog.warm_schemas_in_background()
+        assert warming is catalog.warm_schemas_in_background()  # once per process
+        await asyncio.to_thread(warming.join, 30)
+        assert catalog._schema_text.cache_info().currsize >= len(TOOLS)
+        for fmt in ("openai", "anthropic", "mcp", "mcp"):
+            assert len(tools.schemas(fmt)) == len(TOOLS)
+        result = await tools.call("run_command", {"command": "echo $K"}, approved=True)
+        assert result["exit_code"] == 0
+        assert tools.secrets.redact("sk-live-123") == "[REDACTED:api-key]"

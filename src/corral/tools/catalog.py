@@ -6,6 +6,9 @@ nothing else before choosing a tool.
 
 from __future__ import annotations
 
+import functools
+import json
+import threading
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -216,14 +219,44 @@ def function_name(name: str) -> str:
 
 
 def input_schema(args: type[ToolArgs]) -> dict[str, Any]:
-    """A self-contained JSON Schema (no $ref) for a tool's input."""
-    return _self_contained(args)
+    """A self-contained JSON Schema (no $ref) for a tool's input (a fresh copy)."""
+    loaded: dict[str, Any] = json.loads(_schema_text(args))
+    return loaded
 
 
 def output_schema(result: type[r.ToolResult]) -> dict[str, Any]:
     """A self-contained JSON Schema (no $ref) for a tool's successful result (MCP's
-    ``outputSchema``): the fields always present are ``required``."""
-    return _self_contained(result)
+    ``outputSchema``): the fields always present are ``required``. A fresh copy."""
+    loaded: dict[str, Any] = json.loads(_schema_text(result))
+    return loaded
+
+
+def warm_schemas() -> None:
+    """Build every tool's schemas now (about 15 ms of pydantic work, once per process), so
+    that no later ``schemas()`` on an event loop pays for it. Safe in a thread."""
+    for spec in TOOLS:
+        _schema_text(spec.args)
+        _schema_text(spec.result)
+
+
+_warming: threading.Thread | None = None
+
+
+def warm_schemas_in_background() -> threading.Thread:
+    """:func:`warm_schemas` in a thread of its own, started once per process (a
+    ``Toolbox`` starts it, so its ``schemas()`` on an event loop find them built)."""
+    global _warming
+    if _warming is None:
+        _warming = threading.Thread(target=warm_schemas, name="corral-schemas", daemon=True)
+        _warming.start()
+    return _warming
+
+
+@functools.cache
+def _schema_text(model: type[BaseModel]) -> str:
+    """Schemas are built once per model and kept as JSON text: a copy is one parse (tens of
+    microseconds), building one is pydantic's schema generation (milliseconds)."""
+    return json.dumps(_self_contained(model))
 
 
 def _self_contained(model: type[BaseModel]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from corral.tools.catalog import (
     function_name,
     input_schema,
     output_schema,
+    warm_schemas_in_background,
 )
 from corral.tools.results import Approval, ErrorInfo, ToolError, ToolResult
 from corral.tools.scopes import Scope
@@ -192,6 +193,7 @@ class Toolbox:
             output_chars,
         )
         self._handlers: dict[str, Handler] = handlers.bind(context)
+        warm_schemas_in_background()  # schemas() on the loop must not build them there
 
     def add_child_registry(self, name: str, registry: ProcessRegistry) -> None:
         """Let this agent read a sub-agent's processes (see :mod:`corral.tools.scopes`)."""
