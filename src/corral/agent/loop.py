@@ -99,10 +99,22 @@ def become_root(home: str) -> None:
     os.setresuid(0, 0, 0)
 
 
+def not_dumpable() -> None:
+    """PR_SET_DUMPABLE 0 (rootless with one id: commands share the agent's id, so only this
+    keeps them out of its /proc/PID/mem, fd and environ, which need CAP_SYS_PTRACE then)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 class Agent:
     def __init__(self, config: dict[str, Any]) -> None:
         if config.get("become_root"):
             become_root(str(config.get("home") or ""))
+        if config.get("undumpable"):
+            not_dumpable()
         self.uid = int(config.get("uid", 1000))
         self.gid = int(config.get("gid", 1000))
         self.sock: socket.socket | CharDevice

@@ -64,8 +64,9 @@ NO_CGROUP = (
 )
 SINGLE_ID_WARNING = (
     "rootless without subordinate ids: commands run as the box's root id (no capabilities), "
-    "the same id as the guest agent, so a command can signal the agent (end its own box) and "
-    "keeps the user's supplementary groups; {why}"
+    "the same id as the guest agent (which is not dumpable: its memory and fds stay out of "
+    "reach), so a command can signal the agent (end its own box), and commands keep the "
+    "user's supplementary groups; {why}"
 )
 
 
@@ -311,8 +312,7 @@ class RootlessBwrapBackend(BackendBase):
             **agent_rlimits(policy.limits),
             **{k: v for k, v in limits.rlimits.items() if k in ("as", "nproc")},
         }
-        if mapped:
-            config["become_root"] = True
+        config["become_root" if mapped else "undumpable"] = True
         net = spec.network
         if net is not None:
             config["forwarders"] = net.forwarders()

@@ -1,0 +1,210 @@
+"""Rootless boxes, run as an ordinary user: the contract (commands, files, PTY, MCP, the CLI),
+the limits without a cgroup, and escape attempts that must fail as they do in root mode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mcp import Client, StdioServerParameters
+
+from corral import Policy, PolicyError, Sandbox
+
+PROMPT = r"\$ $|# $"
+
+
+async def test_a_box_starts_rootless_and_says_how(box: Sandbox, mapped: bool) -> None:
+    info = await box.info()
+    assert info["backend"] == "bwrap-rootless"
+    assert info["rootless"] == {"ids": "subordinate" if mapped else "single", "limits": "rlimits"}
+    assert info["limits_enforced_by"] == "rlimits"
+    unenforced = " | ".join(info["unenforced"])
+    assert "limits.max_pids enforced as RLIMIT_NPROC" in unenforced
+    if not mapped:
+        assert "usermod --add-subuids" in unenforced  # the weaker separation, and its fix
+
+
+async def test_what_commands_write_in_the_workspace_is_the_users(
+    box: Sandbox, workspace: Path, mapped: bool
+) -> None:
+    r = await box.run("echo hi > out.txt && id -u && mkdir -p d/e && touch d/e/f")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.strip() == ("1000" if mapped else "0")
+    for path in (workspace / "out.txt", workspace / "d" / "e" / "f"):
+        st = path.stat()
+        assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+    assert (workspace / "out.txt").read_text() == "hi\n"
+    # The file tools act as the command user too.
+    await box.files.write("tool.txt", "from the tool")
+    assert (workspace / "tool.txt").stat().st_uid == os.getuid()
+    assert await box.files.read_text("out.txt") == "hi\n"
+
+
+async def test_commands_hold_no_capability_and_cannot_touch_the_agent(
+    box: Sandbox, mapped: bool
+) -> None:
+    r = await box.run("grep -E '^Cap(Prm|Eff|Amb)' /proc/self/status")
+    assert all(line.split()[1] == "0000000000000000" for line in r.stdout.splitlines()), r.stdout
+    agent = (await box.info())["agent_pid"]
+    probe = await box.run(f"kill -0 {agent} && echo reached; cat /proc/{agent}/environ")
+    assert "reached" not in probe.stdout or not mapped
+    assert probe.exit_code != 0  # the agent's environment is never readable (not dumpable)
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "touch /usr/corral-escape",  # the host root is read-only
+        "echo x > /etc/passwd",
+        "mount -t tmpfs none /mnt",  # no mount: no capability, seccomp
+        "unshare -r true",  # no nested user namespace
+        "echo b > /proc/sysrq-trigger",
+        "chmod u+s /workspace/sh-copy",  # no setuid bit on a file the box made
+        "cat /etc/shadow",
+        "ls /root",
+        "nsenter -t 1 -m true",
+    ],
+)
+async def test_escape_attempts_fail(box: Sandbox, attack: str) -> None:
+    await box.run("cp /bin/sh /workspace/sh-copy")
+    r = await box.run(attack)
+    assert r.exit_code != 0, (attack, r.stdout)
+    if "chmod" in attack:
+        mode = (await box.run("stat -c %a /workspace/sh-copy")).stdout.strip()
+        assert mode in ("755", "775")
+
+
+async def test_the_users_own_credentials_are_masked(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("SECRET-KEY")
+    (home / ".aws").mkdir()
+    (home / ".aws" / "credentials").write_text("SECRET-AWS")
+    monkeypatch.setenv("HOME", str(home))
+    async with Sandbox(Policy(), workspace=workspace) as sb:
+        r = await sb.run(f"cat {home}/.ssh/id_ed25519 {home}/.aws/credentials; ls -a {home}")
+    assert "SECRET" not in r.stdout
+
+
+async def test_tmp_is_private(box: Sandbox, tmp_path: Path) -> None:
+    host_file = Path("/tmp") / f"corral-rootless-{os.getpid()}"
+    host_file.write_text("host")
+    try:
+        r = await box.run(f"test -e {host_file} && echo seen; echo box > /tmp/mine; cat /tmp/mine")
+        assert r.stdout == "box\n"
+    finally:
+        host_file.unlink()
+
+
+async def test_memory_is_bounded_per_command(workspace: Path) -> None:
+    policy = Policy.from_dict({"limits": {"memory_bytes": 128 << 20}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run(["python3", "-c", "b = bytearray(512 << 20); print('allocated')"])
+        assert r.exit_code != 0 and "allocated" not in r.stdout
+        assert "MemoryError" in r.stderr
+        assert (await sb.run(["python3", "-c", "b = bytearray(16 << 20)"])).exit_code == 0
+
+
+async def test_processes_are_bounded(workspace: Path) -> None:
+    policy = Policy.from_dict({"limits": {"max_pids": 32}})
+    script = (
+        "import os, time\n"
+        "n = 0\n"
+        "try:\n"
+        "    for _ in range(200):\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(30)\n"
+        "            os._exit(0)\n"
+        "        n += 1\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print(n)\n"
+    )
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run(["python3", "-c", script], timeout=20)
+        assert r.exit_code == 0, r.stderr
+        assert int(r.stdout) < 32
+
+
+async def test_the_timeout_ends_a_command(box: Sandbox) -> None:
+    r = await box.run("sleep 30", timeout=0.5)
+    assert r.timed_out
+
+
+async def test_a_pty_shell_works(box: Sandbox) -> None:
+    sh = await box.shell()
+    try:
+        assert (await sh.expect(PROMPT, 10)).matched
+        await sh.write("echo $((6 * 7))\n")
+        assert (await sh.expect("42", 10)).matched
+    finally:
+        await sh.close()
+
+
+async def test_network_none_reaches_nothing_and_full_is_refused(
+    box: Sandbox, workspace: Path
+) -> None:
+    r = await box.run("tail -n +3 /proc/net/dev | cut -d: -f1")  # the box's own namespace
+    assert r.stdout.split() == ["lo"]
+    with pytest.raises(PolicyError, match="needs root"):
+        async with Sandbox(Policy.from_dict({"network": {"mode": "full"}}), workspace=workspace):
+            pass
+
+
+def test_corral_run_works_rootless(workspace: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "corral",
+            "run",
+            "--workspace",
+            str(workspace),
+            "--",
+            "sh",
+            "-c",
+            "echo from-the-box > made.txt; cat made.txt",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "from-the-box\n"
+    assert "limits.max_pids enforced as RLIMIT_NPROC" in out.stderr  # warnings are said
+    assert (workspace / "made.txt").stat().st_uid == os.getuid()
+
+
+async def test_mcp_over_stdio_runs_commands_rootless(workspace: Path) -> None:
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "corral", "mcp", "--workspace", str(workspace)]
+    )
+    async with asyncio.timeout(60), Client(params) as client:
+        result = await client.call_tool("run_command", {"command": "echo mcp > m.txt; id -u"})
+        data = result.structured_content
+        assert data is not None and data["exit_code"] == 0, data
+    assert (workspace / "m.txt").read_text() == "mcp\n"
+
+
+def test_corral_doctor_explains_rootless_mode(mapped: bool) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "corral", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    assert checks["rootless ids"]["ok"] is mapped
+    if not mapped:
+        assert "usermod --add-subuids" in checks["rootless ids"]["fix"]
+    assert "RLIMIT_NPROC" in checks["rootless limits"]["detail"]
+    assert checks["sandbox"]["ok"], checks["sandbox"]

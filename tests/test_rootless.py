@@ -1,0 +1,84 @@
+"""Run the rootless slice (tests/rootless/) as the unprivileged test users ``make setup``
+makes: ``corral-rootless`` (subordinate ids) and ``corral-nosubid`` (none).
+
+The checkout and its venv may lie where those users cannot go (CI clones under /root, mode
+0700): the slice runs in a private mount namespace where the checkout is bound at a path they
+can reach (a 0755 directory in /tmp), through the same venv, with the checkout's ``src``
+first on ``sys.path``. Nothing is copied or made readable on the host; the bind goes with the
+namespace."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from corral.backends.base import AGENT_DIR
+from corral.backends.host.python import compile_agent, find_python
+
+REPO = Path(__file__).resolve().parents[1]
+USERS = ("corral-rootless", "corral-nosubid")
+
+
+def _skip_reason(user: str) -> str | None:
+    if os.geteuid() != 0:
+        return "switching to a test user needs root (tests/rootless/ runs as you directly)"
+    for tool in ("runuser", "unshare", "mount", "bwrap"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        return f"test user {user} does not exist: run `make setup` as root"
+    return None
+
+
+def _python_in(view: Path) -> str:
+    """This interpreter as seen through the bound checkout (its venv, when inside it)."""
+    exe = Path(sys.executable)
+    try:
+        return str(view / exe.relative_to(REPO))
+    except ValueError:
+        return str(exe)  # a venv elsewhere: it must be readable by the user as it is
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str) -> None:
+    why = _skip_reason(user)
+    if why is not None:
+        pytest.skip(why)
+    compile_agent(AGENT_DIR, find_python())  # the user cannot write the agent's .pyc
+    holder = Path(tempfile.mkdtemp(prefix="corral-rootless-view-"))
+    try:
+        holder.chmod(0o755)
+        view = holder / "repo"
+        view.mkdir(mode=0o755)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("CORRAL_", "PYTEST_", "XDG_")) and k not in ("TMPDIR", "HOME")
+        }
+        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(view / "src"))
+        script = (
+            'mount --bind "$1" "$2" && shift 2 && exec runuser -u "$@"'  # the bind, then the user
+        )
+        argv = [
+            "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+            str(REPO), str(view), user, "--", _python_in(view), "-m", "pytest", "-q",
+            "-p", "no:cacheprovider", "--rootdir", str(view),
+            "--confcutdir", str(view / "tests" / "rootless"), str(view / "tests" / "rootless"),
+        ]  # fmt: skip
+        out = subprocess.run(
+            argv, cwd="/", env=env, capture_output=True, text=True, timeout=600, check=False
+        )
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
+    tail = (out.stdout + out.stderr)[-6000:]
+    assert out.returncode == 0, tail
+    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], tail
