@@ -261,6 +261,7 @@ def boot_plan(
         deny_read=deny_read,
         deny_write=deny_write,
         minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
+        root_dirs=view_dirs(policy, host),
         passwd=passwd_text(uid, gid),
         group=group_text(gid),
         memory_max=limits.memory_max,
@@ -275,6 +276,18 @@ def system_view(policy: Policy, host: HostView) -> list[Bind | Symlink]:
     (each top-level entry, or the minimal root's few), bound read-only in qemu's jail at
     :data:`jail.VIEW` and exported as the ``root`` share."""
     return jail.view_entries(root_entries(policy, find_python(), host))
+
+
+def view_dirs(policy: Policy, host: HostView) -> tuple[str, ...]:
+    """Directories the view holds only as parents of nested entries (/var of /var/lib/dpkg):
+    the jail makes them as qemu's uid, the box user's in the guest; the guest's root owns
+    them, as on the other backends."""
+    dirs: dict[str, None] = {}
+    for entry in system_view(policy, host):
+        parts = entry.dest.strip("/").split("/")[:-1]
+        for i in range(len(parts)):
+            dirs["/" + "/".join(parts[: i + 1])] = None
+    return tuple(dirs)
 
 
 def minimal_root(policy: Policy, host: HostView) -> tuple[tuple[str, str], ...]:

@@ -382,6 +382,8 @@ class BootPlan:
     whose first item starts with ``->`` is a symlink), and :attr:`passwd` as /etc/passwd."""
     passwd: str = ""
     group: str = ""
+    root_dirs: tuple[str, ...] = ()
+    """Directories of the system view made by the jail (qemu's uid): chowned to root."""
     """The box's /etc/group (and :attr:`passwd` its /etc/passwd), on every root."""
     memory_max: int | None = None
     pids_max: int | None = None
@@ -412,6 +414,8 @@ def boot_script(plan: BootPlan) -> str:
             "mount -t overlay -o lowerdir=/mnt/lower,upperdir=/mnt/upper/u,workdir=/mnt/upper/w"
             ",nosuid,nodev overlay /newroot"
         )
+        # The overlay copies them up: root's in the guest, as bwrap's --dir makes them.
+        lines += [f"chown 0:0 $R{q(d)}" for d in plan.root_dirs]
     else:
         lines += _minimal_root(plan.minimal_root)
     # The box's own accounts, on every root: the overlay's upper layer holds them.
