@@ -392,8 +392,15 @@ class BwrapBackend(BackendBase):
             fd, info_r = info_r, -1
             info = await _read_info(fd, proc)
             child = int(info["child-pid"])
-            _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid, owner.uid)
-            await blocking(devpts.mount_for, child, self.devpts)
+            # The devpts mount (in its own thread) needs no id map: it runs meanwhile.
+            pts = asyncio.wrap_future(devpts.submit_mount(child, self.devpts))
+            try:
+                _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid, owner.uid)
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    await pts  # never left running past the start
+                raise
+            await pts
             net = spec.network
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence and connect the netns first

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from corral.backends.host import mounts
@@ -83,6 +83,12 @@ def mount_for(pid: int, target: Path) -> None:
     """Mount the box's devpts on ``target`` in the mount namespace of ``pid`` (bwrap's child,
     still waiting on ``--userns-block-fd``). Blocking: a few syscalls in a thread of its own,
     the only one that changes mount namespaces."""
+    submit_mount(pid, target).result()
+
+
+def submit_mount(pid: int, target: Path) -> Future[None]:
+    """:func:`mount_for`, submitted to the devpts thread now (no other thread hop): the caller
+    waits for the future (``asyncio.wrap_future``), also when it fails."""
     global _thread, _host_ns
     with _lock:
         if _host_ns < 0:
@@ -92,4 +98,4 @@ def mount_for(pid: int, target: Path) -> None:
                 1, thread_name_prefix="corral-devpts", initializer=_own_fs_context
             )
         thread = _thread
-    thread.submit(_mount, pid, str(target)).result()
+    return thread.submit(_mount, pid, str(target))
