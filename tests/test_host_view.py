@@ -87,3 +87,17 @@ async def test_programs_and_the_box_user_work_on_the_system_view(sandbox: Sandbo
         " && git log -1 --format=%an%ae"
     )
     assert r.stdout.strip() == "Annann@example.org"
+
+
+async def test_the_home_stays_writable_with_a_mount_below_it(
+    box_policy: Policy, workspace: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    fs = box_policy.filesystem.model_copy(
+        update={"mounts": (Mount(host=data, guest="/home/user/data"),)}
+    )
+    async with Sandbox(box_policy.model_copy(update={"filesystem": fs}), workspace=workspace) as sb:
+        r = await sb.run("touch ~/state && ls ~")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.split() == ["data", "state"]

@@ -137,3 +137,24 @@ def test_corral_run_in_a_crate_just_works(tmp_path: Path) -> None:
         env=env,
     )
     assert r.returncode == 127 and "preset" not in r.stderr
+
+
+def test_corral_mcp_picks_presets_for_its_workspace_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from corral.cli import make_parser
+    from corral.cli.mcp import config_from_args
+
+    fake_home(tmp_path, monkeypatch)
+    ws = tmp_path / "crate"
+    ws.mkdir()
+    (ws / "Cargo.toml").write_text("[package]\n")
+    parser = make_parser()
+    config = config_from_args(parser.parse_args(["mcp", "--workspace", str(ws)]))
+    assert [m.guest for m in config.policy.filesystem.mounts] == [
+        "/toolchains/cargo",
+        "/toolchains/rustup",
+    ]
+    assert "preset rust" in capsys.readouterr().err
+    config = config_from_args(parser.parse_args(["mcp", "--workspace", str(ws), "--no-presets"]))
+    assert config.policy.filesystem.mounts == ()

@@ -56,8 +56,16 @@ def make_home(path: str, uid: int, gid: int) -> None:
     """Make the command user's home, owned by it and 0755, where the backend could not (a
     bwrap tmpfs belongs to the box's root, and the agent has no CAP_CHOWN): created as that
     user in its parent (the agent's, opened to it for the moment: no command runs yet).
-    Nothing to do where it exists (the OCI and microVM backends make it the user's)."""
-    if os.path.lexists(path):
+    Where it exists it is the user's (OCI, microVM), or bwrap made it, box root's, for a
+    bind below it (``-v DATA:/home/user/data``): then it is opened to the user (0777), as a
+    home the user cannot write breaks every tool that keeps state there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if st.st_uid != uid and st.st_uid == os.geteuid():
+            os.chmod(path, 0o777)
         return
     parent = os.path.dirname(path)
     mode = os.stat(parent).st_mode & 0o7777

@@ -44,7 +44,18 @@ def register(sub: SubParsers) -> None:
         help="tools the agent may use, comma-separated (run_command, sandbox.exec, ...)",
     )
     p.add_argument("--permission-mode", choices=MODES, default="default")
-    p.add_argument("--preset", choices=sorted(PRESETS), action="append", default=[])
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        action="append",
+        default=[],
+        help="share a toolchain from your home read-only (as corral run's --preset)",
+    )
+    p.add_argument(
+        "--no-presets",
+        action="store_true",
+        help="apply no preset the --workspace's files ask for (Cargo.toml, package.json, ...)",
+    )
     p.add_argument("--secrets", metavar="FILE", help="NAME=value lines (plus CORRAL_SECRET_*)")
     p.add_argument("--http", metavar="HOST:PORT", help="streamable HTTP instead of stdio")
     p.add_argument(
@@ -73,7 +84,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
     trust = bool(getattr(args, "trust_writable_policy", False))
     loaded = Policy.load(args.policy, trust_writable=trust) if args.policy else Policy()
-    policy = presets.apply(loaded, list(args.preset), args.workspace).derived_from(loaded)
+    names = list(args.preset)
+    if args.workspace and not args.no_presets:
+        for name, why in presets.detect(args.workspace, loaded).items():
+            if name not in names:
+                names.append(name)
+                print(
+                    f"corral mcp: preset {name} ({why}); --no-presets turns this off",
+                    file=sys.stderr,
+                )
+    policy = presets.apply(loaded, names, args.workspace).derived_from(loaded)
     secrets = SecretStore.from_env()
     if args.workspace:
         areas = writable_areas(policy, Path(args.workspace).resolve())
