@@ -183,3 +183,10 @@ async def test_a_box_that_cannot_start_says_why(workspace: Path, tmp_path: Path)
             pass
     assert info.value.code == ErrorCode.BACKEND_FAILED
     assert str(missing) in info.value.message  # bwrap's own words name the failing mount
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "10", True])
+def test_a_bad_ready_timeout_is_refused_by_name(bad: object) -> None:
+    with pytest.raises(SandboxError, match="ready_timeout") as info:
+        Sandbox(ready_timeout=bad)  # type: ignore[arg-type]
+    assert info.value.code == ErrorCode.INVALID_INPUT

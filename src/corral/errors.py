@@ -100,6 +100,19 @@ class PolicyError(SandboxError, ValueError):
     code = ErrorCode.INVALID_POLICY
 
 
+class DangerousWorkspace(SandboxError, ValueError):
+    """A workspace the box must not be given: ``/``, a system directory, a home directory
+    (or a directory holding one). The box could create, change and delete anything there.
+    ``workspace`` is the directory (resolved), ``reason`` why it is refused."""
+
+    code = ErrorCode.INVALID_INPUT
+
+    def __init__(self, message: str, *, workspace: str, reason: str) -> None:
+        super().__init__(message)
+        self.workspace = workspace
+        self.reason = reason
+
+
 class BackendError(SandboxError):
     code = ErrorCode.BACKEND_FAILED
 

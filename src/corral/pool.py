@@ -44,6 +44,7 @@ from corral.backends.users import COMMAND_HOST_ID
 from corral.models import CommandResult
 from corral.policy import Policy, RlimitName
 from corral.sandbox import Command, Sandbox, as_policy
+from corral.workspaces import refuse_dangerous_workspace
 
 
 def needs_fresh_box(policy: Policy) -> str | None:
@@ -82,6 +83,12 @@ def _holds_masked(policy: Policy, workspace: Path) -> bool:
             if (a.st_dev, a.st_ino) == (st.st_dev, st.st_ino) and ancestor != Path("/"):
                 return True
     return False
+
+
+POOL_FIX = (
+    "Give a project directory, or no workspace for a fresh temporary one; to share it "
+    "anyway, use Sandbox(..., allow_dangerous_workspace=True)"
+)
 
 
 def _workspace(workspace: str | os.PathLike[str] | None) -> Path | None:
@@ -328,6 +335,8 @@ class SandboxPool:
         assert sb.workspace is not None
         staging = sb.workspace
         owned: Path | None = None
+        if ws is not None:  # here, in a thread: it reads the password database
+            refuse_dangerous_workspace(ws, fix=POOL_FIX)
         if ws is None:
             owned = ws = Path(tempfile.mkdtemp(prefix="corral-ws-"))
             os.chown(ws, *self.owner)

@@ -56,10 +56,12 @@ from corral.sessions.terminal import (
     window_size,
 )
 from corral.streaming import ExecStream, PendingExecStream
+from corral.workspaces import refuse_dangerous_workspace
 
 Command = str | Sequence[str]
 StdinArg = bytes | str | Literal["pipe"] | None
 READY_TIMEOUT = 15.0
+"""Default seconds ``start`` waits for the guest agent's readiness (``ready_timeout``)."""
 HEARTBEAT_EVERY = 5.0
 """Seconds between two heartbeats (a ``ping`` the agent answers from its loop)."""
 ENDING_OPS = frozenset({"terminate", "signal"})
@@ -129,9 +131,12 @@ def as_policy(
     return policy.for_workspace(workspace) if workspace is not None else policy
 
 
-def _check_host_paths(policy: Policy, workspace: Path) -> None:
+def _check_host_paths(policy: Policy, workspace: Path, given: bool = False) -> None:
     """Host files corral uses itself (the audit log root appends to, the secrets file) never
-    lie in an area a box can write, and no shared source there is a link (blocking)."""
+    lie in an area a box can write, and no shared source there is a link (blocking).
+    ``given``: the caller's workspace, refused if it is /, a system or a home directory."""
+    if given:
+        refuse_dangerous_workspace(workspace)
     areas = writable_areas(policy, workspace)
     refuse_writable_policy(policy.loaded_from, areas)
     refuse_inside("audit_log", policy.audit_log, areas)
@@ -154,11 +159,33 @@ class Sandbox:
         workspace: str | os.PathLike[str] | None = None,
         backend: Backend | None = None,
         resolver: Resolver | None = None,
+        allow_dangerous_workspace: bool = False,
+        ready_timeout: float | None = None,
     ) -> None:
         """``policy``: a :class:`Policy`, or the path of a policy file (TOML or JSON, see
         :meth:`Policy.load`). ``resolver``: how the egress proxy (network mode ``allowlist``)
         resolves names; default the host's resolver. A :class:`corral.net.StaticResolver`
-        pins names."""
+        pins names.
+
+        ``workspace``: a host directory the box gets read-write (default: a fresh temporary
+        one). ``start`` refuses ``/``, a system directory and a home directory (or one holding
+        a home) with :class:`~corral.errors.DangerousWorkspace`, since the box may change
+        anything there; ``allow_dangerous_workspace=True`` shares it anyway.
+
+        ``ready_timeout``: seconds ``start`` gives the box, from the backend's start to its
+        guest agent's readiness, before it fails with ``BackendError`` (default: the
+        backend's own waits, :data:`READY_TIMEOUT` for the agent; a microVM booting without
+        KVM may take a minute and more)."""
+        self._allow_dangerous_workspace = allow_dangerous_workspace
+        if ready_timeout is not None and (
+            isinstance(ready_timeout, bool)
+            or not (isinstance(ready_timeout, int | float) and 0 < ready_timeout < float("inf"))
+        ):
+            raise errors.SandboxError(
+                f"ready_timeout must be a number of seconds > 0, got {ready_timeout!r}",
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
+        self._ready_timeout = None if ready_timeout is None else float(ready_timeout)
         self._workspace_arg = Path(workspace).resolve() if workspace is not None else None
         self.policy = as_policy(policy, self._workspace_arg)
         self._resolver = resolver
@@ -231,7 +258,13 @@ class Sandbox:
         else:
             quota.refuse_for_host_dir(self.policy, self._workspace_arg)
         assert self.workspace is not None
-        await blocking(_check_host_paths, self.policy, self.workspace)
+        given = self._workspace_arg is not None and not self._workspace_prepared
+        await blocking(
+            _check_host_paths,
+            self.policy,
+            self.workspace,
+            given and not self._allow_dangerous_workspace,
+        )
         backend = self._backend
         if backend is None:
             # The first use imports the backend and probes the host: in a thread.
@@ -250,19 +283,23 @@ class Sandbox:
             state_dir=state_dir,
             network=self._network,
             workspace_prepared=self._workspace_prepared,
+            ready_timeout=self._ready_timeout,
         )
         try:
             if self._network is not None:
                 await self._network.start()
-            self._box = await backend.start(spec)
-            self._channel = Channel(self._box.channel, self._on_event)
+            box, left = await self._start_box(backend, spec)
+            self._box = box
+            self._channel = Channel(box.channel, self._on_event)
             self._channel.on_lost = self._on_lost
             await self._channel.start()
             try:
-                await self._channel.wait_ready(READY_TIMEOUT)
+                await self._channel.wait_ready(left())
             except errors.BackendError as exc:
-                detail = await self._box.diagnose()
+                detail = await box.diagnose()
                 message = f"{exc.message}: {detail}" if detail else exc.message
+                if not self._channel.lost.is_set():  # still starting: more time may do
+                    message += "; a slow host may need Sandbox(..., ready_timeout=SECONDS)"
                 raise errors.BackendError(message) from None
             if self._network is not None:
                 await self._network.ready()
@@ -278,6 +315,24 @@ class Sandbox:
         self.audit.record(
             "sandbox", event="start", backend=self.policy.backend, workspace=str(self.workspace)
         )
+
+    async def _start_box(self, backend: Backend, spec: BoxSpec) -> tuple[Box, Callable[[], float]]:
+        """``backend.start``, within the caller's ``ready_timeout`` when one was given, and
+        what is left of it for the agent's readiness (a function: asked when the wait starts)."""
+        loop = asyncio.get_running_loop()
+        given = self._ready_timeout
+        if given is None:
+            return await backend.start(spec), lambda: READY_TIMEOUT
+        deadline = loop.time() + given
+        try:
+            async with asyncio.timeout_at(deadline):
+                box = await backend.start(spec)
+        except TimeoutError:
+            raise errors.BackendError(
+                f"the box did not start within {given:g} s; a slow host may need "
+                "Sandbox(..., ready_timeout=SECONDS)"
+            ) from None
+        return box, lambda: max(0.0, deadline - loop.time())
 
     async def aclose(self) -> None:
         """End everything in the box and remove every trace of it. Idempotent.

@@ -127,9 +127,17 @@ class SyncSandbox:
         *,
         workspace: str | os.PathLike[str] | None = None,
         resolver: Resolver | None = None,
+        allow_dangerous_workspace: bool = False,
+        ready_timeout: float | None = None,
     ) -> None:
         self._loop = _Loop()
-        self._sandbox = Sandbox(policy, workspace=workspace, resolver=resolver)
+        self._sandbox = Sandbox(
+            policy,
+            workspace=workspace,
+            resolver=resolver,
+            allow_dangerous_workspace=allow_dangerous_workspace,
+            ready_timeout=ready_timeout,
+        )
         self.files = SyncFiles(self._sandbox, self._loop)
         try:
             self._loop.call(self._sandbox.start())

@@ -38,6 +38,11 @@ def register(sub: SubParsers) -> None:
     )
     p.add_argument("--workspace", metavar="DIR", help="host dir shared read-write (default: temp)")
     p.add_argument(
+        "--force-workspace",
+        action="store_true",
+        help="accept /, a system directory or a home directory as the workspace",
+    )
+    p.add_argument(
         "--capabilities",
         action="append",
         metavar="LIST",
@@ -81,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     from corral.backends.host.safepath import refuse_inside, refuse_writable_policy
     from corral.backends.layout import writable_areas
     from corral.tools.mcp import ServerConfig, parse_capabilities
+    from corral.workspaces import refuse_dangerous_workspace
 
     trust = bool(getattr(args, "trust_writable_policy", False))
     loaded = Policy.load(args.policy, trust_writable=trust) if args.policy else Policy()
@@ -95,6 +101,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                 )
     policy = presets.apply(loaded, names, args.workspace).derived_from(loaded)
     secrets = SecretStore.from_env()
+    force = bool(getattr(args, "force_workspace", False))
+    if args.workspace and not force:
+        refuse_dangerous_workspace(
+            args.workspace,
+            fix="give --workspace a project directory, or none for a temporary one per "
+            "session; to share it anyway, add --force-workspace",
+        )
     if args.workspace:
         areas = writable_areas(policy, Path(args.workspace).resolve())
         refuse_writable_policy(policy.loaded_from, areas)
@@ -111,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         capabilities=parse_capabilities(args.capabilities),
         permission_mode=args.permission_mode,
         secrets=secrets,
+        allow_dangerous_workspace=force,
     )
 
 

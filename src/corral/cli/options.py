@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import pwd
 import sys
-from pathlib import Path
 from typing import TextIO
 
 from corral import errors
@@ -15,6 +11,7 @@ from corral.net.cli import apply_network_options
 from corral.policy import Limits, Policy
 from corral.tools import presets
 from corral.tools.presets import PRESETS
+from corral.workspaces import refuse_dangerous_workspace, workspace_danger
 
 __all__ = [
     "EXIT_SANDBOX",
@@ -140,72 +137,16 @@ def add_sandbox_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-# The host's system trees: neither they nor anything inside them is a workspace.
-_SYSTEM_TREES = (
-    "/etc",
-    "/usr",
-    "/boot",
-    "/proc",
-    "/sys",
-    "/dev",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/var/lib",
-    "/var/log",
-    "/var/cache",
-    "/var/spool",
-    "/var/backups",
-    "/var/mail",
-)
-# Directories that hold other people's data: refused themselves, their subdirectories are fine.
-_SYSTEM_DIRS = ("/var", "/run", "/srv", "/opt", "/tmp", "/mnt", "/media", "/home", "/root")
-
-
-def _homes() -> set[str]:
-    homes = {os.path.realpath(os.path.expanduser("~")), "/root"}
-    with contextlib.suppress(OSError):
-        for entry in pwd.getpwall():
-            if entry.pw_dir.startswith("/home/") or entry.pw_uid >= 1000:
-                homes.add(os.path.realpath(entry.pw_dir))
-    homes.update(str(p) for p in Path("/home").glob("*") if p.is_dir())
-    return {h for h in homes if h not in ("/", "/nonexistent")}
-
-
-def workspace_danger(path: str | os.PathLike[str]) -> str | None:
-    """Why ``path`` must not be a box's writable workspace (None: it may be). The box may
-    create, change and delete anything there."""
-    real = os.path.realpath(path)
-    if real == "/":
-        return "it is the host's root directory"
-    for tree in _SYSTEM_TREES:
-        if real == tree or real.startswith(tree + "/"):
-            return f"it is a system directory ({tree})"
-    if real in _SYSTEM_DIRS and real not in ("/root", "/home"):
-        return f"it is a system directory ({real})"
-    for home in _homes():
-        if real == home:
-            return "it is a home directory (keys, tokens and shell startup files live there)"
-        if home.startswith(real + "/"):
-            return f"it holds a home directory ({home})"
-    return None
-
-
 def checked_workspace(args: argparse.Namespace) -> str:
     """The workspace of ``--workspace`` (default: the current directory), refused when it
     is /, a system directory or a home directory unless ``--force-workspace``."""
     workspace = str(args.workspace)
-    why = workspace_danger(workspace)
-    if why is not None and not getattr(args, "force_workspace", False):
-        shown = os.path.realpath(workspace)
+    if not getattr(args, "force_workspace", False):
         default = " (the current directory)" if workspace == "." else ""
-        raise errors.SandboxError(
-            f"refusing {shown}{default} as the workspace: {why}, and the box could change "
-            "anything in it. cd to a project directory or give --workspace DIR; to share it "
-            "anyway, add --force-workspace",
-            code=errors.ErrorCode.INVALID_INPUT,
+        refuse_dangerous_workspace(
+            workspace,
+            fix="cd to a project directory or give --workspace DIR; to share it anyway, add "
+            "--force-workspace",
+            shown_as=default,
         )
     return workspace

@@ -229,7 +229,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     env = dict(args.env)
 
     async def go() -> int:
-        async with Sandbox(policy, workspace=workspace) as sb:
+        async with Sandbox(
+            policy,
+            workspace=workspace,
+            allow_dangerous_workspace=getattr(args, "force_workspace", False),
+        ) as sb:
             for warning in sb.warnings:
                 print(f"corral: warning: {warning}", file=sys.stderr)
             say_published(sb)

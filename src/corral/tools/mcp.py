@@ -46,6 +46,7 @@ from corral.sandbox import Sandbox
 from corral.tools.approvals import PermissionMode, Rule
 from corral.tools.secrets import SecretStore
 from corral.tools.toolbox import Toolbox, allowed_tools, tool_schemas
+from corral.workspaces import refuse_dangerous_workspace
 
 logger = logging.getLogger("corral.mcp")
 
@@ -73,6 +74,13 @@ class ServerConfig:
     idle_timeout: float = IDLE_TIMEOUT
     share_shells: bool = True
     """The agent's shells can be joined with ``corral attach`` (the human hand-off)."""
+    allow_dangerous_workspace: bool = False
+    """Accept ``/``, a system directory or a home directory as ``workspace`` (refused with
+    :class:`~corral.errors.DangerousWorkspace` when the config is made, else)."""
+
+    def __post_init__(self) -> None:
+        if self.workspace is not None and not self.allow_dangerous_workspace:
+            refuse_dangerous_workspace(self.workspace)
 
 
 @dataclass
@@ -98,7 +106,11 @@ class Sessions:
         async with lock:  # two first calls racing must not start two sandboxes
             entry = self._open.get(key)
             if entry is None:
-                sandbox = Sandbox(self.config.policy, workspace=self.config.workspace)
+                sandbox = Sandbox(
+                    self.config.policy,
+                    workspace=self.config.workspace,
+                    allow_dangerous_workspace=self.config.allow_dangerous_workspace,
+                )
                 await sandbox.start()
                 toolbox = Toolbox(
                     sandbox,
