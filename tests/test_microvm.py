@@ -22,7 +22,7 @@ from corral import PathOutsideSandbox, Policy, Sandbox
 from corral.backends import unavailable_reason
 from corral.backends.host.state import state_root
 from corral.backends.microvm import initramfs
-from corral.errors import SandboxBroken
+from corral.errors import BackendError, SandboxBroken
 
 POLICY = Policy(
     backend="microvm", vm={"cpus": 2, "memory_mb": 384}, limits={"memory_bytes": 192 << 20}
@@ -245,3 +245,14 @@ async def test_a_damaged_snapshot_is_replaced_and_snapshots_can_be_off(tmp_path:
     async with Sandbox(off, workspace=tmp_path) as sb:
         info = await sb.info()
         assert info["boot"] == "booted" and info["snapshot"] is None
+
+
+async def test_the_caller_chooses_how_long_a_start_waits_for_readiness(tmp_path: Path) -> None:
+    """The wait for the agent's readiness is ``Sandbox(ready_timeout=...)`` (15 s by
+    default): a VM that cannot boot within it fails naming the option, and leaves nothing."""
+    sb = Sandbox(POLICY, workspace=tmp_path, ready_timeout=0.05)
+    started = time.monotonic()
+    with pytest.raises(BackendError, match=r"within 0\.05 s.*ready_timeout=SECONDS"):
+        await sb.start()
+    assert time.monotonic() - started < 15
+    assert not (state_root() / "boxes" / sb.sandbox_id).exists()

@@ -77,6 +77,9 @@ class BoxSpec:
     workspace_prepared: bool = False
     """The workspace is a staging directory whose content is bound in later (the warm pool):
     bind it as it is, and map the box user as for an idmapped workspace."""
+    ready_timeout: float | None = None
+    """Seconds the caller gives the box to become ready (``Sandbox(ready_timeout=...)``); a
+    backend with a boot wait of its own (the microVM's) uses it in place of its default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +218,37 @@ class BoxBase:
 
     async def _teardown(self) -> None:
         """Kill everything in the box and release what the backend holds for it."""
+
+    @staticmethod
+    async def _release_host(
+        cgroup: Cgroup | None,
+        shared: Releasable | None = None,
+        owner: Releasable | None = None,
+        *,
+        kill: bool = False,
+    ) -> None:
+        """The last step of every backend's :meth:`_teardown`, once the box's own process
+        (bwrap, the OCI runtime's box, qemu) is gone: empty the cgroup (``kill``: SIGKILL
+        what is left first) and remove it, unmount the shared paths (in a thread: an umount
+        waits for an RCU grace period; before the state directory is deleted), and hand the
+        namespace owner uid back for another box."""
+        if cgroup is not None:
+            if kill:
+                with contextlib.suppress(Exception):
+                    await cgroup.kill_all_async()
+            with contextlib.suppress(Exception):
+                await cgroup.remove_async()
+        if shared is not None:
+            await blocking(shared.release)
+        if owner is not None:
+            owner.release()  # the box's processes are gone: another box may own its uid
+
+
+class Releasable(Protocol):
+    """What a box holds on the host until it is gone: its shared paths' idmapped mounts
+    (``host.idmap.SharedPaths``), its namespace owner uid (``host.ucounts.BoxOwner``)."""
+
+    def release(self) -> None: ...
 
 
 class CgroupAccounting:

@@ -91,9 +91,10 @@ def _report(outcome: AttachOutcome, session_id: str) -> int:
     if outcome.reason == "lost":
         _say(f"the process owning session {session_id} went away")
         return 1
-    if outcome.exit_code == -9:
+    how = {-1: "hung up (SIGHUP)", -9: "killed (SIGKILL)"}.get(outcome.exit_code or 0)
+    if how is not None:
         _say(
-            f"session {session_id} ended: its shell was killed (SIGKILL), usually because the "
+            f"session {session_id} ended: its shell was {how}, usually because the "
             "sandbox owning it closed (its corral process was interrupted or ended)"
         )
     return _status(outcome.exit_code)
@@ -117,7 +118,11 @@ def cmd_shell(args: argparse.Namespace) -> int:
     policy = with_presets(build_policy(args), args, workspace)
 
     async def go() -> int:
-        async with Sandbox(policy, workspace=workspace) as sb:
+        async with Sandbox(
+            policy,
+            workspace=workspace,
+            allow_dangerous_workspace=getattr(args, "force_workspace", False),
+        ) as sb:
             for warning in sb.warnings:
                 print(f"corral: warning: {warning}", file=sys.stderr)
             say_published(sb)

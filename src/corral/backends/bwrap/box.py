@@ -305,15 +305,7 @@ class BwrapBox(CgroupAccounting, BoxBase):
             async with asyncio.timeout(5):
                 await self._proc.wait()
         self._proc.close()
-        if self._cgroup is not None:
-            with contextlib.suppress(Exception):
-                await self._cgroup.remove_async()
-        if self._shared is not None:
-            await blocking(
-                self._shared.release
-            )  # umount waits for a grace period  # unmounted before anything is deleted
-        if self._owner is not None:
-            self._owner.release()  # the box's processes are gone: another box may own it
+        await self._release_host(self._cgroup, self._shared, self._owner)
 
 
 class BwrapBackend(BackendBase):

@@ -574,13 +574,7 @@ class MicroVmBox(BoxBase):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5):
                     await self._proc.wait()
-        if self._cgroup is not None:
-            with contextlib.suppress(Exception):
-                await self._cgroup.kill_all_async()
-            with contextlib.suppress(Exception):
-                await self._cgroup.remove_async()
-        if self._shared is not None:
-            self._shared.release()  # unmounted before the state directory is deleted
+        await self._release_host(self._cgroup, self._shared, kill=True)
 
 
 _bases: dict[tuple[str, str], Path] = {}
@@ -868,7 +862,7 @@ class _VmStart:
             argv += vmsnap.incoming_args(snap_fd)
         elif save is not None:
             argv += vmsnap.qmp_args(Path(jail.RUN) / "qmp.sock")
-        timeout = (RESTORE_TIMEOUT if restore else BOOT_TIMEOUT)[boot.accel]
+        timeout = _agent_timeout(spec, boot.accel, restored=restore is not None)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         net_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         accepted: list[socket.socket] = []
@@ -934,6 +928,14 @@ class _VmStart:
         box = MicroVmBox(spec, vm, channel, boot, b.kernel, warnings, how, restore, self.limits)
         await box.attach_network(net_sock)
         return box
+
+
+def _agent_timeout(spec: BoxSpec, accel: str, *, restored: bool) -> float:
+    """Seconds a VM gets to its agent's first frame: the caller's ``ready_timeout`` for a
+    boot, else the default for the accelerator (a restore past its own is booted instead)."""
+    if restored:
+        return RESTORE_TIMEOUT[accel]
+    return spec.ready_timeout if spec.ready_timeout is not None else BOOT_TIMEOUT[accel]
 
 
 async def _kill(vm: _Jailed) -> None:

@@ -434,14 +434,8 @@ class OciBox(CgroupAccounting, BoxBase):
                 self._cgroup.kill_all(wait=False)
 
     async def _teardown(self) -> None:
-        await _delete(self._runtime, self._spec.sandbox_id)
-        if self._cgroup is not None:
-            with contextlib.suppress(Exception):
-                await self._cgroup.remove_async()
-        if self._shared is not None:
-            await blocking(self._shared.release)  # umount waits for a grace period
-        if self._owner is not None:
-            self._owner.release()  # the box is deleted: another box may own its uid
+        await _delete(self._runtime, self._spec.sandbox_id)  # kills the box
+        await self._release_host(self._cgroup, self._shared, self._owner)
 
 
 async def _delete(runtime: Runtime, box_id: str) -> str:
