@@ -461,7 +461,10 @@ class BwrapBackend(BackendBase):
             os.write(sec_w, seccomp.build_filter(policy.security.preset))
         finally:
             os.close(sec_w)
-        # The cgroup first: the prime below holds cgroupfs for its grace period (~8 ms here),
+        # The state directory before the cgroup: an orphan sweep (any corral process) removes
+        # a box's cgroup that has none.
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
+        # The cgroup next: the prime below holds cgroupfs for its grace period (~8 ms here),
         # which then passes while the rest is prepared, bwrap starts and builds the mounts.
         held.cgroup, held.warnings = self._make_cgroup(spec, limits)
         if held.cgroup is not None:
@@ -470,7 +473,6 @@ class BwrapBackend(BackendBase):
             # Until the prime's thread is in its write (GIL released): this thread's Python
             # work below would otherwise hold it back by a millisecond or more.
             started.wait(0.05)
-        spec.state_dir.mkdir(parents=True, exist_ok=True)
         masked_file, masked_dir, passwd = shared_files()
         held.owner = owner = ucounts.claim_owner(spec.sandbox_id)
         held.shared = shared = idmap.share_paths(spec)
