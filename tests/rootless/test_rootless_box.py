@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mcp import Client, StdioServerParameters
 
 from corral import Policy, PolicyError, Sandbox
+from corral.net import StaticResolver
 
 PROMPT = r"\$ $|# $"
 
@@ -208,3 +210,43 @@ def test_corral_doctor_explains_rootless_mode(mapped: bool) -> None:
         assert "usermod --add-subuids" in checks["rootless ids"]["fix"]
     assert "RLIMIT_NPROC" in checks["rootless limits"]["detail"]
     assert checks["sandbox"]["ok"], checks["sandbox"]
+
+
+@pytest.fixture
+async def host_server() -> Any:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        body = b"hello " + head.split(b" ")[1] + b"\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+
+async def test_allowlist_proxy_runs_as_the_user(workspace: Path, host_server: int) -> None:
+    policy = Policy.from_dict(
+        {
+            "network": {
+                "mode": "allowlist",
+                "allow_hosts": ["allowed.test"],
+                "allow_private": ["127.0.0.1"],
+            }
+        }
+    )
+    names = StaticResolver({"allowed.test": "127.0.0.1", "denied.test": "127.0.0.1"})
+    async with Sandbox(policy, workspace=workspace, resolver=names) as sb:
+        r = await sb.run(f"curl -sS http://allowed.test:{host_server}/allowed", timeout=20)
+        assert r.stdout == "hello /allowed\n", r.stderr
+        r = await sb.run(f"curl -sS http://denied.test:{host_server}/x", timeout=20)
+        assert "network.allow_hosts" in r.stdout
+
+
+async def test_ports_mode_reaches_a_host_port(workspace: Path, host_server: int) -> None:
+    policy = Policy.from_dict({"network": {"mode": "ports", "ports": [host_server]}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run(f"curl -sS http://127.0.0.1:{host_server}/port", timeout=20)
+        assert r.stdout == "hello /port\n", r.stderr
