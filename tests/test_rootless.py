@@ -48,12 +48,55 @@ def _python_in(view: Path) -> str:
         return str(exe)  # a venv elsewhere: it must be readable by the user as it is
 
 
-@pytest.mark.parametrize("user", USERS)
-def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str) -> None:
+def _cgroup2_mount() -> Path | None:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split()[:1] == ["cgroup2"] and " ro," not in f" {left.split()[5]},":
+            return Path(left.split()[4])
+    return None
+
+
+def _delegate(user: str) -> Path | None:
+    """A cgroup v2 subtree given to ``user`` as systemd's ``Delegate=yes`` would: the group
+    root and its ``cgroup.procs``/``cgroup.subtree_control``/``cgroup.threads`` chowned to
+    the user, and a ``leaf`` group (the user's too) the test's processes start in."""
+    mount = _cgroup2_mount()
+    if mount is None:
+        return None
+    root = mount / f"corral-delegated-{os.getpid()}"
+    (root / "leaf").mkdir(parents=True)
+    uid = pwd.getpwnam(user).pw_uid
+    for path in (
+        root,
+        root / "cgroup.procs",
+        root / "cgroup.subtree_control",
+        root / "cgroup.threads",
+        root / "leaf",
+        root / "leaf" / "cgroup.procs",
+    ):
+        os.chown(path, uid, -1)
+    return root
+
+
+def _undelegate(root: Path) -> None:
+    for group in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if group.is_dir():
+            group.rmdir()
+    root.rmdir()
+
+
+@pytest.mark.parametrize(
+    ("user", "delegated"),
+    [("corral-rootless", False), ("corral-nosubid", False), ("corral-rootless", True)],
+)
+def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str, delegated: bool) -> None:
     why = _skip_reason(user)
     if why is not None:
         pytest.skip(why)
     compile_agent(AGENT_DIR, find_python())  # the user cannot write the agent's .pyc
+    cgroup = _delegate(user) if delegated else None
+    if delegated and cgroup is None:
+        pytest.skip("no writable cgroup v2 hierarchy here to delegate a subtree of")
     holder = Path(tempfile.mkdtemp(prefix="corral-rootless-view-"))
     try:
         holder.chmod(0o755)
@@ -65,9 +108,10 @@ def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str) -> None:
             if not k.startswith(("CORRAL_", "PYTEST_", "XDG_")) and k not in ("TMPDIR", "HOME")
         }
         env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(view / "src"))
-        script = (
-            'mount --bind "$1" "$2" && shift 2 && exec runuser -u "$@"'  # the bind, then the user
-        )
+        script = 'mount --bind "$1" "$2" && shift 2 && exec runuser -u "$@"'  # bind, then user
+        if cgroup is not None:
+            env["CORRAL_CGROUP_DELEGATE"] = str(cgroup)
+            script = f"echo $$ > {cgroup}/leaf/cgroup.procs && {script}"  # start in the leaf
         argv = [
             "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
             str(REPO), str(view), user, "--", _python_in(view), "-m", "pytest", "-q",
@@ -79,6 +123,11 @@ def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str) -> None:
         )
     finally:
         shutil.rmtree(holder, ignore_errors=True)
+        if cgroup is not None:
+            _undelegate(cgroup)
     tail = (out.stdout + out.stderr)[-6000:]
     assert out.returncode == 0, tail
-    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], tail
+    summary = out.stdout.splitlines()[-1]
+    # Nothing skipped but the delegated-cgroup test when no subtree was delegated.
+    assert " passed" in summary and ("skipped" not in summary or summary.count(" 1 skipped")), tail
+    assert not (delegated and "skipped" in summary), tail

@@ -16,7 +16,7 @@ from corral import Policy
 from corral.backends import effective_backend
 from corral.backends.bwrap.args import BwrapFds, BwrapInputs, bwrap_argv
 from corral.backends.bwrap.rootless import NO_CGROUP, rootless_argv
-from corral.backends.host import subids
+from corral.backends.host import cgroups, subids
 from corral.backends.layout import GUEST_AGENT_DIR
 from corral.backends.limits import Capabilities, plan_limits
 from corral.backends.users import BOX_UID, ID_RANGE, rootless_ranges
@@ -139,3 +139,46 @@ def test_bwrap_means_rootless_for_an_ordinary_user(monkeypatch: pytest.MonkeyPat
     assert effective_backend(Policy(backend="oci")) == "oci"
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert effective_backend(Policy()) == "bwrap"
+
+
+def _fake_cgroup2(tmp_path: Path, own: str) -> tuple[str, str]:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"30 23 0:26 / {tmp_path}/cg rw,nosuid - cgroup2 cgroup2 rw\n")
+    self_cgroup = tmp_path / "self-cgroup"
+    self_cgroup.write_text(f"0::{own}\n")
+    for group in ("cg/d", "cg/d/leaf"):
+        (tmp_path / group).mkdir(parents=True, exist_ok=True)
+        for name in ("cgroup.procs", "cgroup.subtree_control", "cgroup.threads"):
+            (tmp_path / group / name).touch()
+    (tmp_path / "cg/d/cgroup.controllers").write_text("cpu memory pids hugetlb\n")
+    (tmp_path / "cg/d/cgroup.subtree_control").write_text("pids\n")
+    return str(mountinfo), str(self_cgroup)
+
+
+def test_a_delegated_root_above_this_process_offers_its_controllers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CORRAL_CGROUP_DELEGATE", str(tmp_path / "cg/d"))
+    found = cgroups.delegated_v2(*_fake_cgroup2(tmp_path, "/d/leaf"))
+    assert found is not None and found.root == str(tmp_path / "cg/d")
+    assert found.controllers == {"cpu", "memory", "pids"}
+    # A delegated root this process is not in: no common ancestor to move boxes through.
+    assert cgroups.delegated_v2(*_fake_cgroup2(tmp_path, "/elsewhere")) is None
+
+
+def test_its_own_group_offers_only_what_is_enabled_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CORRAL_CGROUP_DELEGATE", raising=False)
+    found = cgroups.delegated_v2(*_fake_cgroup2(tmp_path, "/d"))
+    assert found is not None and found.controllers == {"pids"}  # it holds this process
+
+
+def test_missing_controllers_of_a_delegated_group_fall_back_to_rlimits() -> None:
+    caps = Capabilities(
+        "cgroup v2", controllers=frozenset({"pids"}), reason="delegated", rlimit_fallback=True
+    )
+    plan = plan_limits(Limits(memory_bytes=256 << 20, max_pids=64), caps)
+    assert plan.rlimits["as"] == 256 << 20 and "nproc" not in plan.rlimits
+    assert plan.unenforced == {"memory_bytes"}
+    assert plan.pids_max == 64

@@ -23,8 +23,8 @@ PROMPT = r"\$ $|# $"
 async def test_a_box_starts_rootless_and_says_how(box: Sandbox, mapped: bool) -> None:
     info = await box.info()
     assert info["backend"] == "bwrap-rootless"
-    assert info["rootless"] == {"ids": "subordinate" if mapped else "single", "limits": "rlimits"}
-    assert info["limits_enforced_by"] == "rlimits"
+    cgroup = "delegated cgroup v2" if os.environ.get("CORRAL_CGROUP_DELEGATE") else "rlimits"
+    assert info["rootless"] == {"ids": "subordinate" if mapped else "single", "limits": cgroup}
     unenforced = " | ".join(info["unenforced"])
     assert "limits.max_pids enforced as RLIMIT_NPROC" in unenforced
     if not mapped:
@@ -250,3 +250,23 @@ async def test_ports_mode_reaches_a_host_port(workspace: Path, host_server: int)
     async with Sandbox(policy, workspace=workspace) as sb:
         r = await sb.run(f"curl -sS http://127.0.0.1:{host_server}/port", timeout=20)
         assert r.stdout == "hello /port\n", r.stderr
+
+
+@pytest.mark.skipif(
+    not os.environ.get("CORRAL_CGROUP_DELEGATE"),
+    reason="no delegated cgroup v2 subtree (tests/test_rootless.py makes one where it can)",
+)
+async def test_a_delegated_cgroup_holds_each_box(workspace: Path) -> None:
+    root = Path(os.environ["CORRAL_CGROUP_DELEGATE"])
+    async with Sandbox(Policy(), workspace=workspace) as sb:
+        info = await sb.info()
+        assert info["rootless"]["limits"] == "delegated cgroup v2"
+        group = root / "corral" / info["sandbox_id"]
+        await sb.run("sleep 30 &")  # the box's processes are in its group, the agent's too
+        pids = (group / "cgroup.procs").read_text().split()
+        assert len(pids) >= 3, pids  # bwrap's init, the agent, sleep
+        offered = set((root / "cgroup.controllers").read_text().split()) & {"memory", "pids"}
+        if not offered:  # a hybrid host's v2 hierarchy: the limits are rlimits, said so
+            assert info["limits_enforced_by"] == "rlimits"
+            assert any("RLIMIT_NPROC" in w for w in info["unenforced"])
+    assert not group.exists()  # removed with the box, its processes killed

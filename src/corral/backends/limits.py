@@ -95,6 +95,9 @@ class Capabilities:
     vm_memory_mb: int | None = None
     vm_cpus: int | None = None
     reason: str = ""
+    rlimit_fallback: bool = False
+    """What no controller enforces becomes a per-command rlimit (a rootless box in a
+    delegated cgroup that lacks some controllers); always so for mechanism "rlimits"."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +171,9 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
     }
     rlimits = _command_rlimits(limits)
     silent: set[str] = set()
-    if caps.mechanism == "rlimits":
-        silent = _rlimit_fallback(limits, memory, rlimits, caps.reason, warnings)
+    if caps.mechanism == "rlimits" or caps.rlimit_fallback:
+        why = caps.reason if caps.mechanism == "rlimits" else f"no such controller ({caps.reason})"
+        silent = _rlimit_fallback(limits, memory, rlimits, why, warnings, unenforced)
     for name in sorted(unenforced - silent):
         why = caps.reason or "no cgroups here"
         if caps.mechanism not in ("none", "rlimits"):
@@ -197,30 +201,33 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
 
 
 def _rlimit_fallback(
-    limits: Limits, memory: int | None, rlimits: dict[str, int], why: str, warnings: list[str]
+    limits: Limits,
+    memory: int | None,
+    rlimits: dict[str, int],
+    why: str,
+    warnings: list[str],
+    unenforced: set[str],
 ) -> set[str]:
     """Without a cgroup (rootless, no delegated subtree): the cgroup limits each command can
     still get as an rlimit of its own, a weaker bound each warning names; returns the ones
     approximated (no cgroup enforces them, their warning is said here). A policy's own
     ``rlimits`` value wins."""
-    unenforced: set[str] = set()
-    if memory is not None:
+    approximated: set[str] = set()
+    if memory is not None and "memory_bytes" in unenforced:
+        approximated.add("memory_bytes")
         rlimits.setdefault("as", memory)
         warnings.append(
             f"limits.memory_bytes enforced per process only (RLIMIT_AS {rlimits['as']}: address "
             f"space, not a cap on the whole box; {why})"
         )
-    if limits.max_pids is not None:
+    if limits.max_pids is not None and "max_pids" in unenforced:
+        approximated.add("max_pids")
         rlimits.setdefault("nproc", limits.max_pids)
         warnings.append(
             f"limits.max_pids enforced as RLIMIT_NPROC {rlimits['nproc']} on the command user's "
             f"processes in the box, not by a pids cgroup ({why})"
         )
-    if memory is not None:
-        unenforced.add("memory_bytes")
-    if limits.max_pids is not None:
-        unenforced.add("max_pids")
-    return unenforced
+    return approximated
 
 
 def _command_rlimits(limits: Limits) -> dict[str, int]:

@@ -87,14 +87,29 @@ def check_rootless() -> list[Check]:
                 required=False,
             )
         )
+    from corral.backends.host import cgroups
+
+    delegated = cgroups.delegated_v2()
+    fallback = (
+        "limits.memory_bytes -> RLIMIT_AS per process, limits.max_pids -> RLIMIT_NPROC, "
+        "limits.cpu_quota not enforced (each box lists these in warnings and "
+        "info()['unenforced'])"
+    )
+    full = delegated is not None and delegated.controllers >= {"memory", "pids", "cpu"}
+    detail = f"{NO_CGROUP}: {fallback}"
+    if delegated is not None:
+        detail = f"{delegated.reason}: each box gets a group there"
+        detail += "" if full else f"; what it lacks falls back: {fallback}"
     checks.append(
         Check(
             "rootless limits",
-            False,
-            f"{NO_CGROUP}: limits.memory_bytes -> RLIMIT_AS per process, limits.max_pids -> "
-            "RLIMIT_NPROC, limits.cpu_quota not enforced (each box lists these in warnings and "
-            "info()['unenforced'])",
-            "run corral as root for cgroup limits",
+            full,
+            detail,
+            ""
+            if full
+            else "give corral a delegated cgroup v2 subtree with memory, pids and cpu "
+            "(systemd-run --user --scope -p Delegate=yes corral ..., or CORRAL_CGROUP_DELEGATE="
+            "a group root chowned to you that holds corral in a child group), or run as root",
             required=False,
         )
     )

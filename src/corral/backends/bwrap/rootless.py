@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import posixpath
@@ -42,7 +43,7 @@ from typing import Any, ClassVar
 from corral.backends.base import AGENT_DIR, BackendBase, BoxSpec, agent_config
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.bwrap.box import BwrapBackend, BwrapBox, _Bwrap, _Held, _read_info
-from corral.backends.host import idmap, safepath, seccomp, subids
+from corral.backends.host import cgroups, idmap, safepath, seccomp, subids
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import state_root, write_owner
@@ -155,7 +156,17 @@ class RootlessBwrapBackend(BackendBase):
         if self.probe.userns_problem is not None:
             raise BackendUnavailable(f"rootless bwrap: {self.probe.userns_problem}")
         self.python = find_python()
-        self.limit_caps = Capabilities("rlimits", controllers=frozenset(), reason=NO_CGROUP)
+        self.cgroup_support = cgroups.delegated_v2()
+        if self.cgroup_support is None:
+            self.limit_caps = Capabilities("rlimits", controllers=frozenset(), reason=NO_CGROUP)
+        elif not self.cgroup_support.controllers:  # a group for the box, limits as rlimits
+            reason = f"{self.cgroup_support.reason}: none of memory, pids, cpu to enforce them"
+            self.limit_caps = Capabilities("rlimits", controllers=frozenset(), reason=reason)
+        else:  # what the delegated subtree lacks falls back to rlimits
+            found = cgroups.limit_capabilities(self.cgroup_support, own_pids=1)
+            self.limit_caps = dataclasses.replace(
+                found, rlimit_fallback=True, reason=self.cgroup_support.reason
+            )
         self.warnings: tuple[str, ...] = ()
         if not self.probe.mapped:
             self.warnings = (SINGLE_ID_WARNING.format(why=self.probe.separation_problem),)
@@ -163,7 +174,9 @@ class RootlessBwrapBackend(BackendBase):
     def sweep_orphans(self) -> list[str]:
         from corral.backends.bwrap.box import sweep_orphans
 
-        return sweep_orphans(None)
+        return sweep_orphans(
+            self.cgroup_support or cgroups.CgroupSupport("none", frozenset(), "", "")
+        )
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
         policy = spec.policy
@@ -184,7 +197,12 @@ class RootlessBwrapBackend(BackendBase):
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         sec_r, sec_w = os.pipe()
-        fds = bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r)
+        setup_r = setup_w = -1
+        if self.cgroup_support is not None:  # bwrap waits, mounts built, for the cgroup move
+            setup_r, setup_w = os.pipe()
+        fds = bwrap_args.BwrapFds(
+            info=info_w, userns_block=block_r, seccomp=sec_r, block=None if setup_r < 0 else setup_r
+        )
         proc: _Bwrap | None = None
         try:
             argv = await blocking(
@@ -192,17 +210,25 @@ class RootlessBwrapBackend(BackendBase):
             )
             sec_w = -1
             pass_fds = (guest_end.fileno(), info_w, block_r, sec_r, held.args_fd, *held.bind_fds)
+            if setup_r >= 0:
+                pass_fds += (setup_r,)
             proc = self._spawn(argv, pass_fds)
             held.close_bind_fds()
-            for fd in (held.args_fd, info_w, block_r, sec_r):
-                os.close(fd)
-            held.args_fd = info_w = block_r = sec_r = -1
+            for fd in (held.args_fd, info_w, block_r, sec_r, setup_r):
+                if fd >= 0:
+                    os.close(fd)
+            held.args_fd = info_w = block_r = sec_r = setup_r = -1
             fd, info_r = info_r, -1
             info = await _read_info(fd, proc)
             child = int(info["child-pid"])
             write_owner(spec.state_dir, "bwrap", bwrap_pid=proc.pid)
             await self._map_ids(child, proc)
             os.write(block_w, b"1")  # bwrap builds the mounts, then execs the agent
+            if held.cgroup is not None:
+                # bwrap waits on --block-fd, one process, mounts built: every process of
+                # the box descends from it (as in root mode).
+                await BwrapBackend._add_to_cgroup(held.cgroup, child, proc)
+                os.write(setup_w, b"1")
         except BaseException:
             if proc is not None:
                 proc.kill()
@@ -213,7 +239,7 @@ class RootlessBwrapBackend(BackendBase):
             raise
         finally:
             guest_end.close()
-            for fd in (info_r, info_w, block_r, block_w, sec_r, sec_w):
+            for fd in (info_r, info_w, block_r, block_w, sec_r, sec_w, setup_r, setup_w):
                 if fd >= 0:
                     with contextlib.suppress(OSError):
                         os.close(fd)
@@ -221,10 +247,10 @@ class RootlessBwrapBackend(BackendBase):
                 with contextlib.suppress(OSError):
                     os.close(held.args_fd)
         host_end.setblocking(False)
-        box = RootlessBwrapBox(spec, proc, host_end, None, tuple(held.warnings), limits)
+        box = RootlessBwrapBox(spec, proc, host_end, held.cgroup, tuple(held.warnings), limits)
         box.rootless = {
             "ids": "subordinate" if self.probe.mapped else "single",
-            "limits": "rlimits",
+            "limits": "rlimits" if held.cgroup is None else "delegated cgroup v2",
         }
         return box
 
@@ -301,6 +327,16 @@ class RootlessBwrapBackend(BackendBase):
         finally:
             os.close(sec_w)
         held.warnings = [*limits.warnings, *self.warnings]
+        if self.cgroup_support is not None:
+            wanted = cgroups.CgroupLimits(
+                memory_bytes=None if "memory_bytes" in limits.unenforced else limits.memory_max,
+                cpu_quota=None if "cpu_quota" in limits.unenforced else limits.cpu_quota,
+                max_pids=None if "max_pids" in limits.unenforced else limits.pids_max,
+            )
+            held.cgroup = group = cgroups.Cgroup.create(
+                spec.sandbox_id, wanted, self.cgroup_support
+            )
+            held.warnings += cgroups.late_unenforced(group, limits)
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         masked_file, masked_dir, passwd = shared_files()
         mapped = self.probe.mapped

@@ -855,3 +855,47 @@ def sweep_orphans(
         Cgroup(name, version, dirs, CgroupLimits(), support).remove()
         removed.append(name)
     return removed
+
+
+# --------------------------------------------------------------------------- delegation
+
+
+def delegated_v2(
+    mountinfo_path: str = "/proc/self/mountinfo", self_cgroup: str = "/proc/self/cgroup"
+) -> CgroupSupport | None:
+    """A cgroup v2 subtree delegated to this (unprivileged) user, or None.
+
+    Delegated means the user may write its ``cgroup.procs`` and ``cgroup.subtree_control``:
+    ``CORRAL_CGROUP_DELEGATE`` names one (a group root made and chowned to the user, holding
+    this process in a child group), else this process's own group is used when it is the
+    user's (``systemd-run --user --scope -p Delegate=yes``). Boxes' groups go beneath it
+    (``<root>/corral/<box>``): moving a process between two groups needs write access to
+    their common ancestor's ``cgroup.procs``, which is the user's. The controllers are those
+    the subtree can give its children: all it offers when this process is not in the root
+    itself, else only those already enabled there (the kernel refuses to enable one in a
+    group that holds processes). A hybrid host's v2 hierarchy may offer none of memory, pids
+    and cpu: what is missing falls back to rlimits."""
+    try:
+        mounts = mountinfo.read(mountinfo_path)
+        lines = Path(self_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    v2_mount = next((m for m in mounts if m.fstype == "cgroup2"), None)
+    own_rel = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if v2_mount is None or own_rel is None or "ro" in v2_mount.options:
+        return None
+    own = Path(v2_mount.mount_point, own_rel.lstrip("/"))
+    explicit = os.environ.get("CORRAL_CGROUP_DELEGATE")
+    d = Path(explicit) if explicit else own
+    files = (d, d / "cgroup.procs", d / "cgroup.subtree_control")
+    if not all(os.access(f, os.W_OK) for f in files):
+        return None
+    if not own.is_relative_to(d):
+        return None  # the move into a box's group needs write access to a common ancestor
+    if d != own:
+        offered = set((_read(d / "cgroup.controllers") or "").split())
+    else:
+        offered = set((_read(d / "cgroup.subtree_control") or "").split())
+    controllers = frozenset(offered) & frozenset(_V2_WANTED)
+    found = ", ".join(sorted(controllers)) or "no controllers"
+    return CgroupSupport("v2", controllers, str(d), f"delegated cgroup v2 at {d} ({found})")
