@@ -205,6 +205,23 @@ async def test_a_nested_mount_is_reachable_by_commands(
         assert r.stdout == "shared755\n755\n", r.stderr
 
 
+async def test_a_read_write_mount_of_a_root_owned_dir_is_the_box_users(
+    box_policy: Policy, workspace: Path, tmp_path: Path
+) -> None:
+    """The box user writes an ``rw`` share of a host directory root owns (issue 14: the
+    microVM could not); what it creates is root's on the host, never a stranger's."""
+    data = tmp_path / "rootdata"
+    data.mkdir(mode=0o755)
+    assert data.stat().st_uid == 0  # the tests run as root
+    mount = Mount(host=data, guest="/data", mode="rw")
+    policy = box_policy.model_copy(update={"filesystem": FilesystemPolicy(mounts=(mount,))})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run("echo made > /data/f && stat -c '%u %a' /data /data/f")
+        assert (r.exit_code, r.stdout) == (0, "1000 755\n1000 644\n"), r.stderr
+    made = data / "f"
+    assert made.read_text() == "made\n" and (made.stat().st_uid, made.stat().st_gid) == (0, 0)
+
+
 async def test_a_mount_inside_a_read_only_host_dir_is_a_clear_policy_error(
     box_policy: Policy, workspace: Path
 ) -> None:
