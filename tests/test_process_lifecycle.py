@@ -206,7 +206,8 @@ async def test_closing_the_sandbox_terms_everything_with_one_grace_for_all(
         started = loop.time()
         await sb.aclose()
     took = loop.time() - started
-    assert grace <= took < grace + 2.5  # one grace for all five, not five in a row
+    ended = [p.exit_code for p in procs], shell.exit_code
+    assert grace <= took < grace + 2.5, ended  # one grace for all five, not five in a row
     assert (workspace / "order").read_text() == "TERM\n" * count
     assert [(p.exit_code, p.ended) for p in procs] == [(-9, "signalled")] * count
     assert shell.exit_code is not None and shell.exit_code != -9
