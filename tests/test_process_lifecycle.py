@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from corral import Policy, PolicyError, Sandbox
+from corral.backends.host.state import state_root
 
 GRACE = 0.5
 
@@ -229,3 +230,29 @@ async def test_commands_do_not_inherit_signals_the_host_ignored(
     async with sb:
         r = await sb.run("grep SigIgn /proc/self/status")
         assert int(r.stdout.split()[1], 16) & sum(1 << (s - 1) for s in ignored) == 0
+
+
+async def test_a_close_cancelled_in_the_grace_still_tears_the_box_down(
+    box_policy: Policy, workspace: Path
+) -> None:
+    limits = box_policy.limits.model_copy(update={"kill_grace_secs": 60.0})
+    sb = Sandbox(box_policy.model_copy(update={"limits": limits}), workspace=workspace)
+    await sb.start()
+    proc = await sb.spawn(["sh", "-c", "trap 'echo TERM' TERM; echo up; while :; do sleep 1; done"])
+    events = proc.subscribe()
+    seen = [proc.output_bytes("stdout")]  # what came before the subscription
+
+    async def said(word: bytes) -> None:
+        while word not in b"".join(seen):
+            _, data = await events.get()
+            seen.append(data if isinstance(data, bytes) else b"")
+
+    async with asyncio.timeout(30):
+        await said(b"up")  # its trap is set
+        closing = asyncio.create_task(sb.aclose())
+        await said(b"TERM")  # the close is in its grace
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert proc.exit_code is not None  # killed with the box, not left for 60 s
+    assert not (state_root() / "boxes" / sb.sandbox_id).exists()

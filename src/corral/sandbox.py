@@ -343,6 +343,7 @@ class Sandbox:
         if self._closed:
             return
         self._closed = True
+        interrupted = False
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -354,6 +355,10 @@ class Sandbox:
             self._closing_ops = ENDING_OPS  # closed to callers, open to the ending
             try:
                 await end_all(self._registry.running(), hang_up=shells)
+            except asyncio.CancelledError:
+                # Cancelled in the grace: cut it short (shutdown SIGKILLs everything), but
+                # tear the box down before the cancellation goes through.
+                interrupted = True
             finally:
                 self._closing_ops = frozenset()
             with contextlib.suppress(errors.SandboxError, TimeoutError):
@@ -381,6 +386,8 @@ class Sandbox:
             await blocking(shutil.rmtree, self._owned_workspace, True)
         self.audit.record("sandbox", event="close", broken=self._broken)
         self.audit.close()
+        if interrupted:
+            raise asyncio.CancelledError
 
     @property
     def closed(self) -> bool:
