@@ -62,6 +62,8 @@ def test_mapped_mode_runs_bwrap_as_the_command_user_and_opens_the_agents_parent(
     assert options[parent - 3 : parent] == ["--perms", "0755", "--dir"]
     assert parent < options.index(GUEST_AGENT_DIR)
     assert argv[argv.index("--") :] == _argv()[_argv().index("--") :]
+    # /run is bwrap's, so the commands' uid's: read-only once the box is built.
+    assert options[options.index("/run", options.index("--remount-ro")) - 1] == "--remount-ro"
 
 
 def test_single_id_mode_keeps_no_capability() -> None:

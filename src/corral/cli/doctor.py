@@ -117,9 +117,9 @@ def check_rootless() -> list[Check]:
         Check(
             "rootless differences",
             False,
-            "network.mode 'full' is refused (its fence needs root); no warm pool; the box's "
-            "devpts is bwrap's (no PTY count cap); workspaces are not idmapped (commands act "
-            "as you in them)",
+            "no warm pool (its staging mounts are root's); the box's devpts is bwrap's (no PTY "
+            "count cap); workspaces are not idmapped (commands act as you in them); your boxes "
+            "share your kernel quotas (inotify, message queues); network full runs pasta as you",
             "run corral as root for these",
             required=False,
         )

@@ -162,11 +162,16 @@ class Nat:
         """Whether corral made the namespace itself (``make_netns``): pasta joins it by path."""
 
     async def fence(self, pid: int) -> None:
-        """Load the nftables rules into the netns of ``pid`` (before the box runs anything)."""
-        await self._fence(f"/proc/{pid}/ns/net")
+        """Load the nftables rules into the netns of ``pid`` (before the box runs anything).
+
+        Rootless (corral is not root): nft runs in the box's user namespace too, which the
+        user owns, so it holds CAP_NET_ADMIN over the box's network namespace there (and
+        nowhere else), as box root: a command of another uid keeps no capability on exec."""
+        userns = f"/proc/{pid}/ns/user" if os.geteuid() != 0 else None
+        await self._fence(f"/proc/{pid}/ns/net", userns)
         self.pid = pid
 
-    async def _fence(self, netns: str) -> None:
+    async def _fence(self, netns: str, userns: str | None = None) -> None:
         missing = missing_tools()
         if missing:
             raise BackendError(
@@ -174,7 +179,8 @@ class Nat:
                 "network.mode 'allowlist' (run `corral doctor` to see what works here)"
             )
         rules = nft_ruleset(self.screen, host_gateways())
-        nsenter = ["nsenter", f"--net={netns}", "nft", "-f", "-"]
+        enter = [] if userns is None else [f"--user={userns}", *_keep_ids(userns)]
+        nsenter = ["nsenter", *enter, f"--net={netns}", "nft", "-f", "-"]
         code, err = await _run(nsenter, self.log, rules.encode())
         if code != 0:
             raise BackendError(f"cannot fence the box's network with nftables: {err}")
@@ -260,7 +266,11 @@ class Nat:
             argv.append("--no-map-gw")
         # pasta writes its pid file after dropping to ``runas``: give it a file it may write.
         self.pid_file.touch(mode=0o644)
-        os.chown(self.pid_file, self.runas, self.runas)
+        if os.geteuid() == 0:
+            os.chown(self.pid_file, self.runas, self.runas)
+        else:  # rootless: pasta runs as the user, who owns the box's user namespace
+            at = argv.index("--runas")
+            del argv[at : at + 2]
         if self.held:
             target = ["--userns", str(self.userns_file), "--netns", str(self.netns_file)]
         else:
@@ -290,6 +300,18 @@ class Nat:
         finally:
             os.close(pidfd)
             self.release_netns()
+
+
+def _keep_ids(userns: str) -> list[str]:
+    """nsenter's option to keep this process's ids in the box's user namespace when that
+    namespace maps this uid to its root (a rootless box with one id: it has no other id, and
+    its ``setgroups`` is denied), else nothing (nsenter becomes box root there)."""
+    pid_dir = os.path.dirname(os.path.dirname(userns))
+    try:
+        first = Path(pid_dir, "uid_map").read_text().split()
+    except OSError:
+        return []
+    return ["--preserve-credentials"] if first[:2] == ["0", str(os.getuid())] else []
 
 
 async def _readable(fd: int, timeout: float) -> None:

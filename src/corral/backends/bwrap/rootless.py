@@ -18,8 +18,10 @@ What changes from root mode (:mod:`corral.backends.bwrap.box`), and why:
   timeout for time; a CPU quota is not enforced) and a warning per limit.
 - **no host-side mounts.** No idmapped workspace, no capped devpts of the host's making
   (bwrap's own devpts), no warm pool (its staging mounts are root's).
-- **network.** ``none``, ``allowlist``, ``ports`` and published ports (their sockets are the
-  user's); ``full`` needs root's nftables fence and is refused.
+- **network.** every mode: the sockets of ``allowlist``, ``ports`` and published ports are
+  the user's, and ``full`` runs pasta as the user, its nftables fence loaded through the
+  box's user namespace (the user owns it) before the agent starts.
+- **/run** is bwrap's, made as the commands' uid: remounted read-only.
 
 Everything else is root mode's: the same bwrap options (read-only host root, masks of the
 user's own credentials, private /tmp, seccomp, no new privileges), the same agent.
@@ -106,6 +108,11 @@ def rootless_argv(argv: list[str], mapped: bool) -> list[str]:
         if arg == "--cap-add" and not mapped:
             i += 2
             continue
+        if argv[i : i + 2] == ["--remount-ro", "/"]:
+            # bwrap made /run as itself: the commands' uid (1000, or box root with one id).
+            # Read-only, it is what it is in root mode to them (box root's): the agent's and
+            # the network's mount points cannot be moved away.
+            out += ["--remount-ro", "/run"]
         if arg == "--ro-bind" and argv[i + 2 : i + 3] == [GUEST_AGENT_DIR] and mapped:
             # Its parent would be bwrap's, 0700: box root (the agent) could not enter it.
             out += ["--perms", "0755", "--dir", posixpath.dirname(GUEST_AGENT_DIR)]
@@ -180,11 +187,6 @@ class RootlessBwrapBackend(BackendBase):
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
         policy = spec.policy
-        if policy.network.mode == "full":
-            raise PolicyError(
-                "network.mode 'full' needs root (its nftables fence is set up by root) and is "
-                "not available rootless; use 'allowlist' with the hosts the box needs"
-            )
         await blocking(_private_dir, state_root())
         await self.prepare()
         await ensure_agent_compiled(AGENT_DIR, self.python)
@@ -223,6 +225,9 @@ class RootlessBwrapBackend(BackendBase):
             child = int(info["child-pid"])
             write_owner(spec.state_dir, "bwrap", bwrap_pid=proc.pid)
             await self._map_ids(child, proc)
+            net = spec.network
+            if net is not None and net.needs_attach:
+                await net.attach(child)  # full mode: fence the netns first (as in root mode)
             os.write(block_w, b"1")  # bwrap builds the mounts, then execs the agent
             if held.cgroup is not None:
                 # bwrap waits on --block-fd, one process, mounts built: every process of
@@ -353,7 +358,7 @@ class RootlessBwrapBackend(BackendBase):
         if net is not None:
             config["forwarders"] = net.forwarders()
             config["publishers"] = net.publishers_config()
-            net.admit(os.getuid(), os.getgid())
+            net.admit(os.getuid(), os.getgid(), namespace_owner=os.getuid())
         inputs = bwrap_args.BwrapInputs(
             workspace=spec.workspace,
             agent_dir=AGENT_DIR,
