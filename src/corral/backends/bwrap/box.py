@@ -55,7 +55,7 @@ from corral.backends.host import cgroups, devpts, idmap, safepath, seccomp, stag
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
-from corral.backends.host.threads import blocking, submit
+from corral.backends.host.threads import blocking, in_new_thread
 from corral.backends.layout import (
     SYSTEM_PATH,
     Bind,
@@ -469,7 +469,7 @@ class BwrapBackend(BackendBase):
         held.cgroup, held.warnings = self._make_cgroup(spec, limits)
         if held.cgroup is not None:
             started = threading.Event()
-            held.primed = submit(cgroups.prime_migration, self.cgroup_support, started)
+            held.primed = in_new_thread(cgroups.prime_migration, self.cgroup_support, started)
             # Until the prime's thread is in its write (GIL released): this thread's Python
             # work below would otherwise hold it back by a millisecond or more.
             started.wait(0.05)

@@ -68,3 +68,23 @@ def submit(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
     before the caller's next step (an RCU grace period meant to pass meanwhile). Wait for it
     (``asyncio.wrap_future``), also on failure, so that no thread outlives the caller."""
     return _host_threads().submit(contextvars.copy_context().run, fn, *args)
+
+
+def in_new_thread(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """``fn(*args)`` in a thread of its own, started now: for short blocking work that must
+    not queue behind the shared threads (a start's prepare step waits for it to begin, and
+    with every shared thread busy preparing starts it would wait in vain). Wait for the
+    future, also on failure, so that no thread outlives the caller."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    call = functools.partial(contextvars.copy_context().run, fn, *args)
+
+    def run() -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(call())
+        except BaseException as exc:  # handed to whoever waits for it
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="corral-prime", daemon=True).start()
+    return done
