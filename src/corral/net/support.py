@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 
 from corral.net.nat import missing_tools
+
+_UNSHARE_NET = ("unshare", "--net")
+_NFT_PROBE = ("nft", "add", "table", "inet", "corral_probe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +25,8 @@ def _nftables_works() -> str | None:
     """None when nftables rules can be loaded into a fresh network namespace, else why not."""
     try:
         proc = subprocess.run(
-            ["unshare", "--net", "nft", "add", "table", "inet", "corral_probe"],
+            # Rootless, the box's own user namespace gives nft its CAP_NET_ADMIN: probe alike.
+            [*_UNSHARE_NET, *([] if os.geteuid() == 0 else ["--map-root-user"]), *_NFT_PROBE],
             capture_output=True,
             text=True,
             timeout=10,
