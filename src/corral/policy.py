@@ -373,6 +373,11 @@ class Limits(_Model):
 class SecurityPolicy(_Model):
     preset: Literal["baseline", "restricted"] = "baseline"
     """``restricted``: no network ever, fewer syscalls, nothing writable but the workspace."""
+    landlock: bool = True
+    """Landlock as a second filesystem layer where the kernel has it (Linux 5.19+): the box
+    may open only what its mounts mean it to (read the system view, write the workspace,
+    /tmp and ``allow_write``), whatever a mount allows. ``info()["landlock"]`` says whether
+    it is enforced. ``false`` turns it off (the mounts alone then decide)."""
 
 
 class ProcessTracking(_Model):

@@ -18,6 +18,7 @@ relays.py      loopback listeners relaying to host unix sockets (egress proxy, p
 vmlink.py      a microVM's network link: connections multiplexed over a port device
 vminit.py      a microVM's PID 1: preload, snapshot point, mounts, switch root, clock
 seccomp.py     install the host's compiled seccomp filter on the agent (microVM, gVisor)
+landlock.py    Landlock rules on the agent, inherited by every command
 lean.py        json and a poller from the C modules alone (a faster start)
 =============  ===========================================================================
 """

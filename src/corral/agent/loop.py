@@ -144,6 +144,8 @@ class Agent:
         self.home = str(config.get("home") or "")
         self.info_extra = dict(config.get("info", {}))
         self.cgroup = str(config.get("cgroup") or "")
+        self.landlock_rules = dict(config.get("landlock") or {"off": "not asked for"})
+        self.landlock: dict[str, Any] = {}
         if config.get("forwarders") or config.get("vmlink") or config.get("publishers"):
             if TYPE_CHECKING:
                 from corral.agent import relays
@@ -502,7 +504,9 @@ class Agent:
             from corral.agent import info
         else:
             import info
-        return info.collect_info(self.info_extra)
+        reply = info.collect_info(self.info_extra)
+        reply["landlock"] = dict(self.landlock)
+        return reply
 
     def op_file_read(
         self, h: protocol.FileReadRequest, payload: bytes
@@ -554,6 +558,13 @@ class Agent:
         self.inherited_rlimits = commands.set_inherited_rlimits(
             {**self.start_rlimits, "core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
         )
+        # Last, and before the first request: the agent and every command it starts from
+        # now on stay within the box's Landlock rules (landlock.py).
+        if TYPE_CHECKING:
+            from corral.agent import landlock
+        else:
+            import landlock
+        self.landlock = landlock.apply(self.landlock_rules)
 
     def run(self) -> None:
         self.send({"ev": "ready", "pid": os.getpid()})

@@ -500,6 +500,8 @@ if TYPE_CHECKING:
         python: str
         sandbox_id: NotRequired[str]
         workdir: NotRequired[str]
+        landlock: NotRequired[dict[str, Any]]
+        """``{"abi": N, "enforced": bool, "reason": why not, "scoped": [...]}``."""
 
     class PingReply(TypedDict):
         pass

@@ -56,6 +56,7 @@ from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.host.threads import blocking, in_new_thread
+from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
     SYSTEM_PATH,
     Bind,
@@ -478,6 +479,9 @@ class BwrapBackend(BackendBase):
         held.shared = shared = idmap.share_paths(spec)
         config = {**agent_config(spec), "fd": channel_fd}
         net = spec.network
+        config["landlock"] = landlock_rules(
+            policy, self.python, [g for _, g in net.binds()] if net else ()
+        )
         if net is not None:
             config["forwarders"] = net.forwarders()
             config["publishers"] = net.publishers_config()

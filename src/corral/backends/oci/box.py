@@ -80,6 +80,7 @@ from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.host.threads import blocking
+from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
     SYSTEM_PATH,
     Bind,
@@ -643,6 +644,9 @@ class OciBackend(BackendBase):
             if compat is not None:
                 config["env"] = {"LD_PRELOAD": oci_config.GUEST_COMPAT}
         net = spec.network
+        config["landlock"] = landlock_rules(
+            spec.policy, self.python, [g for _, g in net.binds()] if net else ()
+        )
         if net is not None:
             config["forwarders"] = net.forwarders()
             config["publishers"] = net.publishers_config()
