@@ -153,6 +153,7 @@ REPLIES: dict[str, dict[str, str]] = {
         "python": "str",
         "sandbox_id": "?str",
         "workdir": "?str",
+        "landlock": "?{}",
     },
     "ping": {},
     "shutdown": _DONE,

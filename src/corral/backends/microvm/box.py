@@ -121,6 +121,9 @@ class Boot:
     """The kernel file qemu loads: the extracted ELF (PVH entry) or the bzImage."""
 
 
+MICROVM_NO_LANDLOCK = "not applied in a microVM: the guest's own kernel and the VM are the boundary"
+
+
 def qemu_argv(
     qemu: str,
     boot: Boot,
@@ -246,6 +249,7 @@ def boot_plan(
         # inherited by every command): the guest kernel is one more layer, not the only one.
         "seccomp": f"{initramfs.GUEST_AGENT_DIR}/seccomp.bpf",
         "cgroup": initramfs.GUEST_CGROUP,  # the agent reports its counters with every exit
+        "landlock": {"off": MICROVM_NO_LANDLOCK},
     }
     if spec.network is not None:  # forwarders over the corral-net port (no NIC, no 9p sockets)
         config["vmlink"] = vmlink.guest_config(spec.network)
