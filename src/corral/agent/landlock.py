@@ -127,9 +127,10 @@ def _u64(value: int) -> bytes:
 _LITTLE = __import__("sys").byteorder == "little"
 
 
-def apply(config: dict[str, Any]) -> dict[str, Any]:
+def apply(config: dict[str, Any], as_user: Any = None) -> dict[str, Any]:
     """Restrict the calling thread (the agent's only one that starts commands) to ``config``'s
     rules; what ``info()`` reports: ``{"abi": N, "enforced": bool, "reason": ...}``.
+    ``as_user``: a context manager taking the command user's ids (for paths only they reach).
 
     A kernel without Landlock is reported, not an error; a kernel with it that refuses the
     rules raises OSError (the agent then serves nothing: no box without its layer)."""
@@ -151,7 +152,7 @@ def apply(config: dict[str, Any]) -> dict[str, Any]:
     try:
         for key, rights in (("read", READ), ("proc", PROC), ("write", fs)):
             for path in config.get(key) or ():
-                _add(libc, ruleset, str(path), rights & fs)
+                _add(libc, ruleset, str(path), rights & fs, as_user)
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # bwrap and OCI set it already
         libc.syscall("landlock_restrict_self", RESTRICT_SELF, ruleset, 0)
     finally:
@@ -162,14 +163,23 @@ def apply(config: dict[str, Any]) -> dict[str, Any]:
     return status
 
 
-def _add(libc: _Libc, ruleset: int, path: str, rights: int) -> None:
-    """One path-beneath rule; a path the box does not have is skipped."""
+def _add(libc: _Libc, ruleset: int, path: str, rights: int, as_user: Any) -> None:
+    """One path-beneath rule; a path the box does not have is skipped, and so is one that
+    neither the agent nor (``as_user()``) the command user can reach: no rule, no access."""
     import stat
 
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return
+    except PermissionError:  # box root has no DAC override: a directory only uid 1000 enters
+        if as_user is None:
+            return
+        try:
+            with as_user():
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return
     try:
         if path == "/":  # names only: listing / must work, its files stay the rules' own
             rights &= READ_DIR

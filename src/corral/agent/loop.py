@@ -564,7 +564,9 @@ class Agent:
             from corral.agent import landlock
         else:
             import landlock
-        self.landlock = landlock.apply(self.landlock_rules)
+        self.landlock = landlock.apply(
+            self.landlock_rules, lambda: files.as_user(self.uid, self.gid)
+        )
 
     def run(self) -> None:
         self.send({"ev": "ready", "pid": os.getpid()})
