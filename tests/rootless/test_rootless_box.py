@@ -295,3 +295,33 @@ async def test_a_delegated_cgroup_holds_each_box(workspace: Path) -> None:
             assert info["limits_enforced_by"] == "rlimits"
             assert any("RLIMIT_NPROC" in w for w in info["unenforced"])
     assert not group.exists()  # removed with the box, its processes killed
+
+
+async def test_landlock_is_enforced_rootless(
+    workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second layer holds rootless too: a directory mounted read-write that the rules
+    (from the intended layout) leave out is denied; the workspace stays writable."""
+    from corral.backends import landlock
+    from corral.backends.bwrap import rootless
+    from corral.policy import Mount
+
+    abi, why = landlock.host_abi()
+    if abi < 2:
+        pytest.skip(f"no Landlock ABI 2+ here: {why}")
+    stray = tmp_path / "stray"
+    stray.mkdir()
+
+    def without_stray(policy: Policy, python: str, extra: object = ()) -> dict[str, object]:
+        rules = landlock.rules(policy, python, extra)  # type: ignore[arg-type]
+        rules["write"] = [p for p in rules["write"] if p != "/stray"]
+        return rules
+
+    monkeypatch.setattr(rootless, "landlock_rules", without_stray)
+    policy = Policy(filesystem={"mounts": [Mount(host=stray, guest="/stray", mode="rw")]})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        info = await sb.info()
+        assert info["landlock"]["enforced"] is True and info["landlock"]["abi"] == abi
+        r = await sb.run("echo x > /stray/f; echo w > /workspace/w && cat /workspace/w")
+        assert "Permission denied" in r.stderr and r.stdout == "w\n", r
+    assert not (stray / "f").exists()

@@ -50,6 +50,7 @@ from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import state_root, write_owner
 from corral.backends.host.threads import blocking
+from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
     GUEST_AGENT_DIR,
     SYSTEM_PATH,
@@ -355,6 +356,9 @@ class RootlessBwrapBackend(BackendBase):
         }
         config["become_root" if mapped else "undumpable"] = True
         net = spec.network
+        config["landlock"] = landlock_rules(
+            policy, self.python, [g for _, g in net.binds()] if net else ()
+        )
         if net is not None:
             config["forwarders"] = net.forwarders()
             config["publishers"] = net.publishers_config()
