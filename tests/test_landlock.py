@@ -34,7 +34,15 @@ def test_rules_mirror_the_layout() -> None:
         assert path in rules["read"]
     assert "/run/corral-net" in rules["read"]
     assert str(Path(sys.executable).resolve().parent.parent) in rules["read"]
-    assert rules["write"] == ["/workspace", "/tmp", "/home", "/dev", "/srv/cache", "/out"]
+    assert rules["write"] == [
+        "/workspace",
+        "/tmp",
+        "/home",
+        "/dev",
+        "/dev/mqueue",
+        "/srv/cache",
+        "/out",
+    ]
     assert rules["proc"] == ["/proc"]
     # Host data is in neither list: only what the layout mounts on purpose.
     flat = rules["read"] + rules["write"]
@@ -86,8 +94,8 @@ def stray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (host / "tool").write_text("#!/bin/sh\necho ran\n")
     (host / "tool").chmod(0o777)
 
-    def without_stray(policy: Policy, python: str, extra: Any = ()) -> dict[str, Any]:
-        rules = landlock.rules(policy, python, extra)
+    def without_stray(policy: Policy, python: str, extra: Any = (), **kw: Any) -> dict[str, Any]:
+        rules = landlock.rules(policy, python, extra, **kw)
         if "write" in rules:
             rules["write"] = [p for p in rules["write"] if p != STRAY]
         return rules

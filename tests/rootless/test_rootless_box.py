@@ -312,8 +312,10 @@ async def test_landlock_is_enforced_rootless(
     stray = tmp_path / "stray"
     stray.mkdir()
 
-    def without_stray(policy: Policy, python: str, extra: object = ()) -> dict[str, object]:
-        rules = landlock.rules(policy, python, extra)  # type: ignore[arg-type]
+    def without_stray(
+        policy: Policy, python: str, extra: object = (), **kw: bool
+    ) -> dict[str, object]:
+        rules = landlock.rules(policy, python, extra, **kw)  # type: ignore[arg-type]
         rules["write"] = [p for p in rules["write"] if p != "/stray"]
         return rules
 

@@ -145,7 +145,7 @@ class Agent:
         self.info_extra = dict(config.get("info", {}))
         self.cgroup = str(config.get("cgroup") or "")
         self.landlock_rules = dict(config.get("landlock") or {"off": "not asked for"})
-        self.landlock: dict[str, Any] = {}
+        self.landlock: dict[str, Any] | None = None  # what info() reports, once applied
         if config.get("forwarders") or config.get("vmlink") or config.get("publishers"):
             if TYPE_CHECKING:
                 from corral.agent import relays
@@ -221,6 +221,8 @@ class Agent:
         req_id = header.get("id")
         try:
             op = protocol.check_request(header)
+            if self.landlock is None and op not in ("ping", "shutdown"):
+                self.apply_landlock()
             result = getattr(self, "op_" + op)(header, payload)
             reply, data = result if isinstance(result, tuple) else (result, b"")
             self.send({"re": req_id, **reply}, data)
@@ -505,7 +507,7 @@ class Agent:
         else:
             import info
         reply = info.collect_info(self.info_extra)
-        reply["landlock"] = dict(self.landlock)
+        reply["landlock"] = dict(self.landlock or {})
         return reply
 
     def op_file_read(
@@ -559,14 +561,28 @@ class Agent:
             {**self.start_rlimits, "core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
         )
         # Last, and before the first request: the agent and every command it starts from
-        # now on stay within the box's Landlock rules (landlock.py).
+        # now on stay within the box's Landlock rules (landlock.py). A warm pool's box
+        # waits for the first request after its workspace is mounted (``deferred``).
+        if not self.landlock_rules.get("deferred"):
+            try:
+                self.apply_landlock()
+            except AgentError:
+                pass  # every request but ping and shutdown says why (dispatch)
+
+    def apply_landlock(self) -> None:
+        """Restrict the agent (and so every command it starts later) once; AgentError, and
+        no request served, when a kernel that has Landlock refuses the rules."""
         if TYPE_CHECKING:
             from corral.agent import landlock
         else:
             import landlock
-        self.landlock = landlock.apply(
-            self.landlock_rules, lambda: files.as_user(self.uid, self.gid)
-        )
+        try:
+            self.landlock = landlock.apply(
+                self.landlock_rules, lambda: files.as_user(self.uid, self.gid)
+            )
+        except OSError as exc:
+            message = f"Landlock could not be applied: {exc} (security.landlock = false skips it)"
+            raise AgentError(protocol.ErrorCode.AGENT_ERROR, message) from None
 
     def run(self) -> None:
         self.send({"ev": "ready", "pid": os.getpid()})

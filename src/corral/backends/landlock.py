@@ -35,14 +35,28 @@ from corral.backends.layout import (
 )
 from corral.policy import Policy
 
+MQUEUE = "/dev/mqueue"
+"""The box's mqueue mount: ``mq_open`` reaches queues through its IPC namespace's internal
+mount, whose root is this mount's root, so the rule must name it (``/dev`` does not cover
+it)."""
 OFF_BY_POLICY = "turned off by the policy (security.landlock = false)"
 
 
 def rules(
-    policy: Policy, python: str, extra: Iterable[str] = (), home: str | None = None
+    policy: Policy,
+    python: str,
+    extra: Iterable[str] = (),
+    home: str | None = None,
+    *,
+    deferred: bool = False,
 ) -> dict[str, Any]:
     """The agent's ``landlock`` config: guest paths by kind (``read``, ``write``, ``proc``),
-    or ``{"off": why}``. ``extra``: further read-only guest paths (the network's binds)."""
+    or ``{"off": why}``. ``extra``: further read-only guest paths (the network's binds).
+
+    ``deferred`` (a warm pool's box, whose workspace is mounted over its staging directory
+    when claimed): the agent applies the rules at the first request that needs them, not at
+    start. A rule names an inode, and Landlock skips a mount point hidden by a later mount,
+    so a rule made on the staging directory would not reach the workspace mounted on it."""
     if not policy.security.landlock:
         return {"off": OFF_BY_POLICY}
     fs = policy.filesystem
@@ -54,10 +68,11 @@ def rules(
     prefix = str(Path(python).resolve().parent.parent)  # the interpreter's installation
     read += [prefix, GUEST_AGENT_DIR, "/run", "/sys", *extra]
     read += [m.guest for m in fs.mounts if m.mode != "rw"]
-    write = [policy.workdir, "/tmp", "/home", "/dev"]
+    write = [policy.workdir, "/tmp", "/home", "/dev", MQUEUE]
     write += [expand(raw, home) for raw in fs.allow_write]
     write += [m.guest for m in fs.mounts if m.mode == "rw"]
     return {
+        **({"deferred": True} if deferred else {}),
         "read": ["/", *dict.fromkeys(read)],
         "write": list(dict.fromkeys(write)),
         "proc": ["/proc"],

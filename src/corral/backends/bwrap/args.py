@@ -134,7 +134,9 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     ]
     made: set[str] = {"/etc"}
     args += _root_args(policy, inp, host, made)
-    args += ["--dev", "/dev"]
+    # The box's own IPC namespace's POSIX message queues, where Landlock can name them
+    # (mq_open goes through the namespace's internal mount: its root is this mount's root).
+    args += ["--dev", "/dev", "--mqueue", "/dev/mqueue"]
     if inp.devpts is not None:  # bwrap's own devpts has no max=: the host's capped one
         args += ["--dev-bind", str(inp.devpts), "/dev/pts"]
     args += ["--proc", "/proc"]

@@ -480,7 +480,10 @@ class BwrapBackend(BackendBase):
         config = {**agent_config(spec), "fd": channel_fd}
         net = spec.network
         config["landlock"] = landlock_rules(
-            policy, self.python, [g for _, g in net.binds()] if net else ()
+            policy,
+            self.python,
+            [g for _, g in net.binds()] if net else (),
+            deferred=spec.workspace_prepared,
         )
         if net is not None:
             config["forwarders"] = net.forwarders()

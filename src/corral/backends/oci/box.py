@@ -645,7 +645,10 @@ class OciBackend(BackendBase):
                 config["env"] = {"LD_PRELOAD": oci_config.GUEST_COMPAT}
         net = spec.network
         config["landlock"] = landlock_rules(
-            spec.policy, self.python, [g for _, g in net.binds()] if net else ()
+            spec.policy,
+            self.python,
+            [g for _, g in net.binds()] if net else (),
+            deferred=spec.workspace_prepared,
         )
         if net is not None:
             config["forwarders"] = net.forwarders()

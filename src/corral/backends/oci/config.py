@@ -160,6 +160,15 @@ def _submounts(binds: Iterable[Bind], host_mounts: Iterable[str]) -> list[Bind]:
     ]
 
 
+MQUEUE_MOUNT: dict[str, Any] = {
+    "destination": "/dev/mqueue",
+    "type": "mqueue",
+    "source": "mqueue",
+    "options": ["nosuid", "noexec", "nodev"],
+}
+"""The box's own IPC namespace's message queues (:data:`corral.backends.landlock.MQUEUE`)."""
+
+
 def _system_mounts(policy: Policy, own_netns: bool = True) -> list[dict[str, Any]]:
     tmp_size = policy.filesystem.tmp_size
     # The box's own sysfs (it owns its network namespace), read-only: no cgroup or other
@@ -304,6 +313,8 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     if inp.gvisor:
         binds = _reachable_masks(binds, {str(inp.masked_file), str(inp.masked_dir)})
     mounts = _system_mounts(policy, own_sysfs) + [_bind(b, host) for b in binds]
+    if not inp.gvisor:  # the box's POSIX message queues, where Landlock can name them
+        mounts.insert(3, MQUEUE_MOUNT)
     if not own_sysfs:  # the host's cgroupfs lists every box's cgroup: cover it
         mounts.append(_tmpfs(CGROUP_DIR, "555", 4096, ["ro"]))
     host_roots = {b.dest for b in root_binds}
