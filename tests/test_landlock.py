@@ -160,3 +160,18 @@ async def test_off_switch_leaves_the_mounts_alone(
         r = await sb.run(["sh", "-c", f"echo x > {STRAY}/new"])
         assert r.exit_code == 0, r.stderr  # the mount alone decides: it is rw
     assert (stray / "new").read_text() == "x\n"
+
+
+@needs_landlock
+async def test_a_warm_box_applies_its_rules_once_its_workspace_is_there(workspace: Path) -> None:
+    """A pool's box starts on a staging directory and gets the workspace mounted over it when
+    claimed: its rules are made then (a rule on the staging directory would not reach it)."""
+    from corral import SandboxPool
+
+    async with SandboxPool(Policy(), size=1) as pool:
+        await pool.wait_idle()
+        async with await pool.sandbox(workspace=workspace) as sb:
+            r = await sb.run("echo x > f && cat f && mkdir d && mv f d/ && echo y > /tmp/t")
+            assert r.exit_code == 0 and r.stdout == "x\n", r
+            assert (await sb.info())["landlock"]["enforced"] is True
+    assert (workspace / "d" / "f").read_text() == "x\n"
