@@ -459,9 +459,17 @@ def inline_spans(path: Path) -> Iterator[tuple[int, str]]:
 SPANS = [(path, number, span) for path in DOCS for number, span in inline_spans(path)]
 REPO_PATH = re.compile(r"^\.?[\w-][\w.-]*(/[\w.*-]+)*/?$")
 """A relative path (``backends/bwrap/args.py``, ``tests/test_microvm*.py``, ``sandbox.py``)."""
-OUTSIDE_THE_REPO = {".cursor/mcp.json", "claude_desktop_config.json", "config.json"}
+OUTSIDE_THE_REPO = {
+    ".cursor/mcp.json",
+    "claude_desktop_config.json",
+    "config.json",
+    "Cargo.toml",
+    "package.json",
+    "setup.py",
+}
 """Files the docs name that are not in this repository: an MCP client's config in a user's
-project or home, an OCI bundle's config.json."""
+project or home, an OCI bundle's config.json, the project files a workspace preset is
+picked by."""
 
 
 def _names_a_file(span: str) -> bool:
