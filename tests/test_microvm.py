@@ -248,11 +248,12 @@ async def test_a_damaged_snapshot_is_replaced_and_snapshots_can_be_off(tmp_path:
 
 
 async def test_the_caller_chooses_how_long_a_start_waits_for_readiness(tmp_path: Path) -> None:
-    """The wait for the agent's readiness is ``Sandbox(ready_timeout=...)`` (15 s by
-    default): a VM that cannot boot within it fails naming the option, and leaves nothing."""
+    """The wait for the agent's readiness is ``Sandbox(ready_timeout=...)`` (the backend's
+    own waits by default): a VM not ready within it fails naming the option, and leaves
+    nothing behind."""
     sb = Sandbox(POLICY, workspace=tmp_path, ready_timeout=0.05)
     started = time.monotonic()
-    with pytest.raises(BackendError, match=r"within 0\.05 s.*ready_timeout=SECONDS"):
+    with pytest.raises(BackendError, match=r"0\.05 s.*ready_timeout"):
         await sb.start()
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 60  # a boot, then 0.05 s: not the 90 s TCG default
     assert not (state_root() / "boxes" / sb.sandbox_id).exists()

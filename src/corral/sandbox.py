@@ -296,11 +296,7 @@ class Sandbox:
             try:
                 await self._channel.wait_ready(left())
             except errors.BackendError as exc:
-                detail = await box.diagnose()
-                message = f"{exc.message}: {detail}" if detail else exc.message
-                if not self._channel.lost.is_set():  # still starting: more time may do
-                    message += "; a slow host may need Sandbox(..., ready_timeout=SECONDS)"
-                raise errors.BackendError(message) from None
+                raise errors.BackendError(await self._not_ready(exc, box)) from None
             if self._network is not None:
                 await self._network.ready()
             if self._workspace_prepared:
@@ -316,23 +312,28 @@ class Sandbox:
             "sandbox", event="start", backend=self.policy.backend, workspace=str(self.workspace)
         )
 
+    async def _not_ready(self, exc: errors.BackendError, box: Box) -> str:
+        """Why the agent did not become ready: the wait, the backend's own words, the fix."""
+        message = exc.message
+        if self._ready_timeout is not None:
+            message = f"the box was not ready within {self._ready_timeout:g} s (ready_timeout)"
+        detail = await box.diagnose()
+        message = f"{message}: {detail}" if detail else message
+        if self._channel is not None and not self._channel.lost.is_set():  # still starting
+            message += "; a slow host may need Sandbox(..., ready_timeout=SECONDS)"
+        return message
+
     async def _start_box(self, backend: Backend, spec: BoxSpec) -> tuple[Box, Callable[[], float]]:
-        """``backend.start``, within the caller's ``ready_timeout`` when one was given, and
-        what is left of it for the agent's readiness (a function: asked when the wait starts)."""
+        """``backend.start`` (a backend with a boot wait of its own, the microVM's, takes the
+        caller's ``ready_timeout`` from ``spec``), and what is left of ``ready_timeout`` for
+        the agent's readiness (a function: asked when that wait starts)."""
         loop = asyncio.get_running_loop()
         given = self._ready_timeout
+        started = loop.time()
+        box = await backend.start(spec)
         if given is None:
-            return await backend.start(spec), lambda: READY_TIMEOUT
-        deadline = loop.time() + given
-        try:
-            async with asyncio.timeout_at(deadline):
-                box = await backend.start(spec)
-        except TimeoutError:
-            raise errors.BackendError(
-                f"the box did not start within {given:g} s; a slow host may need "
-                "Sandbox(..., ready_timeout=SECONDS)"
-            ) from None
-        return box, lambda: max(0.0, deadline - loop.time())
+            return box, lambda: READY_TIMEOUT
+        return box, lambda: max(0.0, started + given - loop.time())
 
     async def aclose(self) -> None:
         """End everything in the box and remove every trace of it. Idempotent.
@@ -370,10 +371,10 @@ class Sandbox:
             await self._box.close()
         if self._network is not None:
             await self._network.close()
-            # A start that failed after the network's directory was made leaves its parent,
-            # the box's state directory, empty: remove it (only if empty).
-            with contextlib.suppress(OSError):
-                (state_root() / "boxes" / self.sandbox_id).rmdir()
+        # A start that failed (after the network's directory was made, or in a backend that
+        # cleared its attempt) leaves the box's state directory empty: remove it (if empty).
+        with contextlib.suppress(OSError):
+            (state_root() / "boxes" / self.sandbox_id).rmdir()
         for proc in self._registry.running():
             proc._lost()
         await self._sessions.aclose()  # after the processes: their shells are gone by now

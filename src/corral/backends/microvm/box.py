@@ -907,7 +907,7 @@ class _VmStart:
             else:
                 vmsnap.touch(restore)
             await loop.sock_sendall(channel, initramfs.boot_payload(self.plan, time.time()))
-            what = "the microVM's guest agent did not start"
+            what = _agent_late(spec, restored=restore is not None)
             await _until(proc, _readable(channel), timeout, what)
         except BaseException as exc:
             if vm is not None:
@@ -942,15 +942,23 @@ def _agent_timeout(spec: BoxSpec, accel: str, *, restored: bool) -> float:
     return spec.ready_timeout if spec.ready_timeout is not None else BOOT_TIMEOUT[accel]
 
 
+def _agent_late(spec: BoxSpec, *, restored: bool) -> str:
+    """What the error says when the agent's first frame does not come in time."""
+    if restored or spec.ready_timeout is None:
+        return "the microVM's guest agent did not start"
+    limit = f"{spec.ready_timeout:g} s"
+    return f"the microVM's guest agent did not start within the {limit} of ready_timeout"
+
+
 async def _kill(vm: _Jailed) -> None:
     """Kill a jailed qemu and wait for it; remove its cgroup."""
     kill_child(vm.proc)
-    await vm.proc.wait()
-    if vm.cgroup is not None:
-        with contextlib.suppress(Exception):
-            await vm.cgroup.kill_all_async()
-        with contextlib.suppress(Exception):
-            await vm.cgroup.remove_async()
+    # Bounded: a start cancelled at the wrong moment (an enclosing timeout) was seen to
+    # never get the exit of the killed jail reported; the cgroup kill below still ends it.
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(5):
+            await vm.proc.wait()
+    await BoxBase._release_host(vm.cgroup, kill=True)
 
 
 async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
