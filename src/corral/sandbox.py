@@ -865,7 +865,9 @@ class Sandbox:
 
     async def info(self) -> dict[str, Any]:
         """Kernel, hostname, cpus, memory of the box, plus its backend and limits, and its
-        published ports (``"published": ["127.0.0.1:41234->8000/tcp"]``) when it has any."""
+        published ports (``"published": ["127.0.0.1:41234->8000/tcp"]``) when it has any.
+        ``"landlock"``: ``{"abi": 7, "enforced": True, ...}``, or why it is not enforced
+        (``security.landlock``)."""
         reply, _ = await self._request("info")
         reply.pop("re", None)
         assert self._box is not None
