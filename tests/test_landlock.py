@@ -175,3 +175,13 @@ async def test_a_warm_box_applies_its_rules_once_its_workspace_is_there(workspac
             assert r.exit_code == 0 and r.stdout == "x\n", r
             assert (await sb.info())["landlock"]["enforced"] is True
     assert (workspace / "d" / "f").read_text() == "x\n"
+
+
+def test_the_agent_handles_every_right_its_abi_knows() -> None:
+    from corral.agent import landlock as agent
+
+    assert agent.handled_fs(1) == (1 << 13) - 1
+    assert agent.handled_fs(2) & agent.REFER and not agent.handled_fs(2) & agent.TRUNCATE
+    assert agent.handled_fs(4) == agent.handled_fs(3)  # ABI 4 adds network rights only
+    assert agent.handled_fs(7) == (1 << 16) - 1
+    assert agent.apply({"off": "why"}) == {"abi": 0, "enforced": False, "reason": "why"}
