@@ -256,3 +256,28 @@ async def test_a_close_cancelled_in_the_grace_still_tears_the_box_down(
         await closing
     assert proc.exit_code is not None  # killed with the box, not left for 60 s
     assert not (state_root() / "boxes" / sb.sandbox_id).exists()
+
+
+async def test_a_box_that_dies_in_the_grace_ends_the_close_at_once(
+    box_policy: Policy, workspace: Path
+) -> None:
+    limits = box_policy.limits.model_copy(update={"kill_grace_secs": 60.0})
+    sb = Sandbox(box_policy.model_copy(update={"limits": limits}), workspace=workspace)
+    await sb.start()
+    proc = await sb.spawn(["sh", "-c", "trap 'echo TERM' TERM; echo up; while :; do sleep 1; done"])
+    events = proc.subscribe()
+    seen = [proc.output_bytes("stdout")]
+
+    async def said(word: bytes) -> None:
+        while word not in b"".join(seen):
+            _, data = await events.get()
+            seen.append(data if isinstance(data, bytes) else b"")
+
+    async with asyncio.timeout(30):  # not the 60 s grace: the box's death ends the wait
+        await said(b"up")
+        closing = asyncio.create_task(sb.aclose())
+        await said(b"TERM")
+        sb.stop()  # the box dies (as a crash would) while the close waits out the grace
+        await closing
+    assert proc.ended == "lost"
+    assert not (state_root() / "boxes" / sb.sandbox_id).exists()

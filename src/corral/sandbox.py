@@ -534,9 +534,9 @@ class Sandbox:
         self.audit.record("file_denied", op=op, path=path, reason=reason)
 
     def _on_lost(self, reason: str) -> None:
-        if self._closed:
-            return
-        self._broken = reason
+        if not self._closed:
+            self._broken = reason
+        # Also while closing: a close waiting out the grace stops waiting for a dead box.
         for proc in self._registry.running():
             proc._lost()
 
