@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import os
 import shutil
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -150,11 +152,24 @@ class _SlowCallbacks(logging.Handler):
             self.reports.append(f"{message} ({self.last_wait * 1000:.0f} ms waiting for a CPU)")
 
 
+DEFAULT_THREADS = 8
+"""Threads of the default executor a watched test's loop gets, all started before the watch."""
+
+
 @pytest.fixture
 async def loop_watch(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
     """The test's event loop in asyncio debug mode; the test fails if anything (the box's
     start and close included) held the loop longer than :data:`SLOW_CALLBACK_SECS`."""
     loop = asyncio.get_running_loop()
+    # The loop's default executor (asyncio.to_thread in tests) with its threads started now,
+    # before the watch: a thread started on demand is started by the loop, which then waits
+    # for it to run, over 20 ms on a busy host, and that wait is no CPU wait of the loop's.
+    threads = concurrent.futures.ThreadPoolExecutor(DEFAULT_THREADS, "test-default")
+    together = threading.Barrier(DEFAULT_THREADS + 1)
+    for _ in range(DEFAULT_THREADS):
+        threads.submit(together.wait, 30)
+    together.wait(30)
+    loop.set_default_executor(threads)
     handler = _SlowCallbacks(SLOW_CALLBACK_SECS)
     monkeypatch.setattr(asyncio.Handle, "_run", handler.track(asyncio.Handle._run))
     logger = logging.getLogger("asyncio")

@@ -177,13 +177,13 @@ class SandboxPool:
 
     async def start(self) -> None:
         """Fill the pool and return once every box is ready (errors of the first start raise)."""
-        await asyncio.to_thread(sweep_staging)
+        await blocking(sweep_staging)
         if self._why_fresh is not None:
             return
-        self._idmapped = await asyncio.to_thread(idmap.unsupported_reason) is None
+        self._idmapped = await blocking(idmap.unsupported_reason) is None
         if self._backend is None:
             # One backend for every box of the pool: its orphan sweep runs once, not per box.
-            self._backend = await asyncio.to_thread(backend_for, self.policy)
+            self._backend = await blocking(backend_for, self.policy)
         boxes = await asyncio.gather(
             *(self._make() for _ in range(self.size)), return_exceptions=True
         )
@@ -223,7 +223,7 @@ class SandboxPool:
             return await self._fresh(ws)
         box = self._ready.pop() if self._ready else await self._make()
         try:
-            await asyncio.to_thread(self._attach, box, ws)
+            await blocking(self._attach, box, ws)
         except BaseException:
             await self._discard(box)
             raise

@@ -379,7 +379,7 @@ class Sandbox:
             proc._lost()
         await self._sessions.aclose()  # after the processes: their shells are gone by now
         for hook in self._after_close:
-            await asyncio.to_thread(hook)
+            await blocking(hook)
         if self._quota_workspace is not None:
             await blocking(quota.release_workspace, self._quota_workspace)
             self._quota_workspace = self._owned_workspace = None

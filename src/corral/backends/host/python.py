@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from pathlib import Path
+
+from corral.backends.host.threads import blocking
 
 
 def find_python() -> str:
@@ -22,7 +23,7 @@ _compiled: set[str] = set()
 async def ensure_agent_compiled(agent_dir: Path, python: str) -> None:
     """:func:`compile_agent`, off the event loop, the first time only."""
     if f"{agent_dir}:{python}" not in _compiled:
-        await asyncio.to_thread(compile_agent, agent_dir, python)
+        await blocking(compile_agent, agent_dir, python)
 
 
 def compile_agent(agent_dir: Path, python: str) -> None:

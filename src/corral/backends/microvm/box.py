@@ -666,7 +666,7 @@ class MicroVmBackend(BackendBase):
                 self._base = await blocking(_base_archive, self.kernel, self.python)
             except initramfs.KernelNotFound as exc:
                 raise BackendUnavailable(str(exc)) from None
-            await asyncio.to_thread(jail.runtime, self.qemu)
+            await blocking(jail.runtime, self.qemu)
 
     async def boot_mode(self) -> Boot:
         await self.prepare()
