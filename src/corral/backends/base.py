@@ -255,6 +255,9 @@ class CgroupAccounting:
     """``stats()``, ``oom_kills()`` and ``pids_limit_hits()`` of a box from its cgroup."""
 
     _cgroup: Cgroup | None
+    _own_pids: int = 0
+    """The backend's own processes in the cgroup (bwrap's monitor and init): not counted in
+    :attr:`BoxStats.pids`, which counts what ``limits.max_pids`` limits."""
 
     def oom_kills(self) -> int:
         return self._cgroup.oom_kills() if self._cgroup is not None else 0
@@ -271,7 +274,7 @@ class CgroupAccounting:
             memory_bytes=s.memory_current,
             memory_peak_bytes=s.memory_peak,
             oom_kills=s.oom_kills,
-            pids=s.pids_current,
+            pids=None if s.pids_current is None else max(0, s.pids_current - self._own_pids),
             pids_limit_hits=s.pids_limit_hits,
             cpu_seconds=cpu,
         )

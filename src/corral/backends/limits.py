@@ -125,6 +125,8 @@ class LimitPlan:
     warnings: tuple[str, ...] = ()
     """One sentence per limit not (fully) enforced here, naming the field."""
     cpu_period_us: int = CPU_PERIOD_US
+    own_pids: int = 0
+    """Processes the backend itself keeps in the box's cgroup (not the box's to count)."""
 
     @property
     def cpu_quota(self) -> float | None:
@@ -194,6 +196,7 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
         cpu_quota_us=quota,
         max_pids=pids,
         pids_max=None if pids is None else pids + caps.own_pids,
+        own_pids=caps.own_pids,
         rlimits=MappingProxyType(rlimits),
         unenforced=frozenset(unenforced),
         warnings=tuple(warnings),

@@ -284,6 +284,7 @@ class BwrapBox(CgroupAccounting, BoxBase):
         super().__init__(spec, channel, warnings, limits)
         self._proc = proc
         self._cgroup = cgroup
+        self._own_pids = limits.own_pids
         self._shared = shared
         self._owner = owner
 
@@ -336,8 +337,12 @@ class BwrapBackend(BackendBase):
             )
         ucounts.lift_msgqueue_limit()  # bwrap, as this uid, owns every box's user namespace
         self.cgroup_support = cgroups.detect()
-        # bwrap's own init (pid 1 of the box) sits in the box's cgroup beside the agent.
-        self.limit_caps = cgroups.limit_capabilities(self.cgroup_support, own_pids=1)
+        # On cgroup v1 bwrap is started from inside the box's cgroup (no move, no grace
+        # period): its outer monitor and its init (pid 1 of the box) sit in the box's cgroup
+        # beside the agent; otherwise only the init, moved there before it forks.
+        self.spawn_inside = cgroups.SpawnInside(self.cgroup_support)
+        own = 2 if self.spawn_inside.unusable is None else 1
+        self.limit_caps = cgroups.limit_capabilities(self.cgroup_support, own_pids=own)
         self.python = find_python()
         # bwrap starts as the unprivileged uid box root maps to (the box's own namespace
         # owner). A small program switches to it in the exec'd process, so Python can vfork:
@@ -377,7 +382,7 @@ class BwrapBackend(BackendBase):
             if held.primed is not None:
                 primed = asyncio.wrap_future(held.primed)
             pass_fds = (guest_end.fileno(), info_w, block_r, setup_r, sec_r, held.args_fd)
-            proc = self._spawn(argv, (*pass_fds, *held.bind_fds), owner.uid)
+            proc = await self._spawn_into(cgroup, argv, (*pass_fds, *held.bind_fds), owner.uid)
             held.close_bind_fds()  # bwrap has its copies; it mounts from them
             for fd in (held.args_fd, info_w, block_r, setup_r, sec_r):
                 os.close(fd)
@@ -398,7 +403,7 @@ class BwrapBackend(BackendBase):
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence and connect the netns first
             os.write(block_w, b"1")  # bwrap builds the box's mounts now
-            if cgroup is not None:
+            if cgroup is not None and not self.spawn_inside.holds(cgroup, child):
                 # bwrap (the box's pid 1 to be) is one process, waiting on --block-fd with
                 # the mounts built: every process of the box descends from it, and it forks
                 # the first only once released. The move takes ~0.1 ms once the primed
@@ -468,7 +473,7 @@ class BwrapBackend(BackendBase):
         # The cgroup next: the prime below holds cgroupfs for its grace period (~8 ms here),
         # which then passes while the rest is prepared, bwrap starts and builds the mounts.
         held.cgroup, held.warnings = self._make_cgroup(spec, limits)
-        if held.cgroup is not None:
+        if held.cgroup is not None and self.spawn_inside.unusable is not None:
             started = threading.Event()
             held.primed = in_new_thread(cgroups.prime_migration, self.cgroup_support, started)
             # Until the prime's thread is in its write (GIL released): this thread's Python
@@ -544,7 +549,55 @@ class BwrapBackend(BackendBase):
             held.bind_fds.append(fd)
         return bwrap_args.binds_by_fd(argv, fds)
 
+    async def _spawn_into(
+        self,
+        cgroup: cgroups.Cgroup | None,
+        argv: list[str],
+        pass_fds: tuple[int, ...],
+        uid: int,
+    ) -> _Bwrap:
+        """bwrap born inside the box's cgroup where the host allows it, else spawned here
+        (and moved in later, once it has built the mounts)."""
+        if cgroup is not None and self.spawn_inside.unusable is None:
+            return await self._spawn_inside(cgroup, argv, pass_fds, uid)
+        return self._spawn(argv, pass_fds, uid)
+
+    async def _spawn_inside(
+        self, cgroup: cgroups.Cgroup, argv: list[str], pass_fds: tuple[int, ...], uid: int
+    ) -> _Bwrap:
+        """:meth:`_spawn` from a host thread that is in the box's cgroup meanwhile, so that
+        bwrap and everything it forks are born there (see :class:`cgroups.SpawnInside`);
+        the usual spawn (and a move later) when that thread could not enter."""
+        done = self.spawn_inside.submit(cgroup, lambda: self._popen(argv, pass_fds, uid))
+        try:
+            popen = await asyncio.shield(asyncio.wrap_future(done))
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                started = await asyncio.wrap_future(done)
+                started.kill()
+                await blocking(started.wait)
+            raise
+        except OSError:  # the thread could not enter the group: nothing was started
+            return self._spawn(argv, pass_fds, uid)
+        try:
+            return _Bwrap(popen)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+
     def _spawn(self, argv: list[str], pass_fds: tuple[int, ...], uid: int) -> _Bwrap:
+        popen = self._popen(argv, pass_fds, uid)
+        try:
+            return _Bwrap(popen)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+
+    def _popen(
+        self, argv: list[str], pass_fds: tuple[int, ...], uid: int
+    ) -> subprocess.Popen[bytes]:
         """Start bwrap as the unprivileged host uid that box root maps to (the box's own
         namespace owner), so neither bwrap's own init nor the agent is host root, even for
         a moment."""
@@ -554,7 +607,7 @@ class BwrapBackend(BackendBase):
             as_box_root = self.drop_ids(uid)
         else:  # Python switches users in a forked child: slower, the same
             drop = {"user": uid, "group": uid, "extra_groups": []}
-        popen = subprocess.Popen(
+        return subprocess.Popen(
             [*as_box_root, *argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -564,12 +617,6 @@ class BwrapBackend(BackendBase):
             start_new_session=True,
             **drop,
         )
-        try:
-            return _Bwrap(popen)
-        except BaseException:
-            popen.kill()
-            popen.wait()
-            raise
 
     def _make_cgroup(
         self, spec: BoxSpec, plan: LimitPlan

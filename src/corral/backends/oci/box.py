@@ -408,6 +408,7 @@ class OciBox(CgroupAccounting, BoxBase):
         super().__init__(spec, channel, warnings, limits)
         self._runtime = runtime
         self._cgroup = cgroup
+        self._own_pids = limits.own_pids
         self._shared = shared
         self._owner = owner
 
