@@ -202,6 +202,31 @@ async def test_steal_the_agents_channel_fd_with_pidfd_getfd(sandbox: Sandbox) ->
     assert await box_py(sandbox, code) == [DENIED] * 9
 
 
+@pytest.mark.parametrize(
+    "how", ["plain", "pty", "rlimits"], ids=["vfork", "pty-fork", "rlimits-fork"]
+)
+async def test_commands_hold_none_of_the_agents_ids(sandbox: Sandbox, how: str) -> None:
+    """A plain command is spawned from the command user's own ids (no fork of the agent);
+    one with a terminal or rlimits forks and drops there. Either way the command holds no
+    root id, saved ones included, and no capability: it could never take box root back."""
+    script = "grep -E '^(Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapAmb):' /proc/self/status"
+    pty, rlimits = how == "pty", ({"nproc": 4000} if how == "rlimits" else None)
+    proc = await sandbox.spawn(["sh", "-c", script], pty=pty, rlimits=rlimits)
+    assert (await proc.wait(timeout=30)).exit_code == 0
+    status = dict(
+        line.split(":", 1) for line in proc.output().replace("\r", "").splitlines() if ":" in line
+    )
+    ids = {k: set(status[k].split()) for k in ("Uid", "Gid")}
+    assert len(ids["Uid"]) == 1 and len(ids["Gid"]) == 1, status  # real = eff = saved = fs
+    assert ids["Uid"] != {"0"} and ids["Gid"] != {"0"}, status
+    assert "0" not in status["Groups"].split(), status
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
+        if caps == "CapAmb" and gvisor(sandbox):
+            continue  # gVisor's /proc/PID/status has no CapAmb line
+        assert int(status[caps], 16) == 0, (caps, status)
+    assert await box_syscall(sandbox, "setresuid", 0, 0, 0) == DENIED
+
+
 async def test_commands_inherit_no_agent_fd(sandbox: Sandbox) -> None:
     """The channel socket must not leak into commands (close_fds)."""
     res = await box_py(sandbox, "res = sorted(int(f) for f in os.listdir('/proc/self/fd'))")

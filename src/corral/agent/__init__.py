@@ -19,6 +19,7 @@ vmlink.py      a microVM's network link: connections multiplexed over a port dev
 vminit.py      a microVM's PID 1: preload, snapshot point, mounts, switch root, clock
 seccomp.py     install the host's compiled seccomp filter on the agent (microVM, gVisor)
 landlock.py    Landlock rules on the agent, inherited by every command
+libc.py        syscall and prctl through _ctypes alone (Landlock, capabilities, dumpable)
 lean.py        json and a poller from the C modules alone (a faster start)
 =============  ===========================================================================
 """

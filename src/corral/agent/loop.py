@@ -102,11 +102,11 @@ def become_root(home: str) -> None:
 def not_dumpable() -> None:
     """PR_SET_DUMPABLE 0 (rootless with one id: commands share the agent's id, so only this
     keeps them out of its /proc/PID/mem, fd and environ, which need CAP_SYS_PTRACE then)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    if TYPE_CHECKING:
+        from corral.agent import libc
+    else:
+        import libc
+    libc.Libc().prctl(libc.PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 class Agent:
@@ -146,6 +146,7 @@ class Agent:
         self.cgroup = str(config.get("cgroup") or "")
         self.landlock_rules = dict(config.get("landlock") or {"off": "not asked for"})
         self.landlock: dict[str, Any] | None = None  # what info() reports, once applied
+        self.spawn_as_user = False  # see finish_start
         if config.get("forwarders") or config.get("vmlink") or config.get("publishers"):
             if TYPE_CHECKING:
                 from corral.agent import relays
@@ -259,18 +260,22 @@ class Agent:
             }
         wanted = {k: v for k, v in rlimits.items() if self.inherited_rlimits.get(k) != v}
         preexec = commands.make_preexec(wanted, use_pty)
-        # The child changes directory before it drops to the command user, and the agent
-        # has no DAC override: take the user's effective ids for the fork so the cwd is
-        # checked as the command sees it (setreuid then drops the saved root id too).
+        # Without a pre-exec hook the child is spawned from the command user's own ids
+        # (vfork: the agent is not copied; see commands.as_spawner). With one, CPython forks
+        # anyway: the child changes directory before it drops to the command user, and the
+        # agent has no DAC override, so the user's effective ids are taken for the fork and
+        # the cwd is checked as the command sees it (setreuid then drops the saved root id).
+        forks = preexec is not None or not self.spawn_as_user
+        switch = files.as_user if forks else commands.as_spawner
         try:
-            with files.as_user(self.uid, self.gid):
+            with switch(self.uid, self.gid):
                 try:
                     proc = subprocess.Popen(
                         argv,
                         cwd=cwd,
                         env=env,
-                        user=self.uid,
-                        group=self.gid,
+                        user=self.uid if forks else None,
+                        group=self.gid if forks else None,
                         start_new_session=not use_pty,
                         preexec_fn=preexec,
                         close_fds=True,
@@ -560,6 +565,9 @@ class Agent:
         self.inherited_rlimits = commands.set_inherited_rlimits(
             {**self.start_rlimits, "core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
         )
+        # Commands without a pre-exec hook are spawned from the user's own ids (vfork, no
+        # copy of the agent), once the agent holds no capability a command could inherit.
+        self.spawn_as_user = commands.shed_exec_capabilities()
         # Last, and before the first request: the agent and every command it starts from
         # now on stay within the box's Landlock rules (landlock.py). A warm pool's box
         # waits for the first request after its workspace is mounted (``deferred``).
