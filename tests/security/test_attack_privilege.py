@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from corral import Sandbox
+from corral.policy import RlimitName
 from security.helpers import (
     NR,
     PRELUDE,
@@ -210,7 +211,8 @@ async def test_commands_hold_none_of_the_agents_ids(sandbox: Sandbox, how: str) 
     one with a terminal or rlimits forks and drops there. Either way the command holds no
     root id, saved ones included, and no capability: it could never take box root back."""
     script = "grep -E '^(Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapAmb):' /proc/self/status"
-    pty, rlimits = how == "pty", ({"nproc": 4000} if how == "rlimits" else None)
+    pty = how == "pty"
+    rlimits: dict[RlimitName, int] | None = {"nproc": 4000} if how == "rlimits" else None
     proc = await sandbox.spawn(["sh", "-c", script], pty=pty, rlimits=rlimits)
     assert (await proc.wait(timeout=30)).exit_code == 0
     status = dict(
