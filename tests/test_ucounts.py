@@ -1,5 +1,7 @@
 """Each box's user namespace gets an owner uid of its own (the kernel charges inotify and
-message queue quotas to it): the slots, and the id maps that make box root that owner."""
+message queue quotas to it), and its commands a host uid of their own from the same slot
+(epoll watches, pipe buffers and processes are charged to that): the slots, and the id maps
+that make box root that owner and the box user that uid."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from corral.backends.host import ucounts
 from corral.backends.users import (
     BOX_UID,
     COMMAND_HOST_ID,
+    COMMAND_UID_BASE,
     HOST_UID_BASE,
     ID_RANGE,
     OWNER_SLOTS,
     OWNER_UID_BASE,
+    command_id,
     id_map,
     id_ranges,
 )
@@ -27,14 +31,14 @@ def own_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_running_boxes_never_share_an_owner() -> None:
-    held = [ucounts.claim_owner("cb-same") for _ in range(5)]
+    held = [ucounts.claim_owner() for _ in range(5)]
     uids = {o.uid for o in held}
     assert len(uids) == 5
     assert all(OWNER_UID_BASE <= u < OWNER_UID_BASE + OWNER_SLOTS for u in uids)
     first = held[0].uid
     held[0].release()
     held[0].release()  # idempotent
-    again = ucounts.claim_owner("cb-same")
+    again = ucounts.claim_owner()
     assert again.uid == first  # a closed box's owner is free again
     for o in [again, *held[1:]]:
         o.release()
@@ -52,3 +56,26 @@ def test_box_root_maps_to_the_namespace_owner() -> None:
 def test_a_workspace_owner_in_the_owner_range_is_refused() -> None:
     with pytest.raises(BackendError, match="collides"):
         id_ranges(OWNER_UID_BASE + 1)
+
+
+def test_slots_are_lowest_first_and_give_each_box_its_own_command_id() -> None:
+    held = [ucounts.claim_owner() for _ in range(3)]
+    assert [o.uid for o in held] == [OWNER_UID_BASE + n for n in range(3)]
+    ids = [o.command_id for o in held]
+    assert ids == [COMMAND_UID_BASE + n for n in range(3)]
+    assert not {o.uid for o in held} & set(ids) and COMMAND_HOST_ID not in ids
+    for o in held:
+        o.release()
+
+
+def test_box_user_maps_to_the_command_id_of_its_slot() -> None:
+    root = OWNER_UID_BASE + 3
+    user = command_id(root)
+    ranges = id_ranges(user, root)
+    assert (BOX_UID, user, 1) in ranges and ranges[0] == (0, root, 1)
+    hosts = [h for _, h, c in ranges for h in range(h, h + c)]
+    assert len(hosts) == len(set(hosts)) == ID_RANGE  # no host id twice
+    with pytest.raises(BackendError, match="collides"):
+        id_ranges(COMMAND_UID_BASE - 1)  # the last namespace owner: never a box user
+    with pytest.raises(ValueError, match="not a namespace owner"):
+        command_id(COMMAND_HOST_ID)

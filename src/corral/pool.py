@@ -342,7 +342,7 @@ class SandboxPool:
             os.chown(ws, *self.owner)
         try:
             if self._idmapped:
-                idmap.mount_idmapped(str(ws), str(staging))
+                idmap.mount_idmapped(str(ws), str(staging), user=sb.user_host_ids[0])
             else:
                 _bind_restricted(ws, staging)
         except BaseException:

@@ -413,6 +413,14 @@ class Sandbox:
             sb._after_close.append(release)
         return sb
 
+    @property
+    def user_host_ids(self) -> tuple[int, int]:
+        """Host uid and gid of the started box's user (box uid 1000): each box has its own
+        where its backend gives it one. The warm pool mounts a workspace idmapped to them."""
+        if self._box is None:
+            raise errors.SandboxClosed("the sandbox is not started")
+        return self._box.user_ids
+
     def lend_workspace(self, workspace: Path, *, owned: bool = False) -> None:
         """Record that ``workspace`` is now mounted on this box's staging directory (the
         pool's claim); ``owned``: a temporary directory removed when the sandbox closes."""

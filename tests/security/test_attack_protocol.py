@@ -55,6 +55,10 @@ class FakeBox:
     def heartbeat_timeout(self) -> float:
         return 30.0
 
+    @property
+    def user_ids(self) -> tuple[int, int]:
+        return (65534, 65534)
+
     def stats(self) -> BoxStats:
         return BoxStats()
 

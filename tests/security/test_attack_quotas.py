@@ -3,10 +3,12 @@ box B runs beside it, and B and the host must still get theirs.
 
 inotify instances and watches and POSIX message queue bytes are charged to the host uid that
 owns a box's user namespace: each box has its own (:mod:`corral.backends.host.ucounts`), so
-A exhausts only its own share. PTYs come from the box's own devpts instance, capped at
-``PTY_MAX``. Open files are capped per command (``DEFAULT_NOFILE``, soft = hard). gVisor's
-inotify, queues and PTYs are its own kernel's: those tests skip there. A microVM's are its
-guest kernel's: box A exhausts its own VM, and the same tests check B and the host.
+A exhausts only its own share. Pipe buffers and epoll watches are charged to the host uid a
+process runs as: each box's commands have their own (``users.command_id``). PTYs come from
+the box's own devpts instance, capped at ``PTY_MAX``. Open files are capped per command
+(``DEFAULT_NOFILE``, soft = hard). gVisor's inotify, queues and PTYs are its own kernel's:
+those tests skip there. A microVM's are its guest kernel's: box A exhausts its own VM, and
+the same tests check B and the host.
 """
 
 from __future__ import annotations
@@ -187,6 +189,50 @@ async def test_message_queues_of_one_box_leave_the_others_theirs(
     assert fd >= 0, os.strerror(ctypes.get_errno())
     os.close(fd)
     libc.mq_unlink(name)
+
+
+PIPE_FILL = r"""
+import fcntl, os, sys
+F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032
+held, refused = [], 0
+while len(held) < 450:
+    r, w = os.pipe()
+    held.append((r, w))
+    if fcntl.fcntl(w, F_GETPIPE_SZ) < 65536:
+        break  # the uid is past fs.pipe-user-pages-soft: new pipes get the minimum
+    if not refused:  # 1 MiB pipes up to the limit, then default ones past it
+        try:
+            fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
+        except PermissionError:
+            refused = 1
+print(len(held), fcntl.fcntl(held[-1][1], F_GETPIPE_SZ), refused, flush=True)
+sys.stdin.read()
+"""
+
+PIPE_SIZE = "import fcntl, os; print(fcntl.fcntl(os.pipe()[1], 1032))"
+
+
+async def test_pipe_buffers_of_one_box_leave_the_others_theirs(
+    sandbox: Sandbox, other_box: Sandbox
+) -> None:
+    """Pipe buffer pages are counted per host uid of the process: box A's commands holding
+    ``fs.pipe-user-pages-soft`` of them (64 MiB) would leave every box sharing their uid
+    minimal pipes (one or two pages). Each box's commands have a host uid of their own
+    (users.command_id)."""
+    host_kernel_only(sandbox)
+    soft = int(Path("/proc/sys/fs/pipe-user-pages-soft").read_text())
+    if not 0 < soft <= 65536:
+        pytest.skip(f"fs.pipe-user-pages-soft is {soft}: no soft limit to reach in a test")
+    proc, line = await hold(sandbox, PIPE_FILL)
+    try:
+        _, last_size, refused = map(int, line.split())
+        assert last_size < 65536 and refused, line  # box A did reach its uid's limit
+        r = await sandbox.run(["python3", "-c", PIPE_SIZE], timeout=30)
+        assert int(r.stdout) < 65536, r  # and its next pipe is a minimal one (1-2 pages)
+        r = await other_box.run(["python3", "-c", PIPE_SIZE], timeout=30)
+        assert r.stdout == "65536\n", (r, line)  # box B's pipes are whole
+    finally:
+        await proc.kill()
 
 
 async def test_pty_pool_exhaustion_stays_in_the_box(sandbox: Sandbox, other_box: Sandbox) -> None:

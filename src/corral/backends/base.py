@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from corral.backends.host.state import orphaned_boxes, pid_alive, state_root
 from corral.backends.host.threads import blocking
 from corral.backends.limits import agent_rlimits
-from corral.backends.users import BOX_UID, GUEST_HOME
+from corral.backends.users import BOX_UID, COMMAND_HOST_ID, GUEST_HOME
 from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
@@ -146,6 +146,9 @@ class BoxBase:
 
     heartbeat_timeout = 30.0
     """Seconds the agent may take to answer a heartbeat before the box is declared hung."""
+
+    user_ids: tuple[int, int] = (COMMAND_HOST_ID, COMMAND_HOST_ID)
+    """Host uid and gid of the box user (box uid 1000); a backend sets its box's own."""
 
     def __init__(
         self,
@@ -295,6 +298,12 @@ class Box(Protocol):
     def heartbeat_timeout(self) -> float:
         """Seconds the agent may take to answer a heartbeat before the box is declared hung
         (killed, and every call reports it)."""
+        ...
+
+    @property
+    def user_ids(self) -> tuple[int, int]:
+        """Host uid and gid of the box user (box uid 1000): what the owner's files of an
+        idmapped shared path appear as (the warm pool mounts a workspace so at a claim)."""
         ...
 
     def stats(self) -> BoxStats: ...

@@ -2,13 +2,17 @@
 
 Inside every box the guest agent is uid 0 and commands run as :data:`BOX_UID`. On the host,
 box uid 0..999 and 1001.. map to an unprivileged range starting at :data:`HOST_UID_BASE`
-(far above any /etc/subuid range), and box uid 1000 maps either to :data:`COMMAND_HOST_ID`
-(shared paths idmapped, see :mod:`corral.backends.host.idmap`) or to the workspace owner.
+(far above any /etc/subuid range), and box uid 1000 maps either to a host id of the box's
+own (:func:`command_id`: shared paths idmapped, see :mod:`corral.backends.host.idmap`) or to
+the workspace owner.
 
 Each box's user namespace is *owned* (created) by a host uid of its own, from
 :data:`OWNER_UID_BASE` on (see :mod:`corral.backends.host.ucounts`: the kernel charges inotify
 and message queue quotas to that owner). On bwrap, which runs as the owner, box uid 0 maps
-to it (``root`` of :func:`id_ranges`).
+to it (``root`` of :func:`id_ranges`). Box uid 1000 maps to a host uid of the box's own too,
+from the same slot (:func:`command_id`): the kernel counts epoll watches, pipe buffers and
+processes per host uid of the process, so a box's commands spend their own budget, never
+another box's.
 """
 
 from __future__ import annotations
@@ -31,7 +35,26 @@ OWNER_SLOTS = 4096
 """How many boxes may run at once on a host, each with its own namespace owner."""
 
 COMMAND_HOST_ID = 2_001_000
-"""Host uid and gid of box uid 1000 (commands) when shared paths are idmapped."""
+"""Host uid and gid of box uid 1000 (commands) where a box has no owner slot (the microVM
+and gVisor, whose commands' kernel is not the host's; tests of idmapped mounts)."""
+
+COMMAND_UID_BASE = OWNER_UID_BASE + OWNER_SLOTS
+"""Host uid and gid of box uid 1000 in the box whose namespace owner is ``OWNER_UID_BASE + N``
+are ``COMMAND_UID_BASE + N`` (:func:`command_id`)."""
+
+
+def command_id(owner: int) -> int:
+    """The host uid and gid of box uid 1000 in the box whose namespace owner is ``owner``."""
+    if not OWNER_UID_BASE <= owner < OWNER_UID_BASE + OWNER_SLOTS:
+        raise ValueError(f"{owner} is not a namespace owner id")
+    return COMMAND_UID_BASE + owner - OWNER_UID_BASE
+
+
+def _is_command_id(host_id: int) -> bool:
+    return (
+        host_id == COMMAND_HOST_ID or COMMAND_UID_BASE <= host_id < COMMAND_UID_BASE + OWNER_SLOTS
+    )
+
 
 GUEST_HOME = "/home/user"
 """HOME of the box user."""
@@ -40,7 +63,7 @@ GUEST_HOME = "/home/user"
 def id_ranges(owner: int, root: int = HOST_UID_BASE) -> list[tuple[int, int, int]]:
     """``(box id, host id, count)``: box 0..999 and 1001.. -> host base range, 1000 -> owner;
     box 0 -> ``root`` instead where the box's root is its namespace owner (bwrap)."""
-    if HOST_UID_BASE <= owner < OWNER_UID_BASE + OWNER_SLOTS and owner != COMMAND_HOST_ID:
+    if HOST_UID_BASE <= owner < COMMAND_UID_BASE + OWNER_SLOTS and not _is_command_id(owner):
         raise BackendError(f"workspace owner id {owner} collides with corral's id range")
     head = [(0, HOST_UID_BASE, BOX_UID)]
     if root != HOST_UID_BASE:

@@ -304,14 +304,15 @@ def check_idmap() -> Check:
     if os.geteuid() != 0:
         return Check("idmapped mounts", False, "not checked: needs root", required=False)
     from corral.backends.host import idmap
-    from corral.backends.users import COMMAND_HOST_ID
+    from corral.backends.users import COMMAND_UID_BASE
 
     reason = idmap.unsupported_reason()
     if reason is None:
         return Check(
             "idmapped mounts",
             True,
-            f"workspaces are idmapped: commands run as host uid {COMMAND_HOST_ID}",
+            "workspaces are idmapped: each box's commands run as a host uid of their own "
+            f"(from {COMMAND_UID_BASE})",
         )
     return Check(
         "idmapped mounts",

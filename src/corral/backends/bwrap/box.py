@@ -286,6 +286,8 @@ class BwrapBox(CgroupAccounting, BoxBase):
         self._cgroup = cgroup
         self._own_pids = limits.own_pids
         self._shared = shared
+        if shared is not None:
+            self.user_ids = (shared.uid, shared.gid)
         self._owner = owner
 
     async def diagnose(self) -> str:
@@ -480,8 +482,8 @@ class BwrapBackend(BackendBase):
             # work below would otherwise hold it back by a millisecond or more.
             started.wait(0.05)
         masked_file, masked_dir, passwd = shared_files()
-        held.owner = owner = ucounts.claim_owner(spec.sandbox_id)
-        held.shared = shared = idmap.share_paths(spec)
+        held.owner = owner = ucounts.claim_owner()
+        held.shared = shared = idmap.share_paths(spec, user=owner.command_id)
         config = {**agent_config(spec), "fd": channel_fd}
         net = spec.network
         config["landlock"] = landlock_rules(

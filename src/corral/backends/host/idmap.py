@@ -1,8 +1,9 @@
 """Idmapped mounts: the workspace (and other shared host paths) as the box's user sees them.
 
-Commands run as box uid 1000, which maps to one unprivileged host uid (``COMMAND_HOST_ID``)
-for every box: outside what is shared, they are nobody in particular on the host, even when
-the workspace belongs to root. The workspace itself is mounted *idmapped* (Linux 5.12+): files
+Commands run as box uid 1000, which maps to an unprivileged host uid of the box's own
+(:func:`corral.backends.users.command_id`; ``COMMAND_HOST_ID`` where a box has no owner slot):
+outside what is shared, they are nobody in particular on the host, even when the workspace
+belongs to root. The workspace itself is mounted *idmapped* (Linux 5.12+): files
 its owner holds on disk appear inside as the box user's, and what the box user creates lands on
 disk as the owner's. So a command can edit the workspace but cannot read a root-only host file.
 
@@ -49,7 +50,7 @@ _MOUNT_ATTR_IDMAP = 0x0010_0000
 
 _lock = threading.Lock()
 _probe_lock = threading.Lock()
-_userns: dict[tuple[int, int, bool], int] = {}
+_userns: dict[tuple[int, int, bool, int], int] = {}
 
 
 def _syscall_for(path: str, nr: int, *args: object) -> int:
@@ -70,12 +71,11 @@ FOREIGN_COUNT = 1_000_000_000
 """On-disk ids below this are mapped so (ids above it stay unmapped: EOVERFLOW)."""
 
 
-def id_map_text(owner: int, box_root: bool = False) -> str:
-    """uid_map/gid_map text of an idmapped mount's namespace: on-disk ``owner`` ->
-    COMMAND_HOST_ID (the box user), ``box_root``: HOST_UID_BASE -> itself (see
-    :func:`userns_fd`), every other on-disk id below :data:`FOREIGN_COUNT` ->
-    :data:`FOREIGN_BASE` + id."""
-    special = {owner: COMMAND_HOST_ID}
+def id_map_text(owner: int, box_root: bool = False, user: int = COMMAND_HOST_ID) -> str:
+    """uid_map/gid_map text of an idmapped mount's namespace: on-disk ``owner`` -> ``user``
+    (the box user's host id), ``box_root``: HOST_UID_BASE -> itself (see :func:`userns_fd`),
+    every other on-disk id below :data:`FOREIGN_COUNT` -> :data:`FOREIGN_BASE` + id."""
+    special = {owner: user}
     if box_root:
         special[HOST_UID_BASE] = HOST_UID_BASE
     lines = [f"{inside} {outside} 1\n" for inside, outside in sorted(special.items())]
@@ -87,18 +87,20 @@ def id_map_text(owner: int, box_root: bool = False) -> str:
     return "".join(lines)
 
 
-def userns_fd(uid: int, gid: int, box_root: bool = False) -> int:
-    """A user namespace mapping on-disk ``uid``/``gid`` to COMMAND_HOST_ID, and other
-    on-disk ids to :data:`FOREIGN_BASE` + id.
+def userns_fd(uid: int, gid: int, box_root: bool = False, user: int = COMMAND_HOST_ID) -> int:
+    """A user namespace mapping on-disk ``uid``/``gid`` to ``user`` (the box user's host uid
+    and gid), and other on-disk ids to :data:`FOREIGN_BASE` + id.
 
     ``box_root``: on-disk HOST_UID_BASE maps to itself too, so the box's root may create
     files (gVisor's file server, box root, creates every file, then chowns it to its creator:
     the box user's land as the owner's, box root's as HOST_UID_BASE, never host root).
 
-    Cached for the life of the process, one open fd per workspace owner (bounded by the
-    number of owners, not of boxes): making one costs a short-lived ``unshare`` process."""
+    Cached for the life of the process, one open fd per workspace owner and box user id
+    (bounded by the owners times the most boxes that ran at once: owner slots are reused
+    lowest first): making one costs a short-lived ``unshare`` process."""
+    key = (uid, gid, box_root, user)
     with _lock:
-        fd = _userns.get((uid, gid, box_root))
+        fd = _userns.get(key)
         if fd is not None:
             return fd
         proc = subprocess.Popen(
@@ -111,8 +113,8 @@ def userns_fd(uid: int, gid: int, box_root: bool = False) -> int:
             assert proc.stdout is not None and proc.stdin is not None
             if not proc.stdout.readline():
                 raise OSError(f"unshare --user failed (exit {proc.wait()})")
-            Path(f"/proc/{proc.pid}/uid_map").write_text(id_map_text(uid, box_root))
-            Path(f"/proc/{proc.pid}/gid_map").write_text(id_map_text(gid, box_root))
+            Path(f"/proc/{proc.pid}/uid_map").write_text(id_map_text(uid, box_root, user))
+            Path(f"/proc/{proc.pid}/gid_map").write_text(id_map_text(gid, box_root, user))
             fd = os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             if proc.stdin is not None:
@@ -121,15 +123,19 @@ def userns_fd(uid: int, gid: int, box_root: bool = False) -> int:
             proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
-        _userns[(uid, gid, box_root)] = fd
+        _userns[key] = fd
         return fd
 
 
 def mount_idmapped(
-    source: str, target: str, box_root: bool = False, areas: tuple[str, ...] = ()
+    source: str,
+    target: str,
+    box_root: bool = False,
+    areas: tuple[str, ...] = (),
+    user: int = COMMAND_HOST_ID,
 ) -> None:
     """Mount ``source`` (recursively, nosuid, nodev) at ``target``, its owner's files
-    appearing as COMMAND_HOST_ID's (``box_root``: see :func:`userns_fd`).
+    appearing as host id ``user``'s, the box user's (``box_root``: see :func:`userns_fd`).
 
     The source is opened first (beneath its writable area without following any symlink
     when it lies in one of ``areas``: :mod:`corral.backends.host.safepath`) and the tree is
@@ -137,7 +143,7 @@ def mount_idmapped(
     src_fd = safepath.open_path(source, os.O_PATH | os.O_DIRECTORY, areas)
     try:
         st = os.fstat(src_fd)
-        ns_fd = userns_fd(st.st_uid, st.st_gid, box_root)
+        ns_fd = userns_fd(st.st_uid, st.st_gid, box_root, user)
         tree = _syscall_for(
             source,
             _SYS_OPEN_TREE,
@@ -202,10 +208,16 @@ class IdmappedBinds:
     """The idmapped mount points of one box; ``release`` after the box is gone."""
 
     def __init__(
-        self, sandbox_id: str, box_root: bool = False, areas: tuple[str, ...] = ()
+        self,
+        sandbox_id: str,
+        box_root: bool = False,
+        areas: tuple[str, ...] = (),
+        user: int = COMMAND_HOST_ID,
     ) -> None:
         self.sandbox_id = sandbox_id
         self.box_root = box_root
+        self.user = user
+        """The box user's host id, which the owner's files appear as."""
         self.areas = areas
         """Writable areas: a source inside one is opened following no symlink."""
         self.entries: list[Path] = []
@@ -213,7 +225,7 @@ class IdmappedBinds:
     def add(self, source: str | os.PathLike[str]) -> Path:
         entry = staging.new_entry("mnt", f"{self.sandbox_id}.{len(self.entries)}")
         self.entries.append(entry)
-        mount_idmapped(os.fspath(source), str(entry / "ws"), self.box_root, self.areas)
+        mount_idmapped(os.fspath(source), str(entry / "ws"), self.box_root, self.areas, self.user)
         return entry / "ws"
 
     def release(self) -> None:
@@ -254,23 +266,26 @@ def owner_ids(workspace: Path, why: str) -> tuple[int, int]:
     return st.st_uid, st.st_gid
 
 
-def share_paths(spec: BoxSpec, home: str | None = None, box_root: bool = False) -> SharedPaths:
+def share_paths(
+    spec: BoxSpec, home: str | None = None, box_root: bool = False, user: int = COMMAND_HOST_ID
+) -> SharedPaths:
     """Idmap the workspace, ``allow_write`` paths and ``mounts`` of a box about to start
-    (``box_root``: writable by the box's root too, see :func:`userns_fd`).
+    (``box_root``: writable by the box's root too, see :func:`userns_fd`), their owner's
+    files appearing as ``user``'s: the box user's host id (``users.command_id``).
 
     Falls back to mapping the box user to the workspace owner where idmapped mounts are not
     available (the reason becomes a warning of the box)."""
     reason = unsupported_reason()
     if spec.workspace_prepared and reason is None:
-        return SharedPaths(workspace=spec.workspace)
+        return SharedPaths(workspace=spec.workspace, uid=user, gid=user)
     if reason is not None:
         uid, gid = owner_ids(spec.workspace, reason)
         return SharedPaths(spec.workspace, uid=uid, gid=gid, warning=reason)
     fs = spec.policy.filesystem
     home = home or os.path.expanduser("~")
-    binds = IdmappedBinds(spec.sandbox_id, box_root, (str(spec.workspace),))
+    binds = IdmappedBinds(spec.sandbox_id, box_root, (str(spec.workspace),), user)
     try:
-        shared = SharedPaths(workspace=binds.add(spec.workspace), binds=binds)
+        shared = SharedPaths(binds.add(spec.workspace), uid=user, gid=user, binds=binds)
         for raw in fs.allow_write:
             path = expand(raw, home)
             if os.path.isdir(path):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import resource
 import shutil
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from corral.backends.host.state import state_root
 from corral.backends.layout import SYSTEM_PATH
-from corral.backends.users import OWNER_SLOTS, OWNER_UID_BASE
+from corral.backends.users import OWNER_SLOTS, OWNER_UID_BASE, command_id
 from corral.errors import BackendError
 
 
@@ -54,6 +53,11 @@ class BoxOwner:
     fd: int = -1
     """The slot's lock file (flock'd; closed by :meth:`release` or this process's death)."""
 
+    @property
+    def command_id(self) -> int:
+        """The host uid and gid of the box's commands (box uid 1000), from the same slot."""
+        return command_id(self.uid)
+
     def release(self) -> None:
         """Free the uid for another box (once nothing of this box runs any more)."""
         if self.fd >= 0:
@@ -62,15 +66,14 @@ class BoxOwner:
             self.fd = -1
 
 
-def claim_owner(key: str) -> BoxOwner:
+def claim_owner() -> BoxOwner:
     """A namespace owner uid no other running box on this host holds (BackendError when all
-    :data:`OWNER_SLOTS` are taken). ``key`` (the box id) picks where the search starts."""
+    :data:`OWNER_SLOTS` are taken): the lowest free one, so the ids a host uses stay few and
+    what is made per id (an idmapped mount's namespace, :mod:`.idmap`) is made again rarely."""
     folder = state_root() / "owners"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    start = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big")
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-    for step in range(OWNER_SLOTS):
-        slot = (start + step) % OWNER_SLOTS
+    for slot in range(OWNER_SLOTS):
         fd = os.open(folder / str(slot), flags, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

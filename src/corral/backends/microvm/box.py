@@ -471,6 +471,7 @@ class MicroVmBox(BoxBase):
     def hold(self, shared: idmap.SharedPaths) -> None:
         """The idmapped mounts of this box's shares: released once qemu is gone."""
         self._shared = shared
+        self.user_ids = (shared.uid, shared.gid)
 
     def oom_kills(self) -> int:
         return self._guest.oom_kills

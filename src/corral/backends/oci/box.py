@@ -90,7 +90,7 @@ from corral.backends.layout import (
 )
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.oci import config as oci_config
-from corral.backends.users import HOST_UID_BASE, id_map
+from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE, id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
 
@@ -410,6 +410,8 @@ class OciBox(CgroupAccounting, BoxBase):
         self._cgroup = cgroup
         self._own_pids = limits.own_pids
         self._shared = shared
+        if shared is not None:
+            self.user_ids = (shared.uid, shared.gid)
         self._owner = owner
 
     @property
@@ -592,19 +594,23 @@ class OciBackend(BackendBase):
     def _share(
         self, spec: BoxSpec, held: list[idmap.SharedPaths | ucounts.BoxOwner]
     ) -> idmap.SharedPaths:
-        """The state directory with owner.json (so a crash from here on is swept), then
-        the idmapped mounts (into ``held`` as soon as they exist), then (not on gVisor) the
-        host uid of the box's own that will own its user namespace: the kernel charges
-        inotify and message queue quotas to that owner, which would otherwise be host root
-        (the runtime's uid) for every box. Blocking."""
+        """The state directory with owner.json (so a crash from here on is swept), then (not
+        on gVisor) the host uid of the box's own that will own its user namespace: the
+        kernel charges inotify and message queue quotas to that owner, which would otherwise
+        be host root (the runtime's uid) for every box; from its slot, the box user's host id
+        (epoll watches, pipe buffers and processes are counted per host uid). Then the
+        idmapped mounts (into ``held`` as soon as they exist). Blocking."""
         spec.state_dir.mkdir(parents=True, exist_ok=True)
         runtime = self.runtime
         write_owner(spec.state_dir, "oci", runtime=runtime.name, runtime_root=str(runtime.root))
+        user = COMMAND_HOST_ID
+        if not runtime.gvisor:  # gVisor's inotify, queues, PTYs and epoll are its kernel's
+            owner = ucounts.claim_owner()
+            held.append(owner)
+            user = owner.command_id
         # gVisor's file server is the box's root: shared paths take its files too.
-        shared = idmap.share_paths(spec, box_root=runtime.gvisor)
+        shared = idmap.share_paths(spec, box_root=runtime.gvisor, user=user)
         held.append(shared)
-        if not runtime.gvisor:  # gVisor's inotify, queues and PTYs are its kernel's
-            held.append(ucounts.claim_owner(spec.sandbox_id))
         return shared
 
     def _write_bundle(
