@@ -327,3 +327,27 @@ async def test_landlock_is_enforced_rootless(
         r = await sb.run("echo x > /stray/f; echo w > /workspace/w && cat /workspace/w")
         assert "Permission denied" in r.stderr and r.stdout == "w\n", r
     assert not (stray / "f").exists()
+
+
+@pytest.mark.slow
+async def test_a_microvm_runs_rootless(workspace: Path) -> None:
+    """qemu needs no privilege under TCG: as an ordinary user it runs as that user, jailed
+    in a user namespace; what the VM writes in the workspace is the user's; the box says
+    what it lacks (qemu's host cgroup) and commands still hold no capability."""
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86 is not installed")
+    async with Sandbox(Policy(backend="microvm"), workspace=workspace) as sb:
+        r = await sb.run("id -u && echo vm > vm.txt && grep -E '^Cap(Prm|Eff)' /proc/self/status")
+        assert r.exit_code == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0] == "1000"
+        assert all(line.split()[1] == "0000000000000000" for line in lines[1:]), r.stdout
+        st = (workspace / "vm.txt").stat()
+        assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+        info = await sb.info()
+        assert info["backend"] == "microvm" and info["rootless"] is True
+        assert any("rootless: qemu runs as you" in w for w in info["unenforced"]), info
+        qemu = info["qemu_pid"]
+        assert Path(f"/proc/{qemu}/status").read_text().count(f"\t{os.getuid()}\t") >= 1
+    comm = Path(f"/proc/{qemu}/comm")
+    assert not comm.exists() or "qemu" not in comm.read_text()  # gone (or the pid reused)

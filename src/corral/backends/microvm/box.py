@@ -417,6 +417,8 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
         lambda _, owner: kill_if_named(int(owner.get("qemu_pid", 0) or 0), "qemu-system"),
     )
     staging.sweep_staging()
+    if os.geteuid() != 0:
+        return removed  # an ordinary user's qemu has no host cgroup
     with contextlib.suppress(BackendError):
         cgroups.sweep_orphans(
             lambda name: not name.startswith(BOX_PREFIX) or (boxes / name).exists(), support
@@ -425,6 +427,14 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
 
 
 # ---- the box -------------------------------------------------------------------------------
+
+
+ROOTLESS_NOTE = (
+    "rootless: qemu runs as you, jailed in a user namespace, without a host cgroup (the box's "
+    "limits hold in the guest; qemu's own memory is bounded by the VM's RAM, not by a host "
+    "cgroup); the shares are your own directories, not idmapped"
+)
+"""The warning of every microVM box started by an ordinary user."""
 
 
 class _Saved(Exception):
@@ -528,6 +538,7 @@ class MicroVmBox(BoxBase):
             "boot": self.boot_how,
             "snapshot": None if self._snapshot is None else str(self._snapshot),
             "qemu_pid": self._qemu_pid,
+            "rootless": os.geteuid() != 0,
         }
 
     def stop(self) -> None:
@@ -629,11 +640,10 @@ class MicroVmBackend(BackendBase):
                 "NIC; use network.mode 'allowlist' (HTTP/SOCKS proxy) or 'ports' (host "
                 "loopback ports), or the bwrap or oci backend for 'full'"
             )
-        if os.geteuid() != 0:
-            raise BackendUnavailable(
-                "the microvm backend needs root on the host to jail qemu (idmapped shares, "
-                "cgroups); run corral as root"
-            )
+        # As an ordinary user qemu runs as that user (jailed alike, in a user namespace
+        # bwrap makes unprivileged), the shares are the user's own directories (no idmapped
+        # mounts: what the box writes belongs to the user) and qemu has no host cgroup.
+        self.rootless = os.geteuid() != 0
         if policy.vm.accel == "kvm" and not kvm_usable():
             raise BackendUnavailable("vm.accel is 'kvm' but /dev/kvm is missing or not usable")
         try:
@@ -645,7 +655,7 @@ class MicroVmBackend(BackendBase):
         self.qemu = qemu
         self.bwrap = bwrap
         self.accel = policy.vm.accel
-        self.cgroup_support = cgroups.detect()
+        self.cgroup_support = None if self.rootless else cgroups.detect()
         self._base: Path | None = None
 
     def sweep_orphans(self) -> list[str]:
@@ -677,7 +687,10 @@ class MicroVmBackend(BackendBase):
         """Restore the saved VM of this shape when there is one, else boot (and save it)."""
         limits = limit_plan(spec.policy)  # a refusal comes before anything starts
         boot = await self.boot_mode()
-        shared = idmap.share_paths(spec)
+        if self.rootless:
+            shared = idmap.SharedPaths(spec.workspace, uid=os.getuid(), gid=os.getgid())
+        else:
+            shared = idmap.share_paths(spec)
         try:
             box = await self._start(spec, boot, shared, limits)
         except BaseException:
@@ -713,6 +726,8 @@ class MicroVmBackend(BackendBase):
         )
         snapshot = vmsnap.snapshot_path(shape) if policy.vm.snapshot else None
         notes: list[str] = [shared.warning] if shared.warning else []
+        if self.rootless:
+            notes.append(ROOTLESS_NOTE)
         vm = _VmStart(self, spec, boot, plan, limits, devices, jail_shares, shared)
         if snapshot is not None and snapshot.exists():
             try:
@@ -757,7 +772,8 @@ class _VmStart:
         self.spec.state_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(mode=0o700)
-        os.chown(run_dir, self.shared.uid, self.shared.gid)
+        if not self.backend.rootless:
+            os.chown(run_dir, self.shared.uid, self.shared.gid)
         return run_dir
 
     async def _spawn(self, argv: list[str], keep: list[int]) -> _Jailed:
@@ -787,7 +803,7 @@ class _VmStart:
             except OSError as exc:  # a share or system path gone since the policy named it
                 why = exc.strerror or exc
                 raise BackendError(f"cannot bind {exc.filename} into qemu's jail: {why}") from None
-            if b.cgroup_support.version != "none":
+            if b.cgroup_support is not None and b.cgroup_support.version != "none":
                 vm_mb = vm_memory_mb(self.spec.policy)
                 limits = cgroups.CgroupLimits(
                     memory_bytes=(vm_mb + jail.MEMORY_OVERHEAD_MB) << 20,
@@ -801,9 +817,10 @@ class _VmStart:
                 stderr=asyncio.subprocess.PIPE,
                 pass_fds=(*fds.fds, info_w, block_r, *keep),
                 env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
-                user=self.shared.uid,
-                group=self.shared.gid,
-                extra_groups=[os.stat("/dev/kvm").st_gid] if kvm else [],
+                # qemu's own ids (as root); as a user, its own (and its groups, /dev/kvm's)
+                user=None if b.rootless else self.shared.uid,
+                group=None if b.rootless else self.shared.gid,
+                extra_groups=None if b.rootless else [os.stat("/dev/kvm").st_gid] if kvm else [],
                 start_new_session=True,
             )
             os.close(info_w)
