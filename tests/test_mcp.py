@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -297,3 +298,55 @@ def test_secrets_file_named_in_the_policy_feeds_the_store(tmp_path: Path) -> Non
     args = parser.parse_args(["mcp", "--policy", str(policy)])
     config = config_from_args(args)
     assert config.secrets.resolve_value("{{secret:API_KEY}}") == "from-policy-file"
+
+
+async def test_stdio_publishes_a_box_port_and_takes_network_options(tmp_path: Path) -> None:
+    """``corral mcp -p 0:8000``: a server the agent starts in the box is reached from the
+    host at the address ``sandbox_info`` names; ``--network``/``--allow-host`` apply too."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "index.html").write_text("hello from the box\n")
+    args = ("--workspace", str(ws), "-p", "0:8000", "--network", "allowlist")
+    async with (
+        asyncio.timeout(120),
+        Client(stdio_params(*args, "--allow-host", "pypi.org")) as client,
+    ):
+        info = await call(client, "sandbox_info", {})
+        (where,) = info["published"]
+        host, port = where.split("->")[0].rsplit(":", 1)
+        assert host == "127.0.0.1"
+        started = await call(
+            client,
+            "run_command",
+            {"command": "python3", "args": ["-u", "-m", "http.server", "8000"], "wait": False},
+        )
+        pid = started["pid"]
+        while (
+            "Serving HTTP"
+            not in (await call(client, "read_process_output", {"pid": pid}))["output"]
+        ):  # bounded by the timeout above; each wait returns after 100 ms or the exit
+            assert (await call(client, "wait_for_process", {"pid": pid, "timeout_ms": 100}))[
+                "status"
+            ] == "timeout"
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://{host}:{port}/index.html", timeout=30).read()
+        )
+        assert body == b"hello from the box\n"
+        proxy = await call(
+            client, "run_command", {"command": "sh", "args": ["-c", "echo $HTTPS_PROXY"]}
+        )
+        assert proxy["stdout"].startswith("http://"), proxy  # allowlist mode: the proxy is set
+
+
+def test_mcp_network_options_are_checked_before_serving(tmp_path: Path) -> None:
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-m", "corral", "mcp", "--network", "none", "--allow-host", "x.org"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode != 0 and "contradicts" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from corral import errors
+from corral.net.cli import add_network_options, add_publish_option, apply_network_options
 from corral.policy import Policy
 from corral.tools import presets
 from corral.tools.approvals import MODES
@@ -62,6 +63,8 @@ def register(sub: SubParsers) -> None:
         help="apply no preset the --workspace's files ask for (Cargo.toml, package.json, ...)",
     )
     p.add_argument("--secrets", metavar="FILE", help="NAME=value lines (plus CORRAL_SECRET_*)")
+    add_network_options(p)
+    add_publish_option(p)  # the host address of each: the sandbox_info tool
     p.add_argument("--http", metavar="HOST:PORT", help="streamable HTTP instead of stdio")
     p.add_argument(
         "--unix",
@@ -100,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                     file=sys.stderr,
                 )
     policy = presets.apply(loaded, names, args.workspace).derived_from(loaded)
+    policy = apply_network_options(policy, args).derived_from(loaded)
     secrets = SecretStore.from_env()
     force = bool(getattr(args, "force_workspace", False))
     if args.workspace and not force:
