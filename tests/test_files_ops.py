@@ -48,6 +48,36 @@ async def test_binary_and_large_files_roundtrip(sandbox: Sandbox) -> None:
     assert r.stdout.strip() == str(20 << 20)
 
 
+@pytest.mark.parametrize("size", [0, 1, (256 << 10) - 1, 256 << 10, (8 << 20) + 1, 17 << 20])
+async def test_reads_of_every_size_are_byte_exact(sandbox: Sandbox, size: int) -> None:
+    """Around the agent's sendfile threshold (256 KiB), one request (8 MiB) and the byte
+    past it, and past one frame's most (16 MiB); ranges too."""
+    blob = await asyncio.to_thread(os.urandom, size)
+    await sandbox.files.write("f.bin", blob)
+    assert await sandbox.files.read("f.bin", max_bytes=size) == blob
+    if size:
+        with pytest.raises(FileTooLarge):
+            await sandbox.files.read("f.bin", max_bytes=size - 1)
+        mid = size // 3
+        assert await sandbox.files.read("f.bin", offset=mid, length=size) == blob[mid:]
+    assert await sandbox.files.read("f.bin", offset=size + 5, length=10) == b""
+
+
+async def test_reads_stay_in_order_with_output_and_each_other(sandbox: Sandbox) -> None:
+    """Large reads in flight together (one by sendfile, the others read while it goes) while
+    a command prints: every frame arrives whole and in order."""
+    blobs = [await asyncio.to_thread(os.urandom, (3 << 20) + n) for n in range(4)]
+    for n, blob in enumerate(blobs):
+        await sandbox.files.write(f"b{n}.bin", blob)
+    talker = await sandbox.spawn(["sh", "-c", "for i in $(seq 2000); do echo line $i; done"])
+    got = await asyncio.gather(
+        *(sandbox.files.read(f"b{n}.bin", max_bytes=8 << 20) for n in range(4))
+    )
+    assert got == blobs
+    assert (await talker.wait(timeout=60)).exit_code == 0
+    assert talker.output().splitlines()[-1] == "line 2000"
+
+
 async def test_read_over_the_cap_is_file_too_large(sandbox: Sandbox) -> None:
     await sandbox.files.write("f", b"x" * 1000)
     with pytest.raises(FileTooLarge) as info:

@@ -26,6 +26,8 @@ from corral.processes import Request
 KERNEL_VIEWS = ("/proc", "/sys", "/dev")
 """Not read through the files API outside the writable roots (see :func:`resolve`)."""
 CHUNK = 8 << 20
+"""A read asks for this much at a time (the agent sends it by sendfile): each frame then costs
+the event loop a few milliseconds of copying, never tens."""
 WRITE_CHUNK = 1 << 20
 """Writes go in 1 MiB frames: each step of the event loop then copies a few MiB at most (an
 8 MiB frame was sliced, framed and buffered in one step, over 20 ms of the loop)."""
@@ -166,7 +168,7 @@ class Files:
                     "pass max_bytes= to read more"
                 )
             if reply.get("eof") or not data:
-                return b"".join(chunks)
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _read_range(self, r: Resolved, offset: int, length: int | None) -> bytes:
         chunks: list[bytes] = []

@@ -221,6 +221,23 @@ def _fail(exc: OSError, path: str) -> FileOpFailed:
     return FileOpFailed(code, f"{text}: {path}")
 
 
+def read_open(fd: int, offset: int, count: int) -> bytes:
+    """Up to ``count`` bytes of ``fd`` from ``offset`` (fewer at its end); closes ``fd``.
+    One pread unless the kernel returns less."""
+    try:
+        chunks = []
+        while count > 0:
+            data = os.pread(fd, count, offset)
+            if not data:
+                break
+            chunks.append(data)
+            offset += len(data)
+            count -= len(data)
+    finally:
+        os.close(fd)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 def _regular(st: os.stat_result, path: str) -> None:
     """Refuse I/O on a FIFO, socket or device node (opened O_NONBLOCK, so nothing blocked)."""
     if not stat.S_ISREG(st.st_mode):
@@ -313,8 +330,18 @@ class FileOps:
             current = os.path.join(current, part)
 
     def read(self, h: protocol.FileReadRequest) -> tuple[protocol.FileReadReply, bytes]:
+        reply, fd, count = self.open_read(h)
+        return reply, read_open(fd, h.get("offset", 0), count)
+
+    def open_read(
+        self, h: protocol.FileReadRequest, cap: int = MAX_READ
+    ) -> tuple[protocol.FileReadReply, int, int]:
+        """The reply to a read, an open fd of the regular file and how many bytes of it
+        from ``offset`` the reply's payload is at most (the caller reads or sends them, and
+        closes the fd; a file of size 0 is read to its end). At most ``cap`` bytes: what the
+        agent would hold in memory, unless the kernel sends them (``sendfile``)."""
         offset = h.get("offset", 0)
-        limit = min(h.get("limit", MAX_READ), MAX_READ)
+        limit = min(h.get("limit", cap), cap)
         with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):
             # O_NONBLOCK: a FIFO a command left must not block the agent on open.
             fd = self._open(root_fd, rel, os.O_RDONLY | os.O_NONBLOCK)
@@ -323,20 +350,18 @@ class FileOps:
                 if stat.S_ISDIR(st.st_mode):
                     raise OSError(21, "is a directory")
                 _regular(st, h["path"])
-                chunks = []
-                remaining = limit
-                pos = offset
-                while remaining > 0:
-                    data = os.pread(fd, min(remaining, 1 << 20), pos)
-                    if not data:
-                        break
-                    chunks.append(data)
-                    pos += len(data)
-                    remaining -= len(data)
-            finally:
+            except BaseException:
                 os.close(fd)
-        data = b"".join(chunks)
-        return {"size": st.st_size, "offset": offset, "eof": pos >= st.st_size}, data
+                raise
+        # A size of 0 may be a file that has content all the same (/proc, /sys): read it
+        # to its end, up to the limit.
+        count = limit if st.st_size == 0 else max(0, min(limit, st.st_size - offset))
+        reply: protocol.FileReadReply = {
+            "size": st.st_size,
+            "offset": offset,
+            "eof": offset + count >= st.st_size,
+        }
+        return reply, fd, count
 
     def write(self, h: protocol.FileWriteRequest, payload: bytes) -> protocol.FileWriteReply:
         flags = os.O_WRONLY | os.O_CREAT

@@ -33,6 +33,11 @@ else:  # inside the box there is no corral package: the siblings are found throu
     # commands and files (and subprocess) are loaded after "ready": Agent.finish_start.
 
 READ_CHUNK = 65536
+SENDFILE_MIN = 256 << 10
+"""A file read of this many bytes or more goes from the page cache to the channel by
+``sendfile``; smaller ones are read and sent as bytes."""
+SENT = object()
+"""What a request handler returns when it sent its reply itself."""
 HIGH_WATER = 4 << 20  # stop reading children while this much output waits for the host
 LOW_WATER = 1 << 20
 
@@ -134,6 +139,8 @@ class Agent:
         self.sel = lean.Poller()
         self.decoder = protocol.FrameDecoder()
         self.outbuf = bytearray()
+        self.outfile: list[int] = []  # [fd, offset, bytes left]: a payload sendfile sends
+        self.later = bytearray()  # frames sent while ``outfile`` is in flight, after it
         self.children: dict[int, Child] = {}
         self.ending: list[Child] = []  # children being terminated (``op_terminate``)
         self.fd_owner: dict[int, Child] = {}
@@ -173,30 +180,65 @@ class Agent:
 
     # ---- channel -------------------------------------------------------------------------
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        self.outbuf += protocol.encode(header, payload)
+        # Header and payload appended apart: a large payload (a file read) is copied once
+        # into the buffer, not once more into a whole frame first.
+        out = self.later if self.outfile else self.outbuf
+        out += protocol.encode_head(header, len(payload))
+        if payload:
+            out += payload
+        self.flush()
+
+    def send_file(self, header: dict[str, Any], fd: int, offset: int, count: int) -> None:
+        """A frame whose payload is ``count`` bytes of the regular file ``fd`` from
+        ``offset``, which the kernel sends from the page cache (sendfile): the agent never
+        holds them. Takes ``fd`` (closed once sent). Only on a socket, with nothing else in
+        flight; otherwise read and sent as bytes."""
+        if self.outfile or not isinstance(self.sock, socket.socket):
+            try:
+                data = os.pread(fd, count, offset)
+            finally:
+                os.close(fd)
+            self.send(header, data + bytes(count - len(data)))  # the length is promised
+            return
+        self.outbuf += protocol.encode_head(header, count)
+        self.outfile = [fd, offset, count]
         self.flush()
 
     def flush(self) -> None:
-        while self.outbuf:
+        while self.outbuf or self.outfile:
             try:
-                n = self.sock.send(self.outbuf)
+                if self.outbuf:
+                    n = self.sock.send(self.outbuf)
+                    del self.outbuf[:n]
+                    continue
+                fd, offset, left = self.outfile
+                n = os.sendfile(self.sock.fileno(), fd, offset, left)
             except BlockingIOError:
                 break
             except OSError:
                 # The host is gone: nothing left to serve.
                 self.running = False
                 return
-            del self.outbuf[:n]
-        events = lean.EVENT_READ | (lean.EVENT_WRITE if self.outbuf else 0)
+            if n == 0:  # the file shrank meanwhile: the frame still carries its length
+                self.outbuf += bytes(left)
+                n = left
+            self.outfile[1:] = [offset + n, left - n]
+            if n == left:
+                os.close(fd)
+                self.outfile = []
+                self.outbuf += self.later
+                self.later = bytearray()
+        pending = self.outbuf or self.outfile
+        events = lean.EVENT_READ | (lean.EVENT_WRITE if pending else 0)
         self.sel.modify(self.sock, events, "chan")
         self.apply_backpressure()
 
     def apply_backpressure(self) -> None:
-        if not self.paused and len(self.outbuf) > HIGH_WATER:
+        if not self.paused and len(self.outbuf) + len(self.later) > HIGH_WATER:
             self.paused = True
             for fd in self.fd_owner:
                 self.sel.unregister(fd)
-        elif self.paused and len(self.outbuf) < LOW_WATER:
+        elif self.paused and len(self.outbuf) + len(self.later) < LOW_WATER:
             self.paused = False
             for fd in self.fd_owner:
                 self.sel.register(fd, lean.EVENT_READ, "out")
@@ -225,6 +267,8 @@ class Agent:
             if self.landlock is None and op not in ("ping", "shutdown"):
                 self.apply_landlock()
             result = getattr(self, "op_" + op)(header, payload)
+            if result is SENT:
+                return
             reply, data = result if isinstance(result, tuple) else (result, b"")
             self.send({"re": req_id, **reply}, data)
         except protocol.FrameError as exc:
@@ -517,8 +561,16 @@ class Agent:
 
     def op_file_read(
         self, h: protocol.FileReadRequest, payload: bytes
-    ) -> tuple[protocol.FileReadReply, bytes]:
-        return self.files.read(h)
+    ) -> tuple[protocol.FileReadReply, bytes] | object:
+        idle = isinstance(self.sock, socket.socket) and not self.outfile
+        cap = protocol.MAX_PAYLOAD if idle else files.MAX_READ
+        reply, fd, count = self.files.open_read(h, cap)
+        offset = h.get("offset", 0)
+        if idle and reply["size"] > 0 and count >= SENDFILE_MIN:
+            self.send_file({"re": h["id"], **reply}, fd, offset, count)
+            return SENT
+        count = min(count, files.MAX_READ)  # /proc or /sys (size 0): no more than ever
+        return reply, files.read_open(fd, offset, count)
 
     def op_file_write(
         self, h: protocol.FileWriteRequest, payload: bytes
@@ -610,7 +662,7 @@ class Agent:
             wait = self.tick()
         self.sock.setblocking(True)
         try:
-            self.sock.sendall(self.outbuf)
+            self.flush()  # blocking now: whatever is queued, a file in flight included
         except OSError:
             pass
 

@@ -135,6 +135,19 @@ def kill_if_named(pid: int, comm_prefix: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+CHANNEL_BUFFER = 4 << 20
+"""Send buffer of each end of a box's channel: a file read of many MiB then goes to the host
+in few wakeups (the kernel caps it at ``net.core.wmem_max``)."""
+
+
+def channel_pair() -> tuple[socket.socket, socket.socket]:
+    """(host end, guest end) of a new box channel: a unix stream socketpair."""
+    host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for end in (host_end, guest_end):
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CHANNEL_BUFFER)
+    return host_end, guest_end
+
+
 class BoxBase:
     """What every backend's box holds and does alike: its spec, the host end of the channel,
     its warnings, ``describe()`` and the ``close()`` sequence. A backend's box overrides

@@ -47,6 +47,7 @@ from corral.backends.base import (
     BoxSpec,
     CgroupAccounting,
     agent_config,
+    channel_pair,
     kill_if_named,
     sweep_boxes,
 )
@@ -364,7 +365,7 @@ class BwrapBackend(BackendBase):
             raise PolicyError(problem)
         limits = plan_limits(policy.limits, self.limit_caps)
         held = _Held()
-        host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        host_end, guest_end = channel_pair()
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         setup_r, setup_w = os.pipe()

@@ -36,13 +36,12 @@ import json
 import os
 import posixpath
 import shutil
-import socket
 import stat
 import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from corral.backends.base import AGENT_DIR, BackendBase, BoxSpec, agent_config
+from corral.backends.base import AGENT_DIR, BackendBase, BoxSpec, agent_config, channel_pair
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.bwrap.box import BwrapBackend, BwrapBox, _Bwrap, _Held, _read_info
 from corral.backends.host import cgroups, idmap, safepath, seccomp, subids
@@ -196,7 +195,7 @@ class RootlessBwrapBackend(BackendBase):
             raise PolicyError(problem)
         limits = plan_limits(policy.limits, self.limit_caps)
         held = _Held()
-        host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        host_end, guest_end = channel_pair()
         info_r, info_w = os.pipe()
         block_r, block_w = os.pipe()
         sec_r, sec_w = os.pipe()

@@ -64,6 +64,7 @@ from corral.backends.base import (
     BoxSpec,
     CgroupAccounting,
     agent_config,
+    channel_pair,
     sweep_boxes,
 )
 from corral.backends.host import (
@@ -537,7 +538,7 @@ class OciBackend(BackendBase):
                 caps, own_pids=GVISOR_OWN_PIDS, own_memory_bytes=GVISOR_OWN_MEMORY
             )
         limits = plan_limits(spec.policy.limits, caps)
-        host_end, guest_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        host_end, guest_end = channel_pair()
         cgroup: cgroups.Cgroup | None = None
         held: list[idmap.SharedPaths | ucounts.BoxOwner] = []
         userns = -1
