@@ -250,3 +250,15 @@ def test_cap_text_rejects_negative_limit() -> None:
     with pytest.raises(SandboxError) as info:
         cap_text("abc", -1)
     assert info.value.code == ErrorCode.INVALID_INPUT
+
+
+def test_head_tail_buffer_holds_no_more_than_the_cap_and_one_chunk() -> None:
+    """Memory is sized to the cap: the tail drops superseded chunks as it goes (a capture
+    held up to 1.5x the cap before, and rendering copied it three times more)."""
+    buf = HeadTailBuffer(1 << 20)
+    chunk = bytes(range(256)) * 256  # 64 KiB
+    for _ in range(200):
+        buf.append(chunk)
+    held = len(buf._head) + sum(len(c) for c in buf._chunks)
+    assert held <= (1 << 20) + len(chunk), held
+    assert buf.getvalue() == (chunk * 8) + (chunk * 200)[-(1 << 19) :]
