@@ -21,6 +21,8 @@ from corral import errors
 from corral.agent import protocol
 
 EventHandler = Callable[[dict[str, Any], bytes], None]
+Payload = bytes | protocol.Pieces
+"""A reply's payload: a large one (a file read) as the pieces it arrived in."""
 
 _Code = protocol.ErrorCode
 ERRORS: dict[str, type[errors.SandboxError]] = {
@@ -59,19 +61,18 @@ class Channel:
         self._sock = sock
         self._on_event = on_event
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], Payload]]] = {}
         self._ops: dict[int, str] = {}  # request id -> its operation, to check the reply
         self._hooks: dict[int, Callable[[dict[str, Any]], None]] = {}
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._writer: asyncio.StreamWriter | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._wire: _Wire | None = None
         self.lost: asyncio.Event = asyncio.Event()
         self.lost_reason = ""
         self.on_lost: Callable[[str], None] | None = None
 
     async def start(self) -> None:
-        reader, self._writer = await asyncio.open_unix_connection(sock=self._sock, limit=1 << 22)
-        self._task = asyncio.create_task(self._read_loop(reader), name="corral-channel")
+        loop = asyncio.get_running_loop()
+        _, self._wire = await loop.create_unix_connection(lambda: _Wire(self), sock=self._sock)
 
     async def wait_ready(self, timeout: float) -> dict[str, Any]:
         try:
@@ -90,13 +91,26 @@ class Channel:
         on_reply: Callable[[dict[str, Any]], None] | None = None,
         **fields: Any,
     ) -> tuple[dict[str, Any], bytes]:
-        """Send one request and wait for its reply.
+        """:meth:`request_pieces`, its reply's payload joined."""
+        header, data = await self.request_pieces(op, payload, on_reply=on_reply, **fields)
+        return header, data if isinstance(data, bytes) else b"".join(data)
+
+    async def request_pieces(
+        self,
+        op: str,
+        payload: bytes = b"",
+        *,
+        on_reply: Callable[[dict[str, Any]], None] | None = None,
+        **fields: Any,
+    ) -> tuple[dict[str, Any], Payload]:
+        """Send one request and wait for its reply (a large payload as its pieces: the
+        files API joins the pieces of several replies once).
 
         ``on_reply`` runs synchronously when a successful reply is read, before any later
         frame is dispatched: a spawn registers its process there, so none of the process's
         output events can arrive before the process is known.
         """
-        if self.lost.is_set() or self._writer is None:
+        if self.lost.is_set() or self._wire is None:
             raise errors.SandboxBroken(f"the sandbox is gone: {self.lost_reason or 'not started'}")
         req_id = next(self._ids)
         request = {"op": op, "id": req_id, **fields}
@@ -110,7 +124,7 @@ class Channel:
             raise errors.RequestTooLarge(
                 f"{op} request too large to send to the box: {exc}"
             ) from None
-        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = (
+        fut: asyncio.Future[tuple[dict[str, Any], Payload]] = (
             asyncio.get_running_loop().create_future()
         )
         self._pending[req_id] = fut
@@ -118,8 +132,7 @@ class Channel:
         if on_reply is not None:
             self._hooks[req_id] = on_reply
         try:
-            self._writer.write(frame)
-            await self._writer.drain()
+            await self._wire.write(frame)
             header, data = await fut
         except (ConnectionError, OSError) as exc:
             self._lose(f"channel write failed: {exc}")
@@ -135,22 +148,7 @@ class Channel:
             raise error
         return header, data
 
-    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
-        decoder = protocol.FrameDecoder()
-        try:
-            while True:
-                data = await reader.read(1 << 20)
-                if not data:
-                    self._lose("the guest agent exited")
-                    return
-                for header, payload in decoder.feed(data):
-                    self._dispatch(header, payload)
-        except protocol.FrameError as exc:
-            self._lose(f"protocol violation by the guest agent: {exc}")
-        except (ConnectionError, OSError) as exc:
-            self._lose(f"channel read failed: {exc}")
-
-    def _dispatch(self, header: dict[str, Any], payload: bytes) -> None:
+    def _dispatch(self, header: dict[str, Any], payload: bytes | protocol.Pieces) -> None:
         if "re" in header:
             req_id = header["re"]
             fut = self._pending.get(req_id) if type(req_id) is int else None
@@ -169,6 +167,8 @@ class Channel:
             if not self._ready.done():
                 self._ready.set_result(header)
             return
+        if isinstance(payload, protocol.Pieces):  # events are small (64 KiB of output)
+            payload = b"".join(payload)
         self._on_event(header, payload)
 
     def abandon(self, reason: str) -> None:
@@ -193,11 +193,74 @@ class Channel:
 
     async def close(self) -> None:
         self._lose("closed")
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._writer is not None:
-            self._writer.close()
+        if self._wire is not None:
+            await self._wire.close()
+
+
+class _Wire(asyncio.Protocol):
+    """The channel socket's transport callbacks: bytes in go straight to the frame decoder
+    (no stream buffer to copy them through: a file read of many MiB is copied once, into its
+    payload), frames out wait while the kernel's buffer is full."""
+
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+        self._decoder = protocol.FrameDecoder()
+        self._transport: asyncio.Transport | None = None
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for header, payload in self._decoder.feed_pieces(data):
+                self._channel._dispatch(header, payload)
+        except protocol.FrameError as exc:
+            self._channel._lose(f"protocol violation by the guest agent: {exc}")
+            if self._transport is not None:
+                self._transport.close()
+
+    def eof_received(self) -> bool:
+        self._channel._lose("the guest agent exited")
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._channel._lose(f"channel read failed: {exc}" if exc else "the guest agent exited")
+        self._wake(exc or ConnectionResetError("the channel is closed"))
+        if not self._closed.done():
+            self._closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake(None)
+
+    def _wake(self, exc: BaseException | None) -> None:
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+                waiter.exception()  # retrieved: a writer that gave up is not logged
+
+    async def write(self, frame: bytes) -> None:
+        """Send one frame; wait while the kernel's buffer (and the transport's) is full."""
+        if self._transport is None or self._transport.is_closing():
+            raise ConnectionResetError("the channel is closed")
+        self._transport.write(frame)
+        while self._paused:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drained)
+
+    async def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
             with contextlib.suppress(OSError, ConnectionError):
-                await self._writer.wait_closed()
+                await self._closed

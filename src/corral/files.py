@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral import errors
+from corral.agent import protocol
 from corral.models import FileInfo
 from corral.policy import Policy
 from corral.processes import Request
@@ -127,7 +128,8 @@ class Files:
             raise
 
     async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
-        """One agent call; refusals by the kernel (symlinks out, read-only) are reported."""
+        """One agent call; refusals by the kernel (symlinks out, read-only) are reported.
+        ``pieces=True`` (a read): the payload may come as :class:`protocol.Pieces`."""
         try:
             return await self._send(op, payload, **fields)
         except (errors.PathOutsideSandbox, errors.FilePermissionDenied) as exc:
@@ -153,22 +155,30 @@ class Files:
         if length is not None or offset:
             return await self._read_range(r, offset, length)
         limit = DEFAULT_MAX_READ if max_bytes is None else max_bytes
-        chunks: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         offset = 0
         while True:
             want = min(CHUNK, limit + 1 - offset)
             reply, data = await self._request(
-                "file_read", path=r.path, root=r.root, offset=offset, limit=want
+                "file_read", path=r.path, root=r.root, offset=offset, limit=want, pieces=True
             )
-            chunks.append(data)
-            offset += len(data)
+            if isinstance(data, protocol.Pieces):
+                parts.extend(data)
+                got = sum(map(len, data))
+            else:
+                parts.append(data)
+                got = len(data)
+            offset += got
             if offset > limit:
                 raise errors.FileTooLarge(
                     f"{path} is {reply.get('size')} bytes, more than the {limit} allowed; "
                     "pass max_bytes= to read more"
                 )
-            if reply.get("eof") or not data:
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if reply.get("eof") or not got:
+                # One copy of the whole file, from the pieces it came in (1 MiB or less each).
+                return (
+                    parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+                )
 
     async def _read_range(self, r: Resolved, offset: int, length: int | None) -> bytes:
         chunks: list[bytes] = []

@@ -452,13 +452,18 @@ class Sandbox:
             self._hints = tuple(venv_hints(ws, self.policy)) if ws is not None else ()
         return (*self._box.warnings, *self._hints)
 
-    async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
+    async def _request(
+        self, op: str, payload: bytes = b"", *, pieces: bool = False, **fields: Any
+    ) -> Any:
+        """One agent call; ``pieces``: a large reply payload as the pieces it came in."""
         if self._closed and op not in self._closing_ops:
             raise errors.SandboxClosed("the sandbox is closed")
         if self._broken is not None:
             raise errors.SandboxBroken(f"the sandbox is gone: {self._broken}")
         if self._channel is None:
             raise errors.SandboxClosed("the sandbox is not started; use `async with Sandbox()`")
+        if pieces:
+            return await self._channel.request_pieces(op, payload, **fields)
         return await self._channel.request(op, payload, **fields)
 
     async def _beat(self) -> None:

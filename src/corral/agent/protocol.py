@@ -47,6 +47,8 @@ MAX_HEADER = 16 << 20
 MAX_PAYLOAD = 16 << 20
 """Per frame; larger data goes in several frames (stdin in ``write`` chunks, files in
 ``file_read``/``file_write`` ranges)."""
+PIECES_OVER = 1 << 20
+"""A payload larger than this reaches the host's caller as :class:`Pieces` (a file read)."""
 
 VM_SNAPSHOT_MARKER = b"corral-snapshot-point\n"
 """What a microVM's agent writes on its channel once it is up with every import done, before
@@ -350,10 +352,18 @@ class FrameDecoder:
         self._need: tuple[int, int] | None = None
 
     def feed(self, data: bytes) -> list[tuple[dict[str, Any], bytes]]:
+        return self.feed_pieces(data, None)  # type: ignore[return-value]
+
+    def feed_pieces(
+        self, data: bytes, over: int | None = PIECES_OVER
+    ) -> list[tuple[dict[str, Any], bytes | Pieces]]:
+        """:meth:`feed`, but a payload of more than ``over`` bytes comes as the
+        :class:`Pieces` it arrived in: a caller that puts several together (a file read in
+        frames) joins them all once."""
         if data:
             self._pieces.append(data)
             self._have += len(data)
-        frames: list[tuple[dict[str, Any], bytes]] = []
+        frames: list[tuple[dict[str, Any], bytes | Pieces]] = []
         while True:
             if self._need is None:
                 if self._have < HEADER.size:
@@ -363,17 +373,17 @@ class FrameDecoder:
             if self._have < hlen + plen:
                 return frames
             header = parse_header(self._take(hlen))
-            payload = self._take(plen)
+            payload = self._take(plen, over is not None and plen > over)
             self._need = None
             frames.append((header, payload))
 
-    def _take(self, size: int) -> bytes:
-        """The next ``size`` bytes (there are that many)."""
+    def _take(self, size: int, pieces: bool = False) -> Any:
+        """The next ``size`` bytes (there are that many), as :class:`Pieces` if asked."""
         if not size:
             return b""
         self._have -= size
         first = self._pieces[0]
-        if self._start + size <= len(first):  # within the first piece: one slice
+        if not pieces and self._start + size <= len(first):  # within the first piece
             if self._start == 0 and size == len(first):
                 self._pieces.pop(0)
                 return first
@@ -383,7 +393,7 @@ class FrameDecoder:
                 self._pieces.pop(0)
                 self._start = 0
             return out
-        parts: list[bytes | memoryview] = []
+        parts: list[bytes | memoryview] = Pieces() if pieces else []
         while size:
             first = self._pieces[0]
             n = min(size, len(first) - self._start)
@@ -393,7 +403,11 @@ class FrameDecoder:
             if self._start == len(first):
                 self._pieces.pop(0)
                 self._start = 0
-        return b"".join(parts)
+        return parts if pieces else b"".join(parts)
+
+
+class Pieces(list):  # type: ignore[type-arg]
+    """A payload still in the pieces it arrived in: ``b"".join`` them (with others)."""
 
 
 # ---- the same messages for the type checker (a test holds them equal to the tables) ---------
