@@ -83,10 +83,11 @@ async def _readable(fd: int) -> None:
 
 
 def fd_count() -> int:
-    """Open fds of this process, after the per-owner idmap cache is filled (not a leak)."""
+    """Open fds of this process but the idmap namespace cache's (one per workspace owner and
+    owner slot in use: not a leak), once the probe's are made."""
     idmap.unsupported_reason()
-    idmap.userns_fd(os.getuid(), os.getgid())
-    return len(os.listdir("/proc/self/fd"))
+    cached = idmap.cached_namespace_fds()
+    return len([fd for fd in os.listdir("/proc/self/fd") if int(fd) not in cached])
 
 
 def rss_bytes() -> int:

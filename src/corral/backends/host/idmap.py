@@ -127,6 +127,13 @@ def userns_fd(uid: int, gid: int, box_root: bool = False, user: int = COMMAND_HO
         return fd
 
 
+def cached_namespace_fds() -> frozenset[int]:
+    """The fds :func:`userns_fd` keeps open for the life of the process (its cache: one per
+    workspace owner and box user host id in use; not a leak)."""
+    with _lock:
+        return frozenset(_userns.values())
+
+
 def mount_idmapped(
     source: str,
     target: str,
