@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from corral import FileNotFound, FileTooLarge, Sandbox
+from corral import FileNotFound, FileTooLarge, Policy, Sandbox
+from corral.backends.host import hostfiles
 from corral.errors import (
     ErrorCode,
     FileOpError,
+    FilePermissionDenied,
     PathOutsideSandbox,
     SandboxError,
 )
+from corral.files import HOST_IO_OVER
 
 pytestmark = pytest.mark.needs_bwrap
 
@@ -122,3 +126,98 @@ async def test_the_files_api_reads_what_a_command_can_read(tmp_path: Path) -> No
                 await sb.files.read(kernel)
         with pytest.raises(PathOutsideSandbox):
             await sb.files.write("/etc/hostname", "x")
+
+
+class _Spy:
+    """Counts the host's moves of a file's bytes (hostfiles), calling through to them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads = self.writes = 0
+        read, append = hostfiles.read_same, hostfiles.append_same
+
+        def counted_read(*args: Any) -> bytes | None:
+            self.reads += 1
+            return read(*args)
+
+        def counted_append(*args: Any) -> int | None:
+            self.writes += 1
+            return append(*args)
+
+        monkeypatch.setattr(hostfiles, "read_same", counted_read)
+        monkeypatch.setattr(hostfiles, "append_same", counted_append)
+
+
+@pytest.mark.parametrize(
+    "size", [HOST_IO_OVER - 1, HOST_IO_OVER, HOST_IO_OVER + 1, (3 << 20) + 7, 12 << 20]
+)
+async def test_large_files_move_through_the_host_byte_exact(
+    sandbox: Sandbox, workspace: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """Past HOST_IO_OVER the bytes go through a host fd of the agent's file: byte-exact both
+    ways, in append mode too, and the file stays the command user's with its mode."""
+    spy = _Spy(monkeypatch)
+    blob = await asyncio.to_thread(os.urandom, size)
+    assert await sandbox.files.write("d/f.bin", blob) == size
+    assert await asyncio.to_thread((workspace / "d/f.bin").read_bytes) == blob
+    assert await sandbox.files.read("d/f.bin", max_bytes=size) == blob
+    with pytest.raises(FileTooLarge):
+        await sandbox.files.read("d/f.bin", max_bytes=size - 1)
+    assert await sandbox.files.write("d/f.bin", blob, append=True) == 2 * size
+    doubled = await sandbox.files.read("d/f.bin", max_bytes=2 * size)
+    assert doubled[:size] == blob and doubled[size:] == blob
+    big = size > HOST_IO_OVER
+    assert (spy.writes, spy.reads) == ((2, 3) if big else (0, 1))  # the doubled file: host
+    r = await sandbox.run("stat -c '%u %a %s' d/f.bin")
+    assert r.stdout.split() == ["1000", "644", str(2 * size)]
+
+
+async def test_large_files_in_the_boxs_tmp_go_through_the_agent(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = _Spy(monkeypatch)
+    blob = await asyncio.to_thread(os.urandom, (5 << 20) + 3)
+    await sandbox.files.write("/tmp/big.bin", blob)
+    assert await sandbox.files.read("/tmp/big.bin", max_bytes=len(blob)) == blob
+    assert (spy.reads, spy.writes) == (0, 0)
+
+
+async def test_a_link_inside_the_workspace_is_followed_by_the_agent_only(
+    sandbox: Sandbox, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host follows no link: a file reached through one (inside the workspace, which
+    the agent allows) is moved by the agent, whole and right."""
+    blob = await asyncio.to_thread(os.urandom, 3 << 20)
+    (workspace / "real.bin").write_bytes(b"")
+    os.chmod(workspace / "real.bin", 0o666)
+    (workspace / "link.bin").symlink_to("real.bin")
+    await sandbox.files.write("link.bin", blob)
+    assert (workspace / "real.bin").read_bytes() == blob
+    assert (workspace / "link.bin").is_symlink()
+    assert await sandbox.files.read("link.bin", max_bytes=len(blob)) == blob
+
+
+async def test_a_large_write_to_a_deny_write_path_is_refused(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    (ws / "locked").mkdir(parents=True)
+    (ws / "locked" / "f.bin").write_bytes(b"before")
+    policy = Policy.from_dict({"filesystem": {"deny_write": ["locked"]}})
+    async with Sandbox(policy, workspace=ws) as sb:
+        with pytest.raises((FilePermissionDenied, PathOutsideSandbox)):
+            await sb.files.write("locked/f.bin", os.urandom(3 << 20))
+    assert (ws / "locked" / "f.bin").read_bytes() == b"before"
+
+
+async def test_a_large_write_past_the_workspace_size_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A capped workspace (a tmpfs charged to the box as it writes) keeps the bytes on the
+    agent's channel, and a file larger than the cap fails as no space left."""
+    spy = _Spy(monkeypatch)
+    policy = Policy.from_dict({"filesystem": {"workspace_size": "4M"}})
+    async with Sandbox(policy) as sb:
+        with pytest.raises(FileOpError, match="no space left"):
+            await sb.files.write("big.bin", os.urandom(6 << 20))
+        await sb.files.remove("big.bin")  # what fitted of it
+        await sb.files.write("fits.bin", b"x" * (2 << 20))
+        assert await sb.files.read("fits.bin") == b"x" * (2 << 20)
+    assert (spy.reads, spy.writes) == (0, 0)

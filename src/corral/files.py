@@ -8,6 +8,13 @@ Two checks, at two depths:
   paths are refused before anything is sent;
 * in the agent, by the kernel: the path is opened with ``openat2(RESOLVE_BENEATH)`` from the
   root's fd, so a symlink that points out is refused however and whenever it was made.
+
+The bytes of a large read or write in the workspace (over :data:`HOST_IO_OVER`) do not cross
+the agent's channel: the agent opens the file as the command user and names its inode, and
+the host reads or appends the rest through an fd of that same inode, opened beneath the
+workspace's host directory without following any link
+(:mod:`corral.backends.host.hostfiles`). When that fd cannot be had (a link, a path swapped
+meanwhile, a backend whose box sees other inode numbers) the agent carries the bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ from typing import Any
 
 from corral import errors
 from corral.agent import protocol
+from corral.agent.files import _fail
+from corral.backends.host import hostfiles
+from corral.backends.host.threads import blocking
+from corral.channel import ERRORS
 from corral.models import FileInfo
 from corral.policy import Policy
 from corral.processes import Request
@@ -33,6 +44,9 @@ WRITE_CHUNK = 1 << 20
 """Writes go in 1 MiB frames: each step of the event loop then copies a few MiB at most (an
 8 MiB frame was sliced, framed and buffered in one step, over 20 ms of the loop)."""
 DEFAULT_MAX_READ = 64 << 20
+HOST_IO_OVER = 1 << 20
+"""A read or write in the workspace larger than this moves its bytes through a host fd; the
+agent's first frame (this much) answers smaller ones in one round trip."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,9 +124,14 @@ def resolve(
 class Files:
     """``sandbox.files``: read, write, list, stat, mkdir, remove inside the box."""
 
-    def __init__(self, policy: Policy, request: Request) -> None:
+    def __init__(
+        self, policy: Policy, request: Request, host_area: Callable[[], str | None] | None = None
+    ) -> None:
         self._policy = policy
         self._send = request
+        self._host_area = host_area
+        """The host directory of the workspace, when the host may move a file's bytes."""
+        self._host_ok = True
         self.on_denied: Callable[[str, str, str], None] | None = None
         """Called with (operation, path, reason) for every refused operation (audit log)."""
 
@@ -126,6 +145,17 @@ class Files:
         except errors.PathOutsideSandbox as exc:
             self._denied("resolve", path, exc.message)
             raise
+
+    def _host(self, r: Resolved) -> tuple[str, str] | None:
+        """(host directory, relative path) when the host may move ``r``'s bytes."""
+        if self._host_area is None or not self._host_ok or r.root != self._policy.workdir:
+            return None
+        area = self._host_area()
+        return None if area is None else (area, posixpath.relpath(r.path, r.root))
+
+    def _host_failed(self, path: str, exc: OSError) -> errors.SandboxError:
+        failed = _fail(exc, path)
+        return ERRORS[failed.code](f"{path}: {failed.message}")
 
     async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
         """One agent call; refusals by the kernel (symlinks out, read-only) are reported.
@@ -155,10 +185,11 @@ class Files:
         if length is not None or offset:
             return await self._read_range(r, offset, length)
         limit = DEFAULT_MAX_READ if max_bytes is None else max_bytes
+        host = self._host(r)
         parts: list[bytes | memoryview] = []
         offset = 0
         while True:
-            want = min(CHUNK, limit + 1 - offset)
+            want = min(CHUNK if host is None else HOST_IO_OVER, limit + 1 - offset)
             reply, data = await self._request(
                 "file_read", path=r.path, root=r.root, offset=offset, limit=want, pieces=True
             )
@@ -170,15 +201,36 @@ class Files:
                 got = len(data)
             offset += got
             if offset > limit:
-                raise errors.FileTooLarge(
-                    f"{path} is {reply.get('size')} bytes, more than the {limit} allowed; "
-                    "pass max_bytes= to read more"
-                )
+                raise self._too_large(path, reply.get("size"), limit)
             if reply.get("eof") or not got:
                 # One copy of the whole file, from the pieces it came in (1 MiB or less each).
                 return (
                     parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
                 )
+            if host is not None and "ino" in reply:
+                whole = await self._host_read(host, (reply["dev"], reply["ino"]), limit)
+                if whole is not None:
+                    if len(whole) > limit:
+                        raise self._too_large(path, reply.get("size"), limit)
+                    return whole
+            host = None  # the agent carries the rest
+
+    async def _host_read(
+        self, host: tuple[str, str], inode: hostfiles.Inode, limit: int
+    ) -> bytes | None:
+        try:
+            whole = await blocking(hostfiles.read_same, *host, inode, limit)
+        except OSError:
+            whole = None
+        if whole is None:
+            self._host_ok = False  # not the agent's file: this box goes through the agent
+        return whole
+
+    @staticmethod
+    def _too_large(path: str, size: object, limit: int) -> errors.FileTooLarge:
+        return errors.FileTooLarge(
+            f"{path} is {size} bytes, more than the {limit} allowed; pass max_bytes= to read more"
+        )
 
     async def _read_range(self, r: Resolved, offset: int, length: int | None) -> bytes:
         chunks: list[bytes] = []
@@ -203,6 +255,7 @@ class Files:
         """Write (or append) a file, creating parent directories; returns the new size."""
         r = self._resolve(path)
         raw = data.encode() if isinstance(data, str) else data
+        host = self._host(r) if len(raw) > HOST_IO_OVER else None
         size = 0
         first = True
         for start in range(0, max(len(raw), 1), WRITE_CHUNK):
@@ -216,6 +269,18 @@ class Files:
             )
             size = int(reply.get("size", 0))
             first = False
+            if host is not None and "ino" in reply:
+                rest = memoryview(raw)[start + WRITE_CHUNK :]
+                try:
+                    grown = await blocking(
+                        hostfiles.append_same, *host, (reply["dev"], reply["ino"]), rest
+                    )
+                except OSError as exc:
+                    raise self._host_failed(r.path, exc) from None
+                if grown is not None:
+                    return grown
+                self._host_ok = False
+            host = None
         return size
 
     async def list(self, path: str = ".") -> list[FileInfo]:

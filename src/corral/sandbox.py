@@ -201,7 +201,7 @@ class Sandbox:
         tracking = self.policy.process_tracking
         self._registry = ProcessRegistry(tracking.max_tracked if tracking.enabled else 0)
         self._sessions = SessionRegistry()
-        self.files = Files(self.policy, self._request)
+        self.files = Files(self.policy, self._request, self._host_files_area)
         self._closed = False
         self._closing_ops: frozenset[str] = frozenset()
         """Requests ``aclose`` still makes once the sandbox is closed to its callers."""
@@ -233,6 +233,14 @@ class Sandbox:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+    def _host_files_area(self) -> str | None:
+        """The workspace's host directory, through which the files API moves a large file's
+        bytes (:mod:`corral.files`); None keeps them on the agent's channel: a capped
+        workspace charges its pages to the box's memory as the box writes them."""
+        if self._box is None or self._quota_workspace is not None or self.workspace is None:
+            return None
+        return os.fspath(self.workspace)
 
     async def start(self) -> None:
         if self._box is not None or self._closed:

@@ -360,6 +360,8 @@ class FileOps:
             "size": st.st_size,
             "offset": offset,
             "eof": offset + count >= st.st_size,
+            "dev": st.st_dev,
+            "ino": st.st_ino,
         }
         return reply, fd, count
 
@@ -379,10 +381,10 @@ class FileOps:
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
-        return {"size": size}
+        return {"size": st.st_size, "dev": st.st_dev, "ino": st.st_ino}
 
     def list(self, h: protocol.FileListRequest) -> protocol.FileListReply:
         with self._as_user(h["root"], h["path"]) as (root_fd, rel, _path):

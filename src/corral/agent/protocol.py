@@ -159,8 +159,8 @@ REPLIES: dict[str, dict[str, str]] = {
     },
     "ping": {},
     "shutdown": _DONE,
-    "file_read": {"size": "int", "offset": "int", "eof": "bool"},
-    "file_write": {"size": "int"},
+    "file_read": {"size": "int", "offset": "int", "eof": "bool", "dev": "?int", "ino": "?int"},
+    "file_write": {"size": "int", "dev": "?int", "ino": "?int"},
     "file_list": {"entries": "[entry]", "truncated": "bool"},
     "file_stat": {
         "exists": "bool",
@@ -564,9 +564,15 @@ if TYPE_CHECKING:
         size: int
         offset: int
         eof: bool
+        dev: NotRequired[int]
+        """``dev`` and ``ino``: the file the agent opened as the command user, so the host
+        can move the bulk of the bytes itself through an fd of that very file (files.py)."""
+        ino: NotRequired[int]
 
     class FileWriteReply(TypedDict):
         size: int
+        dev: NotRequired[int]
+        ino: NotRequired[int]
 
     class FileEntry(TypedDict):
         name: str
