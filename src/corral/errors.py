@@ -31,6 +31,12 @@ that names the cause and, where there is one, the fix.
     │   ├── IsADirectory             is_a_directory
     │   ├── NotADirectory            not_a_directory
     │   └── NotARegularFile          not_a_regular_file (a FIFO, socket or device node)
+    ├── ImageError                   image_error
+    │   ├── ImageNotFound            image_not_found
+    │   ├── DigestMismatch           digest_mismatch
+    │   ├── CorruptLayer             corrupt_layer
+    │   ├── UnsafeLayer              unsafe_layer
+    │   └── ImageTooLarge            image_too_large
     └── Timeout (TimeoutError)       timeout
 
 A non-zero exit status is a result, not an error (see ``CommandResult``), unless the caller
@@ -70,6 +76,12 @@ class ErrorCode(enum.StrEnum):
     FILE_ERROR = "file_error"
     NOT_A_REGULAR_FILE = "not_a_regular_file"
     TIMEOUT = "timeout"
+    IMAGE_ERROR = "image_error"
+    IMAGE_NOT_FOUND = "image_not_found"
+    DIGEST_MISMATCH = "digest_mismatch"
+    CORRUPT_LAYER = "corrupt_layer"
+    UNSAFE_LAYER = "unsafe_layer"
+    IMAGE_TOO_LARGE = "image_too_large"
     # Agent-tool layer (corral.tools): results handed to a model, never raised to it.
     ACCESS_DENIED = "access_denied"
     APPROVAL_REQUIRED = "approval_required"
@@ -218,6 +230,43 @@ class NotARegularFile(FileOpError):
     """A read or write of a FIFO, socket or device node (refused without blocking)."""
 
     code = ErrorCode.NOT_A_REGULAR_FILE
+
+
+class ImageError(SandboxError):
+    """An image could not be pulled, imported or unpacked (the cache is left as it was)."""
+
+    code = ErrorCode.IMAGE_ERROR
+
+
+class ImageNotFound(ImageError, LookupError):
+    """No such image: not in the registry, the layout, the archive or the local store."""
+
+    code = ErrorCode.IMAGE_NOT_FOUND
+
+
+class DigestMismatch(ImageError):
+    """A blob's content does not hash to the digest its manifest or config names."""
+
+    code = ErrorCode.DIGEST_MISMATCH
+
+
+class CorruptLayer(ImageError):
+    """A layer is truncated or is not a (compressed) tar stream."""
+
+    code = ErrorCode.CORRUPT_LAYER
+
+
+class UnsafeLayer(ImageError):
+    """A layer tries to leave its root (``../``, a path through a symlink) or holds a device
+    node."""
+
+    code = ErrorCode.UNSAFE_LAYER
+
+
+class ImageTooLarge(ImageError):
+    """A layer unpacks to more bytes or files than the store allows (a tarball bomb)."""
+
+    code = ErrorCode.IMAGE_TOO_LARGE
 
 
 class Timeout(SandboxError, TimeoutError):

@@ -1,0 +1,328 @@
+"""The image store: unpacked image roots cached by layer chain, shared between images.
+
+Layout (``<cache>/images``, where ``<cache>`` is :func:`corral.backends.host.state.cache_root`,
+``/var/cache/corral`` for root; ``CORRAL_IMAGE_STORE`` overrides the whole path)::
+
+    roots/<chain id>/   the root after a layer and every layer below it (read-only use)
+    refs/<key>.json     one image: its ref, manifest digest, config, layer chain
+    tmp/<pid>-<rand>/   work in progress, renamed into roots/ when complete
+    lock                flock: one writer at a time
+
+A root is keyed by the OCI *chain id* of its layers (``ChainID(L0) = DiffID(L0)``,
+``ChainID(Ln) = sha256(ChainID(Ln-1) + " " + DiffID(Ln))``), so two images with the same
+first layers share those roots; the root for layer *n* starts as a hard-link clone of the root
+for layer *n-1* (files are never written in place: a layer replaces a file by unlinking it),
+so shared files take their space once.
+
+Publication is atomic: a layer is unpacked into ``tmp/``, its compressed and uncompressed
+digests are compared with the manifest's and the config's, and only then is it renamed into
+``roots/``; any error removes the temporary directory whole, so the cache never holds a
+half-unpacked root. A crashed writer's ``tmp/`` entries are swept by the next writer (the
+pid in the name is dead). The store's top directory is ``0700``: files of an image (owned
+by the image's uids when unpacked as root) are reachable only through a box's mount.
+
+:func:`corral.images.resolve_image` maps a ref to a root through :meth:`ImageStore.resolve`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from corral import errors
+from corral.backends.host.state import cache_root, pid_alive
+from corral.images import oci, registry
+from corral.images.unpack import Limits, clone_tree, remove_tree, unpack_layer
+
+EMPTY_CHAIN = "sha256:" + hashlib.sha256(b"").hexdigest()
+"""The chain id of an image without layers (an empty root)."""
+
+
+def store_root() -> Path:
+    explicit = os.environ.get("CORRAL_IMAGE_STORE")
+    return Path(explicit) if explicit else cache_root() / "images"
+
+
+def chain_ids(diff_ids: list[str] | tuple[str, ...]) -> list[str]:
+    chains: list[str] = []
+    for diff_id in diff_ids:
+        if not chains:
+            chains.append(diff_id)
+        else:
+            chains.append(oci.sha256(f"{chains[-1]} {diff_id}".encode()))
+    return chains
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """One image in the store."""
+
+    ref: str
+    digest: str
+    """The manifest's digest (a ``docker save`` tarball's: its config's, docker's image id)."""
+    config_digest: str
+    source: str
+    """Where it came from: ``registry``, ``oci-layout`` or ``archive``."""
+    layers: tuple[str, ...]
+    """The layers' uncompressed digests (diff ids), bottom first."""
+    size: int
+    """Bytes of the layers as stored (compressed) in the source."""
+    created: float
+    config: dict[str, Any] = field(default_factory=dict)
+    """The image config's ``config`` object (``Env``, ``WorkingDir``, ``User``, ``Cmd``...)."""
+    architecture: str = ""
+    os: str = ""
+
+    @property
+    def chain(self) -> str:
+        chains = chain_ids(self.layers)
+        return chains[-1] if chains else EMPTY_CHAIN
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layers"] = list(self.layers)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ImageRecord:
+        data = dict(data)
+        data["layers"] = tuple(data.get("layers") or ())
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+def is_path(ref: str) -> bool:
+    """A ref naming a file or directory: it starts with ``/``, ``./``, ``../`` or ``~``
+    (a bare ``busybox`` is always a registry name, as in docker)."""
+    return ref.startswith(("/", "./", "../", "~")) or ref in (".", "..")
+
+
+def split_path_tag(ref: str) -> tuple[Path, str | None]:
+    path = Path(os.path.expanduser(ref))
+    if not os.path.lexists(path):
+        base, colon, tag = ref.rpartition(":")
+        if colon and "/" not in tag and os.path.lexists(os.path.expanduser(base)):
+            return Path(os.path.expanduser(base)), tag
+    return path, None
+
+
+def _key(ref: str) -> str:
+    return hashlib.sha256(ref.encode()).hexdigest()[:40]
+
+
+class ImageStore:
+    """Images unpacked on this host. Blocking: call it from a thread in async code."""
+
+    def __init__(self, root: Path | None = None, limits: Limits | None = None) -> None:
+        self.root = Path(root) if root is not None else store_root()
+        self.limits = limits or Limits()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def rootfs(self, record: ImageRecord) -> Path:
+        return self.root / "roots" / record.chain.removeprefix("sha256:")
+
+    def get(self, ref: str) -> ImageRecord | None:
+        """The image stored under ``ref`` (exactly), or None."""
+        try:
+            data = json.loads((self.root / "refs" / f"{_key(ref)}.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        record = ImageRecord.from_json(data)
+        return record if record.ref == ref and self.rootfs(record).is_dir() else None
+
+    def list(self) -> list[ImageRecord]:
+        records = []
+        refs = self.root / "refs"
+        for path in sorted(refs.glob("*.json")) if refs.is_dir() else ():
+            try:
+                records.append(ImageRecord.from_json(json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError):
+                continue
+        return sorted(records, key=lambda r: r.ref)
+
+    def find(self, name: str) -> ImageRecord:
+        """An image by ref, by digest or by a digest prefix of 12+ hex digits (like docker)."""
+        record = self.get(name)
+        if record is not None:
+            return record
+        hexpart = name.removeprefix("sha256:")
+        matches = []
+        if len(hexpart) >= 12 and all(c in "0123456789abcdef" for c in hexpart):
+            matches = [
+                r for r in self.list() if r.digest.removeprefix("sha256:").startswith(hexpart)
+            ]
+        if len({r.digest for r in matches}) == 1:
+            return matches[0]
+        if matches:
+            raise errors.ImageError(
+                f"{name!r} names several images: " + ", ".join(r.ref for r in matches),
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
+        raise errors.ImageNotFound(f"no image {name!r} in the store (see corral image ls)")
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _ensure(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)
+        for sub in ("roots", "refs", "tmp"):
+            (self.root / sub).mkdir(exist_ok=True)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._ensure()
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._sweep_tmp()
+            yield
+        finally:
+            os.close(fd)
+
+    def _sweep_tmp(self) -> None:
+        for entry in (self.root / "tmp").iterdir():
+            pid = entry.name.partition("-")[0]
+            if not pid.isdigit() or not pid_alive(int(pid)):
+                remove_tree(entry)
+
+    @contextmanager
+    def scratch(self) -> Iterator[Path]:
+        """A private directory under ``tmp/`` (removed whole on the way out)."""
+        self._ensure()
+        path = self.root / "tmp" / f"{os.getpid()}-{secrets.token_hex(6)}"
+        path.mkdir(mode=0o700)
+        try:
+            yield path
+        finally:
+            if os.path.lexists(path):
+                remove_tree(path)
+
+    def add(self, ref: str, source: oci.ImageSource, kind: str) -> ImageRecord:
+        """Unpack ``source``'s layers not yet in the store and record it as ``ref``."""
+        with self._locked():
+            self._unpack(source)
+            size = sum(layer.size or 0 for layer in source.layers)
+            record = ImageRecord(
+                ref=ref,
+                digest=source.digest,
+                config_digest=source.config_digest,
+                source=kind,
+                layers=tuple(layer.diff_id for layer in source.layers),
+                size=size,
+                created=time.time(),
+                config=dict(source.config.get("config") or {}),
+                architecture=str(source.config.get("architecture") or ""),
+                os=str(source.config.get("os") or ""),
+            )
+            path = self.root / "refs" / f"{_key(ref)}.json"
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record.to_json(), indent=1))
+            os.replace(tmp, path)
+            return record
+
+    def _unpack(self, source: oci.ImageSource) -> None:
+        roots = self.root / "roots"
+        chains = chain_ids([layer.diff_id for layer in source.layers])
+        if not chains:
+            empty = roots / EMPTY_CHAIN.removeprefix("sha256:")
+            if not empty.is_dir():
+                with self.scratch() as tmp:
+                    (tmp / "root").mkdir()
+                    os.rename(tmp / "root", empty)
+            return
+        have = -1
+        for i in range(len(chains) - 1, -1, -1):
+            if (roots / chains[i].removeprefix("sha256:")).is_dir():
+                have = i
+                break
+        for i in range(have + 1, len(chains)):
+            layer = source.layers[i]
+            with self.scratch() as tmp:
+                work = tmp / "root"
+                if i == 0:
+                    work.mkdir(mode=0o755)
+                else:
+                    clone_tree(roots / chains[i - 1].removeprefix("sha256:"), work)
+                with layer.open() as blob:
+                    got = unpack_layer(blob, work, self.limits)
+                if layer.digest is not None and got.compressed != layer.digest:
+                    raise errors.DigestMismatch(
+                        f"layer {layer.digest} hashes to {got.compressed}: the download is "
+                        "corrupt or the source lies"
+                    )
+                if got.uncompressed != layer.diff_id:
+                    raise errors.DigestMismatch(
+                        f"layer {layer.digest or i} unpacks to {got.uncompressed}, not to the "
+                        f"config's diff id {layer.diff_id}"
+                    )
+                os.rename(work, roots / chains[i].removeprefix("sha256:"))
+
+    # -- sources ---------------------------------------------------------------------------
+
+    def resolve(self, ref: str, *, pull: bool = True) -> ImageRecord | None:
+        """The stored image for ``ref``: an OCI layout directory or an archive (re-read each
+        time: cheap when its layers are stored), or a registry ref (pulled when not stored
+        and ``pull``). None for a directory that is neither (a plain root: not the store's)."""
+        if is_path(ref):
+            return self.add_path(ref)
+        record = self.get(str(registry.parse_ref(ref)))
+        if record is not None or not pull:
+            return record
+        return self.pull(ref)
+
+    def add_path(self, ref: str) -> ImageRecord | None:
+        """Store the image of an OCI layout dir or an archive (``PATH`` or ``PATH:TAG``)."""
+        path, tag = split_path_tag(ref)
+        if path.is_dir():
+            if not oci.is_layout(path):
+                return None
+            source, kind = oci.read_layout(path, tag), "oci-layout"
+        elif path.is_file():
+            source, kind = oci.read_archive(path, tag), "archive"
+        else:
+            raise errors.ImageNotFound(f"no image at {path}")
+        key = f"{kind}:{path.resolve()}" + (f":{tag}" if tag else "")
+        record = self.get(key)
+        if record is not None and record.digest == source.digest:
+            return record
+        return self.add(key, source, kind)
+
+    def pull(self, ref: str, *, tls_verify: bool | None = None) -> ImageRecord:
+        """Pull ``ref`` from its registry (again, if stored: a tag may have moved)."""
+        parsed = registry.parse_ref(ref)
+        with self.scratch() as tmp:
+            layout = tmp / "layout"
+            registry.pull(parsed, layout, tls_verify=tls_verify)
+            source = oci.read_layout(layout, "image")
+            return self.add(str(parsed), source, "registry")
+
+    def remove(self, name: str) -> ImageRecord:
+        """Forget an image (by ref or digest) and drop the roots no other image uses."""
+        record = self.find(name)
+        with self._locked():
+            for path in (self.root / "refs").glob("*.json"):
+                try:
+                    other = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    continue
+                if other.get("ref") == record.ref:
+                    path.unlink()
+            self._gc()
+        return record
+
+    def _gc(self) -> None:
+        keep = {EMPTY_CHAIN.removeprefix("sha256:")}
+        for record in self.list():
+            keep.update(c.removeprefix("sha256:") for c in chain_ids(record.layers))
+        for entry in (self.root / "roots").iterdir():
+            if entry.name not in keep:
+                remove_tree(entry)
