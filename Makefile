@@ -72,7 +72,6 @@ security-report: setup
 bench: setup
 	$(VPY) bench/run.py
 	$(VPY) bench/bench_network.py
-	$(VPY) bench/bench_cli_stream.py
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache

@@ -9,6 +9,10 @@ Prints p50/p90 in milliseconds and the ratios the foundation issue targets:
   one-shot CLI   (`corral run -- true` process)   vs  raw `bwrap ... true`       (reported)
   create-to-ready (cold box)                       vs  raw `bwrap ... true`       target <= 25 ms
   host memory per idle box (RSS of its bwrap + agent processes, and the host-side heap)
+and, each in a process of its own with its own baseline (issue 14's data path figures):
+  files          50 MiB through sb.files.write/read   vs  the host's write/read      target <= 2x
+  stream         200 MB of `corral run` stdout         vs  a bare pipe
+  capture        512 MiB of output, 64 MiB cap: host heap and peak RSS growth vs the cap
 """
 
 from __future__ import annotations
@@ -117,7 +121,12 @@ async def pooled_one_shot(runs: int) -> float:
     return line("one-shot (library, warm pool)", samples)
 
 
-ROWS = ("warm", "ready", "oneshot", "pooled", "cli", "memory")
+DATA_PATH = {
+    "files": "bench_files.py",
+    "stream": "bench_cli_stream.py",
+    "capture": "bench_capture.py",
+}
+ROWS = ("warm", "ready", "oneshot", "pooled", "cli", "memory", *DATA_PATH)
 
 
 async def main(runs: int, only: set[str]) -> None:
@@ -182,6 +191,14 @@ async def main(runs: int, only: set[str]) -> None:
     print("\n".join(ratios))
 
 
+def data_path(only: set[str]) -> None:
+    """The data path figures, a process each: its peak RSS and heap are its own."""
+    for row, script in DATA_PATH.items():
+        if row in only:
+            print(f"{row} (bench/{script})", flush=True)
+            subprocess.run([sys.executable, str(Path(__file__).with_name(script))], check=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=40)
@@ -193,3 +210,4 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     asyncio.run(main(args.runs, set(args.only or ROWS)))
+    data_path(set(args.only or ROWS))

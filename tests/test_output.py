@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import time
 from typing import AnyStr
@@ -262,3 +263,40 @@ def test_head_tail_buffer_holds_no_more_than_the_cap_and_one_chunk() -> None:
     held = len(buf._head) + sum(len(c) for c in buf._chunks)
     assert held <= (1 << 20) + len(chunk), held
     assert buf.getvalue() == (chunk * 8) + (chunk * 200)[-(1 << 19) :]
+
+
+def _render_reference(kept: bytes, head_len: int, dropped: int) -> str:
+    """What render() means, from the kept bytes whole (head, then tail)."""
+    if not dropped:
+        return kept.decode("utf-8", "replace")
+    head = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(kept[:head_len])
+    tail = kept[head_len:]
+    skip = 0
+    while skip < min(3, len(tail)) and 0x80 <= tail[skip] <= 0xBF:
+        skip += 1
+    return (
+        head + f"\n[... {dropped} bytes truncated ...]\n" + tail[skip:].decode("utf-8", "replace")
+    )
+
+
+@given(
+    st.integers(min_value=0, max_value=40),
+    st.lists(
+        st.lists(
+            st.sampled_from([b"a", b"\xc3\xa9", b"\xe2\x82\xac", b"\xf0\x9f\x98\x80", b"\xff"])
+        ).map(b"".join),
+        max_size=12,
+    ),
+    st.data(),
+)
+def test_head_tail_buffer_render_is_the_decoded_kept_bytes_however_chunked(
+    cap: int, texts: list[bytes], data: st.DataObject
+) -> None:
+    """Rendering chunk by chunk (characters split between chunks, between head and tail)
+    equals decoding what is kept at once."""
+    whole = b"".join(texts)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(whole)), max_size=8)))
+    buf = HeadTailBuffer(cap)
+    for start, end in itertools.pairwise([0, *cuts, len(whole)]):
+        buf.append(whole[start:end])
+    assert buf.render() == _render_reference(buf.getvalue(), min(cap // 2, len(whole)), buf.dropped)

@@ -197,8 +197,9 @@ class HeadTailBuffer:
     The head is a bytearray that stops growing; the tail is the chunks as they came, the
     oldest dropped whole once the newer ones hold the tail's share, so what is kept never
     exceeds the cap by more than one chunk and no append copies what is already held.
-    Rendering joins and decodes once (a capture of a 64 MiB cap costs about 3x the cap at
-    its peak, the text included: ``bench/bench_capture.py``; it was 4.5x).
+    Rendering decodes chunk by chunk into one growing string (a capture of a 64 MiB cap costs
+    about 2x the cap at its peak, the text included: ``bench/bench_capture.py``; it was 4.5x,
+    then 3x).
     """
 
     __slots__ = (
@@ -283,21 +284,28 @@ class HeadTailBuffer:
         return b"".join([self._head, self._tail_view()])
 
     def render(self) -> str:
-        """Decode for display; when bytes were dropped a marker line says how many."""
-        if not self.truncated:
-            return self.getvalue().decode("utf-8", "replace")
-        tail = self._tail_view()
-        # Characters cut by the gap would decode to U+FFFD noise: drop an incomplete
-        # character at the end of the head and continuation bytes at the start of the tail.
-        head = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(self._head)
-        skip = 0
-        while skip < min(3, len(tail)) and 0x80 <= tail[skip] <= 0xBF:
-            skip += 1
-        marker = f"\n[... {self.dropped} bytes truncated ...]\n"
-        with memoryview(tail) as view:
-            text = codecs.decode(view[skip:], "utf-8", "replace")
-        del tail
-        return "".join([head, marker, text])
+        """Decode for display; when bytes were dropped a marker line says how many.
+
+        The text is grown by appending to one string, chunk by chunk (CPython extends a
+        string nothing else holds in place), so the peak is the kept bytes plus the text,
+        not a joined copy of either."""
+        head = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = head.decode(self._head)
+        views = [memoryview(c) for c in self._chunks]
+        if views and self._skip:
+            views[0] = views[0][self._skip :]
+        tail = head
+        if self.truncated:
+            # Characters cut by the gap would decode to U+FFFD noise: an incomplete
+            # character at the end of the head stays in its decoder, and continuation bytes
+            # at the start of the tail are skipped.
+            text += f"\n[... {self.dropped} bytes truncated ...]\n"
+            tail = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            views = _skip_continuation(views)
+        for view in views:
+            text += tail.decode(view)
+        text += tail.decode(b"", True)
+        return text
 
     def read_since(self, offset: int) -> tuple[bytes, int, bool]:
         """Bytes appended at or after absolute ``offset`` that are still held.
@@ -315,6 +323,20 @@ class HeadTailBuffer:
         data += tail[max(0, offset - tail_start) :]
         lost = max(offset, head_len) < tail_start
         return data, self._total, lost
+
+
+def _skip_continuation(views: list[memoryview]) -> list[memoryview]:
+    """``views`` without the UTF-8 continuation bytes (at most 3) they start with."""
+    skipped = 0
+    while views and skipped < 3:
+        if not views[0]:
+            views.pop(0)
+            continue
+        if not 0x80 <= views[0][0] <= 0xBF:
+            break
+        views[0] = views[0][1:]
+        skipped += 1
+    return views
 
 
 def cap_text(text: str, limit_chars: int) -> tuple[str, bool]:
