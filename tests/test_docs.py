@@ -414,8 +414,15 @@ def check_synopsis(block: Block, args: list[str]) -> None:
     assert sub in subparsers, f"{block.where}: `corral {sub}` is not a corral command"
     parser = subparsers[sub]
     assert isinstance(parser, argparse.ArgumentParser)
+    first = 1
+    for word in words[1:]:  # ``image pull REF``: down into the command's own subcommands
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not nested or word.startswith("-"):
+            break
+        assert word in nested[0].choices, f"{block.where}: `corral {sub}` has no {word!r}"
+        parser, first = nested[0].choices[word], first + 1
     options = {opt: a for a in parser._actions for opt in a.option_strings}
-    for i, word in enumerate(words[1:], start=1):
+    for i, word in enumerate(words[first:], start=first):
         if word == "--" or not word.startswith("-"):
             continue
         assert word in options, f"{block.where}: `corral {sub}` has no option {word}"

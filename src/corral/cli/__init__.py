@@ -1,4 +1,4 @@
-"""The ``corral`` command: run, shell/attach/sessions, mcp, audit and doctor.
+"""The ``corral`` command: run, shell/attach/sessions, mcp, audit, doctor and image.
 
 Each command lives in its own module with a ``register(subparsers)``; this module only builds
 the parser and maps corral errors to a one-line message and a non-zero exit (no traceback):
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from corral import errors
-from corral.cli import audit, doctor, interactive, mcp, run
+from corral.cli import audit, doctor, image, interactive, mcp, run
 from corral.cli.options import EXIT_SANDBOX, EXIT_USAGE, build_policy
 
 __all__ = ["build_policy", "main", "make_parser"]
@@ -48,7 +48,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="corral", description="Run commands and code inside Linux sandboxes.")
     parser.add_argument("--version", action="version", version=f"corral {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for command in (run, doctor, interactive, mcp, audit):
+    for command in (run, doctor, interactive, mcp, audit, image):
         command.register(sub)
     return parser
 

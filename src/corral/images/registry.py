@@ -127,6 +127,8 @@ def pull(ref: RegistryRef, dest: Path, *, tls_verify: bool | None = None) -> Non
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     reason = lines[-1] if lines else f"skopeo exited with {proc.returncode}"
     reason = reason.removeprefix("time=").split('msg="', 1)[-1].rstrip('"')
+    if "digest did not match" in reason.lower():
+        raise errors.DigestMismatch(f"a blob of {ref} does not match its digest ({reason})")
     if any(marker in reason.lower() for marker in _NOT_FOUND):
         raise errors.ImageNotFound(f"no image {ref} in its registry ({reason})")
     raise errors.ImageError(f"pulling {ref} failed: {reason}")
