@@ -86,7 +86,7 @@ class Channel:
     async def request(
         self,
         op: str,
-        payload: bytes = b"",
+        payload: bytes | memoryview = b"",
         *,
         on_reply: Callable[[dict[str, Any]], None] | None = None,
         **fields: Any,
@@ -98,7 +98,7 @@ class Channel:
     async def request_pieces(
         self,
         op: str,
-        payload: bytes = b"",
+        payload: bytes | memoryview = b"",
         *,
         on_reply: Callable[[dict[str, Any]], None] | None = None,
         **fields: Any,
@@ -119,7 +119,7 @@ class Channel:
         except protocol.FrameError as exc:
             raise errors.SandboxError(str(exc), code=errors.ErrorCode.INVALID_INPUT) from None
         try:
-            frame = protocol.encode(request, payload)
+            head = protocol.encode_head(request, len(payload))
         except protocol.FrameError as exc:
             raise errors.RequestTooLarge(
                 f"{op} request too large to send to the box: {exc}"
@@ -132,7 +132,7 @@ class Channel:
         if on_reply is not None:
             self._hooks[req_id] = on_reply
         try:
-            await self._wire.write(frame)
+            await self._wire.write(head, payload)
             header, data = await fut
         except (ConnectionError, OSError) as exc:
             self._lose(f"channel write failed: {exc}")
@@ -249,11 +249,15 @@ class _Wire(asyncio.Protocol):
                 waiter.set_exception(exc)
                 waiter.exception()  # retrieved: a writer that gave up is not logged
 
-    async def write(self, frame: bytes) -> None:
-        """Send one frame; wait while the kernel's buffer (and the transport's) is full."""
+    async def write(self, head: bytes, payload: bytes | memoryview = b"") -> None:
+        """Send one frame, its payload as given (not copied into the head: the transport
+        sends it straight when the kernel's buffer has room); wait while the kernel's buffer
+        (and the transport's) is full."""
         if self._transport is None or self._transport.is_closing():
             raise ConnectionResetError("the channel is closed")
-        self._transport.write(frame)
+        self._transport.write(head)
+        if payload:
+            self._transport.write(payload)
         while self._paused:
             if self._drained is None or self._drained.done():
                 self._drained = asyncio.get_running_loop().create_future()

@@ -157,7 +157,7 @@ class Files:
         failed = _fail(exc, path)
         return ERRORS[failed.code](f"{path}: {failed.message}")
 
-    async def _request(self, op: str, payload: bytes = b"", **fields: Any) -> Any:
+    async def _request(self, op: str, payload: bytes | memoryview = b"", **fields: Any) -> Any:
         """One agent call; refusals by the kernel (symlinks out, read-only) are reported.
         ``pieces=True`` (a read): the payload may come as :class:`protocol.Pieces`."""
         try:
@@ -256,12 +256,13 @@ class Files:
         r = self._resolve(path)
         raw = data.encode() if isinstance(data, str) else data
         host = self._host(r) if len(raw) > HOST_IO_OVER else None
+        view = memoryview(raw)  # frames are sent from it, not from copies
         size = 0
         first = True
         for start in range(0, max(len(raw), 1), WRITE_CHUNK):
             reply, _ = await self._request(
                 "file_write",
-                raw[start : start + WRITE_CHUNK],
+                view[start : start + WRITE_CHUNK],
                 path=r.path,
                 root=r.root,
                 append=append or not first,
@@ -270,7 +271,7 @@ class Files:
             size = int(reply.get("size", 0))
             first = False
             if host is not None and "ino" in reply:
-                rest = memoryview(raw)[start + WRITE_CHUNK :]
+                rest = view[start + WRITE_CHUNK :]
                 try:
                     grown = await blocking(
                         hostfiles.append_same, *host, (reply["dev"], reply["ino"]), rest

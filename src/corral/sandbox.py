@@ -461,7 +461,7 @@ class Sandbox:
         return (*self._box.warnings, *self._hints)
 
     async def _request(
-        self, op: str, payload: bytes = b"", *, pieces: bool = False, **fields: Any
+        self, op: str, payload: bytes | memoryview = b"", *, pieces: bool = False, **fields: Any
     ) -> Any:
         """One agent call; ``pieces``: a large reply payload as the pieces it came in."""
         if self._closed and op not in self._closing_ops:
@@ -638,9 +638,10 @@ class Sandbox:
         view = memoryview(data)
         for start in range(0, len(view), STDIN_CHUNK):
             last = start + STDIN_CHUNK >= len(view)
-            chunk = bytes(view[start : start + STDIN_CHUNK])
-            try:
-                await self._request("write", chunk, pid=proc.pid, eof=last)
+            try:  # sent from the view: no copy of the chunk on the host
+                await self._request(
+                    "write", view[start : start + STDIN_CHUNK], pid=proc.pid, eof=last
+                )
             except (errors.ProcessNotFound, errors.SpawnFailed):
                 return
             except errors.SandboxError as exc:

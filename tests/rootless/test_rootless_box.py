@@ -49,6 +49,15 @@ async def test_what_commands_write_in_the_workspace_is_the_users(
     assert await box.files.read_text("out.txt") == "hi\n"
 
 
+async def test_large_files_round_trip_and_stay_the_users(box: Sandbox, workspace: Path) -> None:
+    """Past 1 MiB the host moves the bytes (corral.files): as an ordinary user too."""
+    blob = await asyncio.to_thread(os.urandom, (3 << 20) + 5)
+    assert await box.files.write("big.bin", blob) == len(blob)
+    assert await box.files.read("big.bin", max_bytes=len(blob)) == blob
+    assert await asyncio.to_thread((workspace / "big.bin").read_bytes) == blob
+    assert (workspace / "big.bin").stat().st_uid == os.getuid()
+
+
 async def test_commands_hold_no_capability_and_cannot_touch_the_agent(
     box: Sandbox, mapped: bool
 ) -> None:

@@ -109,3 +109,20 @@ async def test_a_box_swapping_a_file_for_a_link_during_large_io(
             await swapper.terminate()
         assert sum(outcomes.values()) == 60
     assert canary.file.read_text() == canary.content
+
+
+async def test_a_masked_file_is_not_read_through_the_host(tmp_path: Path) -> None:
+    """A path masked by its host name (deny_read of the workspace's own .ssh, spelled as a
+    host path) passes the lexical check; the box's mask stops the agent, so the host never
+    opens the file."""
+    ws = tmp_path / "ws"
+    (ws / ".ssh").mkdir(parents=True)
+    secret = b"PRIVATE KEY " * (300 << 10)  # past the host I/O threshold
+    (ws / ".ssh" / "id").write_bytes(secret)
+    policy = Policy.from_dict({"filesystem": {"deny_read": [str(ws / ".ssh")]}})
+    async with Sandbox(policy, workspace=ws) as sb:
+        with pytest.raises(SandboxError):
+            await sb.files.read(".ssh/id", max_bytes=8 << 20)
+        with pytest.raises(SandboxError):
+            await sb.files.write(".ssh/id", b"x" * (3 << 20))
+    assert (ws / ".ssh" / "id").read_bytes() == secret
