@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -293,3 +294,25 @@ def test_a_crashed_writers_work_is_swept(store: ImageStore, tmp_path: Path) -> N
     (store.root / "tmp" / "999999999-dead" / "root" / "half").mkdir(parents=True)
     assert store.resolve(str(tmp_path / "img")) is not None
     assert_clean(store, 1)
+
+
+def test_concurrent_imports_of_one_image_agree(tmp_path: Path, busybox_tar: bytes) -> None:
+    """Three processes import the same image at once: one unpacks (the store's lock), the
+    others find it done; one root, nothing left in tmp/."""
+    write_layout(tmp_path / "img", [busybox_tar, layer_tar([Entry("a", data=b"a")])])
+    code = (
+        "import sys; from corral.images.store import ImageStore; "
+        "s = ImageStore(sys.argv[1]); print(s.rootfs(s.resolve(sys.argv[2])))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / "store"), str(tmp_path / "img")],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outs = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert len(outs) == 1
+    assert_clean(ImageStore(tmp_path / "store"), 2)
