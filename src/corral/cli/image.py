@@ -1,4 +1,4 @@
-"""``corral image pull|ls|inspect|rm``: the image store on this host (registered by corral.cli).
+"""``corral image pull|ls|inspect|rm|build``: the host's image store (registered by corral.cli).
 
 ::
 
@@ -7,6 +7,7 @@
     corral image ls                              # what is stored
     corral image inspect tools:1                 # its digest, config, layers and root (JSON)
     corral image rm 127.0.0.1:5000/tools:1       # forget it; layers no image uses are dropped
+    corral image build -t tools:2 ./ctx          # FROM, COPY, ENV, WORKDIR... (no RUN yet)
 
 A ref is normalised as docker does (``busybox`` is ``docker.io/library/busybox:latest``);
 ``inspect`` and ``rm`` also take a digest or a 12+ digit prefix of one. Errors are one line
@@ -62,6 +63,15 @@ def register(sub: SubParsers) -> None:
     inspect.add_argument("ref", metavar="REF")
     inspect.add_argument("--json", action="store_true", help="(the output is always JSON)")
     inspect.set_defaults(func=cmd_inspect)
+
+    build = isub.add_parser(
+        "build", help="build an image from a Dockerfile subset (FROM, COPY, ENV, WORKDIR...)"
+    )
+    build.add_argument("context", metavar="CONTEXT", help="the build context directory")
+    build.add_argument("-t", "--tag", required=True, metavar="REF", help="the new image's ref")
+    build.add_argument("-f", "--file", metavar="DOCKERFILE", help="default: CONTEXT/Dockerfile")
+    build.add_argument("--json", action="store_true")
+    build.set_defaults(func=cmd_build)
 
     rm = isub.add_parser("rm", help="remove images; layers no other image uses are dropped")
     rm.add_argument("refs", nargs="+", metavar="REF")
@@ -172,6 +182,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         os=record.os,
     )
     print(terminal_safe(json.dumps(data, indent=2), sys.stdout, args))
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from corral.images.build import build
+
+    context = Path(args.context)
+    if not context.is_dir():
+        raise errors.ImageError(
+            f"the build context {context} is not a directory", code=errors.ErrorCode.INVALID_INPUT
+        )
+    dockerfile = Path(args.file) if args.file else context / "Dockerfile"
+    try:
+        text = dockerfile.read_text()
+    except OSError as exc:
+        raise errors.ImageError(
+            f"cannot read {dockerfile}: {exc.strerror}", code=errors.ErrorCode.INVALID_INPUT
+        ) from None
+    store = _store()
+    record = build(store, text, context, args.tag)
+    if args.json:
+        print(json.dumps(_summary(store, record)))
+    else:
+        print(terminal_safe(f"{record.ref} {record.digest}", sys.stdout, args))
     return 0
 
 

@@ -32,7 +32,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -223,10 +223,69 @@ class ImageStore:
                 architecture=str(source.config.get("architecture") or ""),
                 os=str(source.config.get("os") or ""),
             )
-            path = self.root / "refs" / f"{_key(ref)}.json"
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record.to_json(), indent=1))
-            os.replace(tmp, path)
+            self._record(record)
+            return record
+
+    def _record(self, record: ImageRecord) -> None:
+        path = self.root / "refs" / f"{_key(record.ref)}.json"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record.to_json(), indent=1))
+        os.replace(tmp, path)
+
+    def commit(
+        self,
+        ref: str,
+        base: ImageRecord | None,
+        layers: Sequence[Path],
+        config: dict[str, Any],
+        *,
+        source: str = "build",
+    ) -> ImageRecord:
+        """A new image: ``base`` (or an empty root) with ``layers`` (tar files, gzip or not)
+        on top and ``config`` as its config object, recorded as ``ref``. Its layers' blobs
+        are not kept (the store holds roots), so it can be run and inspected, not pushed; its
+        digest is that of a manifest made for it."""
+        with self._locked():
+            diff_ids = list(base.layers) if base is not None else []
+            size = base.size if base is not None else 0
+            for layer in layers:
+                below = chain_ids(diff_ids)
+                with self.scratch() as tmp:
+                    work = tmp / "root"
+                    if below:
+                        clone_tree(self.root / "roots" / below[-1].removeprefix("sha256:"), work)
+                    else:
+                        work.mkdir(mode=0o755)
+                    with open(layer, "rb") as blob:
+                        got = unpack_layer(blob, work, self.limits)
+                    diff_ids.append(got.uncompressed)
+                    size += got.size
+                    target = self.root / "roots" / chain_ids(diff_ids)[-1].removeprefix("sha256:")
+                    if not target.is_dir():
+                        os.rename(work, target)
+            if not diff_ids:
+                self._unpack(oci.ImageSource("", "", {}, ()))
+            image_config = {
+                "architecture": base.architecture if base else "",
+                "os": base.os if base else "linux",
+                "config": config,
+                "rootfs": {"type": "layers", "diff_ids": diff_ids},
+            }
+            config_digest = oci.sha256(json.dumps(image_config, sort_keys=True).encode())
+            manifest = {"config": config_digest, "layers": diff_ids}
+            record = ImageRecord(
+                ref=ref,
+                digest=oci.sha256(json.dumps(manifest, sort_keys=True).encode()),
+                config_digest=config_digest,
+                source=source,
+                layers=tuple(diff_ids),
+                size=size,
+                created=time.time(),
+                config=config,
+                architecture=str(image_config["architecture"]),
+                os=str(image_config["os"]),
+            )
+            self._record(record)
             return record
 
     def _unpack(self, source: oci.ImageSource) -> None:

@@ -1,0 +1,105 @@
+"""``corral image build`` from a Dockerfile subset (corral.images.build): FROM an image of the
+store (or scratch), COPY from the context as layers, ENV/WORKDIR/USER/CMD into the config;
+RUN and everything else refused with the line it is on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from corral import errors
+from corral.cli import main
+from corral.images import resolve_image
+from corral.images.build import build
+from corral.images.store import ImageStore
+from oci_images import busybox_root, dir_tar, write_layout
+
+pytestmark = pytest.mark.skipif(not Path("/bin/busybox").exists(), reason="busybox-static")
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ImageStore:
+    monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
+    return ImageStore()
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> str:
+    write_layout(tmp_path / "base", [dir_tar(busybox_root(tmp_path / "bb"))])
+    return str(tmp_path / "base")
+
+
+def test_build_copies_the_context_and_sets_the_config(
+    store: ImageStore, base: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ctx = tmp_path / "ctx"
+    (ctx / "task" / "data").mkdir(parents=True)
+    (ctx / "task" / "data" / "input.txt").write_text("42\n")
+    (ctx / "task" / "run.sh").write_text("#!/bin/sh\ncat data/input.txt\n")
+    os.chmod(ctx / "task" / "run.sh", 0o755)
+    os.symlink("/etc/shadow", ctx / "task" / "link")  # copied as a link, never followed
+    (ctx / "Dockerfile").write_text(
+        f"# a task image\nFROM {base}\n"
+        "ENV LANG=C.UTF-8 \\\n    TASK=demo\n"
+        "WORKDIR /task\n"
+        "COPY task/ .\n"
+        "COPY Dockerfile /etc/\n"
+        'CMD ["./run.sh"]\n'
+        "USER 1000\n"
+    )
+    assert main(["image", "build", "-t", "task:1", str(ctx), "--json"]) == 0
+    built = json.loads(capsys.readouterr().out)
+    assert built["ref"] == "docker.io/library/task:1" and built["layers"] == 3
+    image = resolve_image("task:1")  # stored: no pull
+    assert image.config.env == {"PATH": "/bin", "LANG": "C.UTF-8", "TASK": "demo"}
+    assert (image.config.workdir, image.config.user, image.config.cmd) == (
+        "/task",
+        "1000",
+        ["./run.sh"],
+    )
+    assert image.rootfs is not None
+    assert os.readlink(image.rootfs / "task" / "link") == "/etc/shadow"
+    assert (image.rootfs / "task" / "run.sh").stat().st_mode & 0o777 == 0o755
+    out = subprocess.run(
+        ["bwrap", "--unshare-all", "--ro-bind", str(image.rootfs), "/", "--chdir", "/task",
+         "/bin/sh", "-c", "./run.sh && cat /etc/Dockerfile | busybox head -1"],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert out == "42\n# a task image\n"
+    # The base's root is shared, not copied.
+    base_record = store.resolve(base)
+    assert base_record is not None
+    busybox = {(store.rootfs(r) / "bin" / "busybox").stat().st_ino for r in (base_record,)}
+    assert (image.rootfs / "bin" / "busybox").stat().st_ino in busybox
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "words"),
+    [
+        ("FROM scratch\nRUN apt-get install -y git\n", "line 2: RUN is not supported yet"),
+        ("FROM scratch\nHEALTHCHECK NONE\n", "line 2: HEALTHCHECK is not in"),
+        ("COPY a b\n", "line 1: the first instruction must be FROM"),
+        ("FROM scratch\nCOPY ../secret /x\n", "leaves the build context"),
+        ("FROM scratch\nCOPY /etc/passwd /x\n", "leaves the build context"),
+        ("FROM scratch\nCOPY missing /x\n", "not in the build context"),
+        ("FROM scratch\nFROM scratch\n", "one FROM only"),
+        ("FROM scratch\nCMD [1]\n", "JSON list of strings"),
+    ],
+)
+def test_build_refuses_what_it_does_not_do(
+    store: ImageStore, tmp_path: Path, dockerfile: str, words: str
+) -> None:
+    with pytest.raises(errors.ImageError, match=words) as info:
+        build(store, dockerfile, tmp_path, "x:1")
+    assert info.value.code == errors.ErrorCode.INVALID_INPUT
+    assert store.list() == []
+
+
+def test_build_from_scratch(store: ImageStore, tmp_path: Path) -> None:
+    (tmp_path / "hello").write_text("hi\n")
+    record = build(store, "FROM scratch\nCOPY hello /hello\n", tmp_path, "bare:1")
+    assert os.listdir(store.rootfs(record)) == ["hello"]
