@@ -29,8 +29,9 @@ class Registry:
         hexpart = digest.removeprefix("sha256:")
         return self.storage / "docker/registry/v2/blobs/sha256" / hexpart[:2] / hexpart / "data"
 
-    def push(self, layout: Path, name: str, tag: str = "latest") -> str:
-        """Push the OCI layout's image; return its ref in this registry."""
+    def push(self, layout: Path, name: str, fmt: str = "oci") -> str:
+        """Push the OCI layout's image (as an OCI or a Docker ``v2s2`` manifest); return its
+        ref in this registry."""
         ref = f"{self.host}/{name}"
         subprocess.run(
             [
@@ -39,6 +40,7 @@ class Registry:
                 "copy",
                 "--quiet",
                 "--dest-tls-verify=false",
+                f"--format={fmt}",
                 f"oci:{layout}",
                 f"docker://{ref}",
             ],

@@ -6,6 +6,7 @@ served by the registry end in a clear error with nothing left in the store.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from collections.abc import Iterator
@@ -107,6 +108,27 @@ def test_pull_ls_inspect_rm_through_a_local_registry(
     status, removed = corral(capsys, "rm", ref, f"{registry.host}/busybox@{built.digest}")
     assert status == 0 and len(removed["removed"]) == 2
     assert_empty(store)
+
+
+def test_a_docker_format_image_keeps_the_registrys_digest(
+    registry: Registry, store: ImageStore, tmp_path: Path, busybox_tar: bytes
+) -> None:
+    own = layer_tar([Entry("etc/docker-format", data=b"v2s2")])  # this test's alone
+    built = write_layout(tmp_path / "bb", [busybox_tar, own])
+    ref = registry.push(tmp_path / "bb", "docker-format:1", fmt="v2s2")
+    served = subprocess.run(
+        ["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{ref}"],
+        capture_output=True, check=True, timeout=30,
+    ).stdout  # fmt: skip
+    assert b"application/vnd.docker.distribution.manifest.v2+json" in served
+    record = store.pull(ref)
+    assert record.digest == "sha256:" + hashlib.sha256(served).hexdigest()
+    assert (store.rootfs(record) / "etc" / "hello").read_text() == "hello from the image\n"
+    # Pulled again (by digest): the manifest is known, no layer is downloaded (the registry's
+    # copy of the layer, broken now, is never read).
+    registry.blob_path(built.layers[1]).write_bytes(b"broken")
+    pinned = store.pull(f"{registry.host}/docker-format@{record.digest}")
+    assert pinned.digest == record.digest and pinned.chain == record.chain
 
 
 def test_resolve_image_pulls_what_is_not_stored(

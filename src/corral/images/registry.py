@@ -9,7 +9,9 @@ kept by Debian and writes a plain OCI layout that corral then reads with its own
 does not trust it further than that: every blob skopeo writes is checked again against its
 digest, and layers are unpacked by :mod:`corral.images.unpack`.
 
-``skopeo copy docker://REF oci:DIR:TAG`` runs with ``--insecure-policy`` (signature policy is
+``skopeo copy docker://REF oci:DIR:TAG`` runs with ``--preserve-digests`` (a Docker-format
+manifest is kept as the registry serves it, so the image's digest is the registry's; corral
+reads both formats) and ``--insecure-policy`` (signature policy is
 not corral's business: the digests are checked) and, for a registry on this machine
 (``localhost``, ``127.0.0.0/8``, ``::1``), without TLS: that is what Docker does for such
 registries, and what the tests' local registry needs.
@@ -17,12 +19,14 @@ registries, and what the tests' local registry needs.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from corral import errors
 
@@ -109,23 +113,40 @@ _NOT_FOUND = (
 )
 
 
+def _verify(ref: RegistryRef, tls_verify: bool | None) -> str:
+    return "true" if ((not ref.local) if tls_verify is None else tls_verify) else "false"
+
+
+def manifest_digest(ref: RegistryRef, *, tls_verify: bool | None = None) -> str:
+    """The digest of the manifest the registry serves for ``ref`` (one small request: a
+    stored image with that digest needs no download)."""
+    argv = [skopeo(), "inspect", "--raw", f"--tls-verify={_verify(ref, tls_verify)}"]
+    proc = subprocess.run([*argv, f"docker://{ref}"], capture_output=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        _fail(ref, proc.returncode, proc.stderr.decode(errors="replace"))
+    return "sha256:" + hashlib.sha256(proc.stdout).hexdigest()
+
+
 def pull(ref: RegistryRef, dest: Path, *, tls_verify: bool | None = None) -> None:
     """Copy ``ref`` from its registry into an OCI layout at ``dest`` (tag ``image``)."""
-    verify = (not ref.local) if tls_verify is None else tls_verify
     argv = [
         skopeo(),
         "--insecure-policy",
         "copy",
         "--quiet",
-        f"--src-tls-verify={'true' if verify else 'false'}",
+        "--preserve-digests",
+        f"--src-tls-verify={_verify(ref, tls_verify)}",
         f"docker://{ref}",
         f"oci:{dest}:image",
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if proc.returncode == 0:
-        return
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    reason = lines[-1] if lines else f"skopeo exited with {proc.returncode}"
+    if proc.returncode != 0:
+        _fail(ref, proc.returncode, proc.stderr)
+
+
+def _fail(ref: RegistryRef, status: int, stderr: str) -> NoReturn:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    reason = lines[-1] if lines else f"skopeo exited with {status}"
     reason = reason.removeprefix("time=").split('msg="', 1)[-1].rstrip('"')
     if "digest did not match" in reason.lower():
         raise errors.DigestMismatch(f"a blob of {ref} does not match its digest ({reason})")

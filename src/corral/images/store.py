@@ -26,6 +26,7 @@ by the image's uids when unpacked as root) are reachable only through a box's mo
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -356,8 +357,18 @@ class ImageStore:
         return self.add(key, source, kind)
 
     def pull(self, ref: str, *, tls_verify: bool | None = None) -> ImageRecord:
-        """Pull ``ref`` from its registry (again, if stored: a tag may have moved)."""
+        """Pull ``ref`` from its registry (again, if stored: a tag may have moved). When the
+        registry's manifest is one the store already has, nothing is downloaded."""
         parsed = registry.parse_ref(ref)
+        digest = registry.manifest_digest(parsed, tls_verify=tls_verify)
+        for known in self.list():
+            if known.digest == digest and self.rootfs(known).is_dir():
+                with self._locked():
+                    record = dataclasses.replace(
+                        known, ref=str(parsed), source="registry", created=time.time()
+                    )
+                    self._record(record)
+                return record
         with self.scratch() as tmp:
             layout = tmp / "layout"
             registry.pull(parsed, layout, tls_verify=tls_verify)
