@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -250,6 +251,22 @@ def test_a_tarball_bomb_stops_at_the_caps(tmp_path: Path, busybox_tar: bytes) ->
     write_layout(tmp_path / "entries", [many])
     with pytest.raises(errors.ImageTooLarge, match="more than 50 entries"):
         store.resolve(str(tmp_path / "entries"))
+    assert_clean(store, 0)
+
+
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME])
+def test_a_header_bomb_is_refused_before_it_is_read(
+    kind: bytes, store: ImageStore, tmp_path: Path
+) -> None:
+    """A PAX or GNU long-name header claiming 1 GiB: tarfile would read it into memory."""
+    info = tarfile.TarInfo("header")
+    info.type, info.size = kind, 1 << 30
+    bomb = info.tobuf(
+        format=tarfile.USTAR_FORMAT if kind == tarfile.XHDTYPE else tarfile.GNU_FORMAT
+    )
+    write_layout(tmp_path / "img", [bomb + bytes(4096)])
+    with pytest.raises(errors.ImageTooLarge, match="1073741824-byte tar header"):
+        store.resolve(str(tmp_path / "img"))
     assert_clean(store, 0)
 
 

@@ -103,6 +103,32 @@ class _Hashing(io.RawIOBase):
         return "sha256:" + self._hash.hexdigest()
 
 
+MAX_HEADER = 1 << 20
+"""Bytes a PAX or GNU long-name header may hold: tarfile reads such a header into memory
+whole, so a layer claiming gigabytes there would be a memory bomb before any cap counts."""
+
+
+_HEADERS = (
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+)
+
+
+class _SafeTarInfo(tarfile.TarInfo):
+    """tarfile's member reader, refusing an oversized metadata header before reading it
+    (``_proc_member`` is tarfile's hook for each header, stable since Python 3.0)."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _HEADERS and self.size > MAX_HEADER:
+            raise errors.ImageTooLarge(
+                f"a layer has a {self.size}-byte tar header (at most {MAX_HEADER}: a bomb?)"
+            )
+        return super()._proc_member(tar)  # type: ignore[misc, no-any-return]
+
+
 def _decompressed(raw: _Hashing, cap: int) -> tuple[_Hashing, IO[bytes]]:
     buffered = io.BufferedReader(raw, _CHUNK)
     magic = buffered.peek(4)[:4]
@@ -127,7 +153,7 @@ def unpack_layer(blob: IO[bytes], root: Path, limits: Limits = Limits()) -> Laye
         tar_stream, buffered = _decompressed(compressed, limits.max_bytes)
         applier = _Applier(root, limits)
         try:
-            with tarfile.open(fileobj=tar_stream, mode="r|") as tar:
+            with tarfile.open(fileobj=tar_stream, mode="r|", tarinfo=_SafeTarInfo) as tar:
                 for member in tar:
                     applier.apply(tar, member)
             tar_stream.drain()  # the end-of-archive padding, and the gzip trailer's check
