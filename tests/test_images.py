@@ -333,3 +333,34 @@ def test_concurrent_imports_of_one_image_agree(tmp_path: Path, busybox_tar: byte
     assert [p.returncode for p in procs] == [0, 0, 0]
     assert len(outs) == 1
     assert_clean(ImageStore(tmp_path / "store"), 2)
+
+
+def test_the_cli_on_local_images(
+    tmp_path: Path,
+    busybox_tar: bytes,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from corral.cli import main
+
+    monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
+    monkeypatch.chdir(tmp_path)
+    built = write_layout(tmp_path / "bb", [busybox_tar], tag="v1")
+    assert main(["image", "pull", "./bb:v1"]) == 0
+    ref = f"oci-layout:{tmp_path}/bb:v1"
+    assert capsys.readouterr().out == f"{ref} {built.digest}\n"
+    assert main(["image", "ls"]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["REF", "DIGEST", "LAYERS", "SIZE", "SOURCE"]
+    assert row.split()[:3] == [ref, built.digest[7:19], "1"] and row.endswith("oci-layout")
+    assert main(["image", "inspect", "./bb:v1"]) == 0
+    assert json.loads(capsys.readouterr().out)["digest"] == built.digest
+    (tmp_path / "plain").mkdir()
+    assert main(["image", "pull", "./plain"]) == 2
+    assert "no OCI image layout" in capsys.readouterr().err
+    assert main(["image", "rm", "./bb:v1", "nothing"]) == 125  # all or none
+    assert "[image_not_found] no image 'nothing'" in capsys.readouterr().err
+    assert main(["image", "rm", "./bb:v1"]) == 0
+    assert capsys.readouterr().out == f"removed {ref}\n"
+    assert main(["image", "ls", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
