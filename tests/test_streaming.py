@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from corral import Sandbox
@@ -113,3 +115,13 @@ async def test_an_empty_command_is_refused_at_the_call(sandbox: Sandbox) -> None
     with pytest.raises(SandboxError) as info:
         sandbox.exec_stream("  ")
     assert info.value.code == ErrorCode.INVALID_INPUT
+
+
+async def test_heavy_output_comes_in_large_chunks_byte_exact(sandbox: Sandbox) -> None:
+    """A pipe a read found full is enlarged (1 MiB) and read 1 MiB at a time by the agent:
+    fewer, larger frames, the same bytes in order (issue 14: streaming at pipe speed)."""
+    code = "import sys; sys.stdout.buffer.write(bytes(range(256)) * 32768)"  # 8 MiB at once
+    events = await collect(await sandbox.exec_stream(["python3", "-c", code]))
+    same = await asyncio.to_thread(lambda: joined(events, Stdout) == bytes(range(256)) * 32768)
+    assert same
+    assert max(len(e.data) for e in events if isinstance(e, Stdout)) > 65536

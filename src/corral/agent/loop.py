@@ -33,6 +33,11 @@ else:  # inside the box there is no corral package: the siblings are found throu
     # commands and files (and subprocess) are loaded after "ready": Agent.finish_start.
 
 READ_CHUNK = 65536
+BIG_PIPE = 1 << 20
+"""A command's stdout or stderr pipe that a read found full is enlarged to this (the most an
+unprivileged pipe takes by default) and read this much at a time: a command streaming output
+costs the agent one frame per MiB, not per 64 KiB."""
+F_SETPIPE_SZ = 1031
 SENDFILE_MIN = 256 << 10
 """A file read of this many bytes or more goes from the page cache to the channel by
 ``sendfile``; smaller ones are read and sent as bytes."""
@@ -51,6 +56,8 @@ class Child:
         self.fds = fds  # fd -> stream name ("stdout", "stderr", "pty")
         self.stdin_fd = stdin_fd
         self.stdin_buf = bytearray()
+        self.reads: dict[int, int] = {}
+        """Output fds enlarged to BIG_PIPE -> their read size (READ_CHUNK for the rest)."""
         self.usage: tuple[float, int] | None = None
         """(CPU seconds, peak RSS bytes) from ``wait4`` once reaped."""
         self.stdin_close_after = False
@@ -176,6 +183,7 @@ class Agent:
                 signal.signal(sig, lambda *_: None)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         self.sel.register(self.sock, lean.EVENT_READ, "chan")
+        self.chan_events = lean.EVENT_READ
         self.sel.register(rd, lean.EVENT_READ, "wake")
 
     # ---- channel -------------------------------------------------------------------------
@@ -230,7 +238,9 @@ class Agent:
                 self.later = bytearray()
         pending = self.outbuf or self.outfile
         events = lean.EVENT_READ | (lean.EVENT_WRITE if pending else 0)
-        self.sel.modify(self.sock, events, "chan")
+        if events != self.chan_events:  # an epoll_ctl per frame otherwise
+            self.sel.modify(self.sock, events, "chan")
+            self.chan_events = events
         self.apply_backpressure()
 
     def apply_backpressure(self) -> None:
@@ -470,8 +480,9 @@ class Agent:
 
     def read_output(self, child: Child, fd: int, drain: bool) -> None:
         while True:
+            size = child.reads.get(fd, READ_CHUNK)
             try:
-                data = os.read(fd, READ_CHUNK)
+                data = os.read(fd, size)
             except BlockingIOError:
                 return
             except OSError:  # EIO from a PTY whose last writer is gone
@@ -480,8 +491,22 @@ class Agent:
                 self.close_output(child, fd)
                 return
             self.send({"ev": "out", "pid": child.pid, "stream": child.fds[fd]}, data)
+            if len(data) == READ_CHUNK and fd not in child.reads and child.fds[fd] != "pty":
+                child.reads[fd] = self.enlarge(fd)
             if not drain:
                 return
+
+    @staticmethod
+    def enlarge(fd: int) -> int:
+        """Make the pipe ``fd`` BIG_PIPE if the kernel lets this user (pipe-max-size,
+        pipe-user-pages-soft); the read size that suits it."""
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, F_SETPIPE_SZ, BIG_PIPE)
+        except OSError:
+            return READ_CHUNK
+        return BIG_PIPE
 
     def close_output(self, child: Child, fd: int) -> None:
         if fd not in self.fd_owner:
