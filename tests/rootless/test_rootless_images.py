@@ -67,7 +67,7 @@ def test_an_ordinary_user_unpacks_read_only_directories_and_removes_them(
     assert record is not None
     ro = store.rootfs(record) / "ro"
     assert sorted(os.listdir(ro)) == ["b"] and ro.stat().st_mode & 0o777 == 0o555
-    _layout(tmp_path / "bad", [lower, _layer([("ro/c", "c", 0o644), ("dev", "chr", 0o600)])])
+    _layout(tmp_path / "bad", [lower, _layer([("ro/c", "c", 0o644), ("sda", "chr", 0o600)])])
     with pytest.raises(errors.UnsafeLayer, match="device node"):
         store.resolve(str(tmp_path / "bad"))
     assert os.listdir(store.root / "tmp") == []

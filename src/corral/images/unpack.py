@@ -12,7 +12,9 @@ image cache. So every entry is placed relative to the root's fd, one component a
   never follows them;
 * hard links must name an entry already in the root (this layer's or a lower one's), never a
   directory;
-* device nodes are refused (a box gets its /dev from the backend); FIFOs are made;
+* no device node is ever made: those under ``dev/`` are skipped (a box's /dev is always its
+  backend's, mounted over the image's; root filesystem tarballs such as mmdebstrap's carry
+  ``dev/null`` and friends), one anywhere else is refused; FIFOs are made;
 * setuid and setgid bits are dropped, owners are kept only when unpacking as root; xattrs (file
   capabilities) are not applied;
 * whiteouts: ``.wh.NAME`` deletes NAME of the lower layers, ``.wh..wh..opq`` empties its
@@ -262,7 +264,9 @@ class _Applier:
             return
         parent, base = tuple(parts[:-1]), parts[-1]
         if member.ischr() or member.isblk():
-            raise errors.UnsafeLayer(f"a layer holds a device node: {member.name!r}")
+            if parts[0] == "dev":
+                return
+            raise errors.UnsafeLayer(f"a layer holds a device node outside /dev: {member.name!r}")
         pfd = self._open_dir(parent, True, member.name)
         try:
             if base == OPAQUE:
