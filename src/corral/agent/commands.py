@@ -11,15 +11,13 @@ import os
 TYPE_CHECKING = False  # the guest agent does not import typing (see loop.py)
 if TYPE_CHECKING:
     import signal
-    from collections.abc import Iterator
     from typing import Any
 
-    from corral.agent import files, lean, libc, protocol
+    from corral.agent import files, libc, protocol
 else:
     import _signal as signal  # signal's Python layer imports enum (see lean.py)
 
     import files
-    import lean
     import libc
     import protocol
 
@@ -100,10 +98,9 @@ def set_inherited_rlimits(limits: dict[str, int]) -> dict[str, int]:
 
 def shed_exec_capabilities() -> bool:
     """Empty the agent's ambient and inheritable capability sets (bwrap raises CAP_SETUID
-    and CAP_SETGID in both, for box root); True when no ambient one is left. A command
-    spawned by :func:`as_spawner` execs while its saved uid is still 0, and ambient
-    capabilities survive that ``execve``: only an agent without any may spawn that way.
-    Inheritable ones would pass to a program whose file grants them: none is kept."""
+    and CAP_SETGID in both, for box root); True when no ambient one is left. No command
+    needs them: a program whose file grants inheritable capabilities would get them, and
+    any spawn that keeps a root id until exec would pass the ambient ones on."""
     import errno
 
     calls = libc.Libc()
@@ -116,30 +113,6 @@ def shed_exec_capabilities() -> bool:
     except OSError as exc:
         return exc.errno == errno.EINVAL  # a kernel before 4.3 has no ambient capabilities
     return True
-
-
-@lean.contextmanager
-def as_spawner(uid: int, gid: int) -> Iterator[None]:
-    """Become the command user, real and effective ids, for one spawn, keeping saved id 0.
-
-    ``Popen(user=, group=)`` makes CPython fork the whole agent (it never vforks when the
-    child must change ids). Spawned from these ids instead, the child needs no change:
-    it is born the command user, its cwd is checked as that user, and ``execve`` sets the
-    saved ids to the effective ones, so the command holds none of the agent's (the
-    permitted capabilities go too: no root id is left at exec). Only the agent, whose
-    saved ids stay 0, takes root back afterwards. Where the agent already has the
-    command's ids (rootless with one id) nothing changes.
-    """
-    if os.getuid() == uid and os.getgid() == gid:
-        yield
-        return
-    os.setresgid(gid, gid, 0)
-    os.setresuid(uid, uid, 0)
-    try:
-        yield
-    finally:
-        os.setresuid(0, 0, 0)
-        os.setresgid(0, 0, 0)
 
 
 def make_preexec(rlimits: dict[str, int], use_pty: bool) -> Any:

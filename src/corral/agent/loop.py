@@ -160,7 +160,6 @@ class Agent:
         self.cgroup = str(config.get("cgroup") or "")
         self.landlock_rules = dict(config.get("landlock") or {"off": "not asked for"})
         self.landlock: dict[str, Any] | None = None  # what info() reports, once applied
-        self.spawn_as_user = False  # see finish_start
         if config.get("forwarders") or config.get("vmlink") or config.get("publishers"):
             if TYPE_CHECKING:
                 from corral.agent import relays
@@ -314,22 +313,21 @@ class Agent:
             }
         wanted = {k: v for k, v in rlimits.items() if self.inherited_rlimits.get(k) != v}
         preexec = commands.make_preexec(wanted, use_pty)
-        # Without a pre-exec hook the child is spawned from the command user's own ids
-        # (vfork: the agent is not copied; see commands.as_spawner). With one, CPython forks
-        # anyway: the child changes directory before it drops to the command user, and the
-        # agent has no DAC override, so the user's effective ids are taken for the fork and
-        # the cwd is checked as the command sees it (setreuid then drops the saved root id).
-        forks = preexec is not None or not self.spawn_as_user
-        switch = files.as_user if forks else commands.as_spawner
+        # The child changes directory before it drops to the command user, and the agent
+        # has no DAC override: take the user's effective ids for the fork so the cwd is
+        # checked as the command sees it (setreuid then drops the saved root id too).
+        # CPython forks the agent for this (it never vforks a child that changes ids); a
+        # vfork from the user's own real ids was faster but let a running command signal
+        # the agent in the moment between the exec and the agent taking its ids back.
         try:
-            with switch(self.uid, self.gid):
+            with files.as_user(self.uid, self.gid):
                 try:
                     proc = subprocess.Popen(
                         argv,
                         cwd=cwd,
                         env=env,
-                        user=self.uid if forks else None,
-                        group=self.gid if forks else None,
+                        user=self.uid,
+                        group=self.gid,
                         start_new_session=not use_pty,
                         preexec_fn=preexec,
                         close_fds=True,
@@ -642,9 +640,8 @@ class Agent:
         self.inherited_rlimits = commands.set_inherited_rlimits(
             {**self.start_rlimits, "core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
         )
-        # Commands without a pre-exec hook are spawned from the user's own ids (vfork, no
-        # copy of the agent), once the agent holds no capability a command could inherit.
-        self.spawn_as_user = commands.shed_exec_capabilities()
+        # No capability a command could inherit through its exec (ambient, inheritable).
+        commands.shed_exec_capabilities()
         # Last, and before the first request: the agent and every command it starts from
         # now on stay within the box's Landlock rules (landlock.py). A warm pool's box
         # waits for the first request after its workspace is mounted (``deferred``).
