@@ -44,6 +44,8 @@ WRITE_CHUNK = 1 << 20
 """Writes go in 1 MiB frames: each step of the event loop then copies a few MiB at most (an
 8 MiB frame was sliced, framed and buffered in one step, over 20 ms of the loop)."""
 DEFAULT_MAX_READ = 64 << 20
+JOIN_ON_LOOP = 4 << 20
+"""A read's pieces are joined in a thread past this."""
 HOST_IO_OVER = 1 << 20
 """A read or write in the workspace larger than this moves its bytes through a host fd; the
 agent's first frame (this much) answers smaller ones in one round trip."""
@@ -203,10 +205,13 @@ class Files:
             if offset > limit:
                 raise self._too_large(path, reply.get("size"), limit)
             if reply.get("eof") or not got:
-                # One copy of the whole file, from the pieces it came in (1 MiB or less each).
-                return (
-                    parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
-                )
+                # One copy of the whole file, from the pieces it came in (1 MiB or less each);
+                # a large one off the event loop (tens of MiB take tens of milliseconds).
+                if len(parts) == 1 and isinstance(parts[0], bytes):
+                    return parts[0]
+                if offset > JOIN_ON_LOOP:
+                    return await blocking(b"".join, parts)
+                return b"".join(parts)
             if host is not None and "ino" in reply:
                 whole = await self._host_read(host, (reply["dev"], reply["ino"]), limit)
                 if whole is not None:
