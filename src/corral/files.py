@@ -123,6 +123,17 @@ def resolve(
     )
 
 
+def _join(parts: list[bytes | memoryview]) -> bytes:
+    """``b"".join(parts)`` for a thread: CPython's join lets the GIL go only when every part
+    is ``bytes`` (views could change under it), so views are made bytes first, a piece at a
+    time (the GIL passes between them); held by a join of views, 60 MiB kept the event loop
+    waiting 40 ms."""
+    for i, part in enumerate(parts):
+        if type(part) is not bytes:
+            parts[i] = bytes(part)
+    return b"".join(parts)
+
+
 class Files:
     """``sandbox.files``: read, write, list, stat, mkdir, remove inside the box."""
 
@@ -210,7 +221,7 @@ class Files:
                 if len(parts) == 1 and isinstance(parts[0], bytes):
                     return parts[0]
                 if offset > JOIN_ON_LOOP:
-                    return await blocking(b"".join, parts)
+                    return await blocking(_join, parts)
                 return b"".join(parts)
             if host is not None and "ino" in reply:
                 whole = await self._host_read(host, (reply["dev"], reply["ino"]), limit)

@@ -397,7 +397,10 @@ class FrameDecoder:
         while size:
             first = self._pieces[0]
             n = min(size, len(first) - self._start)
-            parts.append(memoryview(first)[self._start : self._start + n])
+            # A whole piece goes as itself: a join of bytes only lets the GIL go (a thread
+            # joining views holds it, and the event loop waits).
+            whole = self._start == 0 and n == len(first) and type(first) is bytes
+            parts.append(first if whole else memoryview(first)[self._start : self._start + n])
             size -= n
             self._start += n
             if self._start == len(first):
