@@ -395,6 +395,11 @@ class Policy(_Model):
     anywhere (as root too, for tests)."""
     runtime: Literal["runc", "crun", "runsc"] | None = None
     """The OCI runtime of ``backend = "oci"``; default: the first that works here."""
+    image: Annotated[str, Field(min_length=1, max_length=4096)] = "host"
+    """The box's root: ``host`` (the host's system, read-only), or an image
+    (:func:`corral.images.resolve_image`: a root directory, an OCI layout or archive, a
+    registry ref), read-only, with the guest agent run by the host's own interpreter from a
+    hidden path. Images run on the bwrap backend as root for now."""
     vm: VmPolicy = VmPolicy()
     filesystem: FilesystemPolicy = FilesystemPolicy()
     network: NetworkPolicy = NetworkPolicy()

@@ -32,6 +32,7 @@ from corral.backends.host.state import orphaned_boxes, pid_alive, state_root
 from corral.backends.host.threads import blocking
 from corral.backends.limits import agent_rlimits
 from corral.backends.users import BOX_UID, COMMAND_HOST_ID, GUEST_HOME
+from corral.errors import BackendUnavailable
 from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
@@ -105,6 +106,16 @@ def agent_config(spec: BoxSpec, *, uid: int = BOX_UID, gid: int = BOX_UID) -> di
         "info": {"sandbox_id": spec.sandbox_id, "workdir": spec.policy.workdir},
         "rlimits": agent_rlimits(spec.policy.limits),
     }
+
+
+def refuse_image(spec: BoxSpec, backend: str) -> None:
+    """BackendUnavailable, naming the field, for a box on an image where ``backend`` has
+    no image roots yet."""
+    if spec.policy.image != "host":
+        raise BackendUnavailable(
+            f"policy.image {spec.policy.image!r}: the {backend} backend runs boxes on the "
+            "host's system only for now; images run on the bwrap backend (as root)"
+        )
 
 
 def sweep_boxes(backend: str, kill: Callable[[Path, dict[str, Any]], object]) -> list[str]:

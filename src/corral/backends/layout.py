@@ -153,6 +153,23 @@ VAR_LINKS = (("/run", "/var/run"), ("/run/lock", "/var/lock"), ("/tmp", "/var/tm
 own /run and /tmp."""
 
 
+def image_entries(rootfs: Path) -> list[Bind | Symlink]:
+    """A box root made of an image's root directory: each of its top-level directories
+    bound read-only and its top-level symlinks copied (``bin -> usr/bin``), never followed
+    on the host; the box's own ``/proc``, ``/dev``, ``/tmp``, ``/run`` and ``/home`` are
+    not taken from it."""
+    entries: list[Bind | Symlink] = []
+    with os.scandir(rootfs) as listing:
+        for entry in sorted(listing, key=lambda e: e.name):
+            if entry.name in PRIVATE_TOP or entry.name == "sys":
+                continue
+            if entry.is_symlink():
+                entries.append(Symlink(os.readlink(entry.path), "/" + entry.name))
+            elif entry.is_dir(follow_symlinks=False):
+                entries.append(Bind(entry.path, "/" + entry.name))
+    return entries
+
+
 def root_entries(policy: Policy, python: str, host: HostView) -> list[Bind | Symlink]:
     """The host side of the box's root: the host *system* read-only (``inherit_readable``:
     each top-level entry of :data:`SYSTEM_TOP` there is, :data:`VAR_SYSTEM`), or only what

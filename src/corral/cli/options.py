@@ -53,6 +53,8 @@ def build_policy(args: argparse.Namespace) -> Policy:
     trust = bool(getattr(args, "trust_writable_policy", False))
     loaded = Policy.load(args.policy, trust_writable=trust) if args.policy else Policy()
     policy = _with_backend(loaded, getattr(args, "backend", None), getattr(args, "runtime", None))
+    if getattr(args, "image", None):
+        policy = Policy.from_dict({**policy.model_dump(), "image": args.image})
     limits: dict[str, object] = {}
     if getattr(args, "memory", None):
         limits["memory_bytes"] = args.memory
@@ -113,6 +115,12 @@ def add_sandbox_options(p: argparse.ArgumentParser) -> None:
         "--runtime",
         choices=["runc", "crun", "runsc"],
         help="OCI runtime of --backend oci (default: the first that works here)",
+    )
+    p.add_argument(
+        "--image",
+        metavar="REF",
+        help="the box's root: an image (a root directory, an OCI layout or archive, a registry "
+        "ref; see `corral image`) instead of the host's system (bwrap backend, as root)",
     )
     p.add_argument(
         "--workspace", metavar="DIR", default=".", help="host dir mounted read-write (default: .)"

@@ -12,12 +12,15 @@ moved it into the box's cgroup.
 
 from __future__ import annotations
 
+import os
 import posixpath
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from corral.backends.host import safepath
+from corral.backends.host.python import HOST_PREFIX, HiddenPython
 from corral.backends.layout import (
     CGROUP_DIR,
     GUEST_AGENT_DIR,
@@ -25,6 +28,7 @@ from corral.backends.layout import (
     Bind,
     HostView,
     Symlink,
+    image_entries,
     passwd_binds,
     policy_binds,
     root_entries,
@@ -63,6 +67,10 @@ class BwrapInputs:
     devpts: Path | None = None
     """Where the host mounts the box's own capped devpts in its namespace
     (:mod:`corral.backends.host.devpts`): bound over ``/dev/pts``."""
+    image_root: Path | None = None
+    """The image's root directory (``policy.image``), instead of the host's system."""
+    hidden: HiddenPython | None = None
+    """With ``image_root``: how the agent's interpreter runs from the host's /usr."""
 
 
 def _parent_dirs(dest: str, made: set[str]) -> list[str]:
@@ -90,13 +98,46 @@ def _render(entry: Bind | Symlink) -> list[str]:
 def _root_args(policy: Policy, inp: BwrapInputs, host: HostView, made: set[str]) -> list[str]:
     """The box's root is bwrap's tmpfs (so mount points like /workspace can be made), with
     the host system's entries bound read-only on it; ``--remount-ro /`` seals it at the end."""
-    # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
-    args = [] if policy.filesystem.inherit_readable else ["--perms", "0755", "--dir", "/etc"]
-    roots = root_entries(policy, inp.python, host) + passwd_binds(policy, inp.passwd_file)
+    roots: list[Bind | Symlink]
+    if inp.image_root is not None:  # the image's entries, and the box's passwd if it has one
+        args: list[str] = []
+        roots = image_entries(inp.image_root)
+        roots += [
+            b for b in passwd_binds(policy, inp.passwd_file) if _has_file(inp.image_root, b.dest)
+        ]
+    else:
+        # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
+        args = [] if policy.filesystem.inherit_readable else ["--perms", "0755", "--dir", "/etc"]
+        roots = [*root_entries(policy, inp.python, host), *passwd_binds(policy, inp.passwd_file)]
     for entry in roots:
         args += _parent_dirs(entry.dest, made)  # /var of /var/lib/dpkg
         args += _render(entry)
     return args
+
+
+def _has_file(root: Path, path: str) -> bool:
+    """Whether the image has a regular file at ``path``, looked up beneath ``root`` without
+    following any of the image's symlinks on the host."""
+    try:
+        fd = safepath.open_beneath(root, path, os.O_PATH | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+
+
+def _on_shared_paths(policy: Policy, binds: list[Bind]) -> list[Bind]:
+    """The binds of :func:`policy_binds` that lie on its shared paths (the workspace,
+    ``allow_write``, ``mounts``: those come first), masks there included."""
+    fs = policy.filesystem
+    shared = [b.dest for b in binds[: 1 + len(fs.allow_write) + len(fs.mounts)]]
+    return [
+        b
+        for b in binds
+        if any(b.dest == d or b.dest.startswith(d.rstrip("/") + "/") for d in shared)
+    ]
 
 
 def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -> list[str]:
@@ -150,16 +191,22 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     args += ["--tmpfs", "/run", "--perms", "0755", "--tmpfs", "/home"]
     args += ["--chmod", "1777", "/tmp"]
     args += ["--ro-bind", str(inp.agent_dir), GUEST_AGENT_DIR]
+    interpreter: tuple[str, ...] = (inp.python,)
+    if inp.image_root is not None and inp.hidden is not None:
+        args += ["--ro-bind", inp.hidden.usr, HOST_PREFIX + "/usr"]
+        interpreter = inp.hidden.argv
     for extra in inp.extra_binds:
         args += _render(extra)
     binds = policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources)
+    if inp.image_root is not None:  # masks of the host's own files: not in an image's root
+        binds = _on_shared_paths(policy, binds)
     for bind in binds:
         args += _parent_dirs(bind.dest, made)
         args += _render(bind)
     args += ["--remount-ro", "/"]
     args += ["--seccomp", str(inp.fds.seccomp)]
     args += ["--chdir", "/", "--"]  # the agent needs no cwd; commands get theirs
-    args += [inp.python, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args]
+    args += [*interpreter, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args]
     return args
 
 

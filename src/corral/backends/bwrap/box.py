@@ -52,9 +52,14 @@ from corral.backends.base import (
     sweep_boxes,
 )
 from corral.backends.bwrap import args as bwrap_args
-from corral.backends.host import cgroups, devpts, idmap, safepath, seccomp, staging, ucounts
+from corral.backends.host import cgroups, devpts, idmap, mounts, safepath, seccomp, staging, ucounts
 from corral.backends.host.boxfiles import shared_files
-from corral.backends.host.python import ensure_agent_compiled, find_python
+from corral.backends.host.python import (
+    HiddenPython,
+    ensure_agent_compiled,
+    find_python,
+    hidden_python,
+)
 from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
 from corral.backends.host.threads import blocking, in_new_thread
 from corral.backends.landlock import rules as landlock_rules
@@ -487,11 +492,16 @@ class BwrapBackend(BackendBase):
         held.shared = shared = idmap.share_paths(spec, user=owner.command_id)
         config = {**agent_config(spec), "fd": channel_fd}
         net = spec.network
-        config["landlock"] = landlock_rules(
-            policy,
-            self.python,
-            [g for _, g in net.binds()] if net else (),
-            deferred=spec.workspace_prepared,
+        image_root, hidden = self._image(spec, held)
+        config["landlock"] = (
+            landlock_rules(
+                policy,
+                self.python,
+                [g for _, g in net.binds()] if net else (),
+                deferred=spec.workspace_prepared,
+            )
+            if image_root is None
+            else {"off": "not applied on an image root yet"}
         )
         if net is not None:
             config["forwarders"] = net.forwarders()
@@ -510,6 +520,8 @@ class BwrapBackend(BackendBase):
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             sources=shared.sources,
             devpts=self.devpts,
+            image_root=image_root,
+            hidden=hidden,
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
@@ -523,6 +535,37 @@ class BwrapBackend(BackendBase):
         if shared.warning:
             held.warnings.append(shared.warning)
         return argv
+
+    def _image(self, spec: BoxSpec, held: _Held) -> tuple[Path | None, HiddenPython | None]:
+        """The root directory of ``policy.image`` (None: the host's system) and how the
+        agent's interpreter runs beside it. The image is bound read-only, nosuid and nodev
+        at a staging mount point bwrap can reach (the store is 0700, and bwrap runs as an
+        unprivileged uid), released with the box's shared paths. Blocking (a registry ref
+        may be pulled)."""
+        policy = spec.policy
+        if policy.image == "host":
+            return None, None
+        from corral.images import resolve_image
+
+        image = resolve_image(policy.image)
+        if image.rootfs is None:
+            return None, None
+        if not image.rootfs.is_dir():
+            raise BackendError(f"policy.image {policy.image!r}: {image.rootfs} is not a directory")
+        hidden = hidden_python(self.python)
+        shared = held.shared
+        assert shared is not None
+        if shared.binds is None:
+            shared.binds = idmap.IdmappedBinds(spec.sandbox_id)
+        entry = staging.new_entry("mnt", f"{spec.sandbox_id}.image")
+        shared.binds.entries.append(entry)
+        mounts.bind(str(image.rootfs), str(entry / "ws"))
+        mounts.read_only(str(entry / "ws"))
+        if policy.security.landlock:
+            held.warnings.append(
+                "security.landlock is not applied on an image root yet (policy.image)"
+            )
+        return entry / "ws", hidden
 
     @staticmethod
     def _binds_by_fd(

@@ -41,7 +41,14 @@ import subprocess
 from pathlib import Path
 from typing import Any, ClassVar
 
-from corral.backends.base import AGENT_DIR, BackendBase, BoxSpec, agent_config, channel_pair
+from corral.backends.base import (
+    AGENT_DIR,
+    BackendBase,
+    BoxSpec,
+    agent_config,
+    channel_pair,
+    refuse_image,
+)
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.bwrap.box import BwrapBackend, BwrapBox, _Bwrap, _Held, _read_info
 from corral.backends.host import cgroups, idmap, safepath, seccomp, subids
@@ -186,6 +193,7 @@ class RootlessBwrapBackend(BackendBase):
         )
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
+        refuse_image(spec, "bwrap-rootless")
         policy = spec.policy
         await blocking(_private_dir, state_root())
         await self.prepare()

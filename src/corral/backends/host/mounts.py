@@ -9,6 +9,7 @@ import os
 
 from corral.backends.host import mountinfo
 
+MS_RDONLY = 0x1
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_REMOUNT = 0x20
@@ -58,6 +59,11 @@ def make_shared(target: str) -> None:
 def restrict(target: str) -> None:
     """Remount a bind mount nosuid,nodev (the flags bwrap gives its own binds)."""
     mount(None, target, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+
+
+def read_only(target: str) -> None:
+    """Remount a bind mount read-only, nosuid and nodev."""
+    mount(None, target, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
 def umount(target: str) -> None:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from corral import errors
 from corral.backends.host.threads import blocking
 
 
@@ -42,3 +47,54 @@ def compile_agent(agent_dir: Path, python: str) -> None:
     import compileall
 
     compileall.compile_dir(agent_dir, quiet=2)
+
+
+HOST_PREFIX = "/run/corral/host"
+"""Where a box on an image sees the host's ``/usr``, read-only: the agent's interpreter, its
+standard library and the shared libraries they link (the image may have no Python at all)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HiddenPython:
+    """How the guest agent runs on an image's root: the host's ``/usr`` bound at
+    :data:`HOST_PREFIX`, and the interpreter started by the host's own dynamic loader (the
+    image's, if any, is never used), which finds its standard library from its own path."""
+
+    usr: str
+    """The host directory bound at ``HOST_PREFIX/usr``."""
+    argv: tuple[str, ...]
+    """The start of the agent's command line (loader, its library path, interpreter)."""
+
+
+_LDD = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")
+
+
+@functools.cache
+def hidden_python(python: str) -> HiddenPython:
+    """:class:`HiddenPython` for ``python``; BackendUnavailable when it or a library it
+    links lies outside ``/usr`` (a host without a merged ``/usr``)."""
+    real = os.path.realpath(python)
+    try:
+        out = subprocess.run(
+            ["ldd", real], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise errors.BackendUnavailable(f"cannot list the libraries of {real}: {exc}") from None
+    libs = [os.path.realpath(m.group(1)) for m in map(_LDD.search, out.splitlines()) if m]
+    loader = next((lib for lib in libs if os.path.basename(lib).startswith("ld-linux")), None)
+    outside = [p for p in (real, *libs) if not p.startswith("/usr/")]
+    if loader is None or outside:
+        raise errors.BackendUnavailable(
+            f"an image root needs the agent's interpreter and its libraries under /usr "
+            f"(a merged /usr); {', '.join(outside) or 'no dynamic loader'} is not"
+        )
+    dirs = sorted({os.path.dirname(lib) for lib in libs})
+    return HiddenPython(
+        usr="/usr",
+        argv=(
+            HOST_PREFIX + loader,
+            "--library-path",
+            ":".join(HOST_PREFIX + d for d in dirs),
+            HOST_PREFIX + real,
+        ),
+    )

@@ -58,6 +58,7 @@ from corral.backends.base import (
     agent_config,
     kill_child,
     kill_if_named,
+    refuse_image,
     sweep_boxes,
 )
 from corral.backends.host import cgroups, idmap, safepath, seccomp, staging
@@ -685,6 +686,7 @@ class MicroVmBackend(BackendBase):
 
     async def start(self, spec: BoxSpec) -> MicroVmBox:
         """Restore the saved VM of this shape when there is one, else boot (and save it)."""
+        refuse_image(spec, "microvm")
         limits = limit_plan(spec.policy)  # a refusal comes before anything starts
         boot = await self.boot_mode()
         if self.rootless:

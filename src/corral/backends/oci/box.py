@@ -65,6 +65,7 @@ from corral.backends.base import (
     CgroupAccounting,
     agent_config,
     channel_pair,
+    refuse_image,
     sweep_boxes,
 )
 from corral.backends.host import (
@@ -520,6 +521,7 @@ class OciBackend(BackendBase):
         return sweep_orphans([self.runtime])
 
     async def start(self, spec: BoxSpec) -> OciBox:
+        refuse_image(spec, "oci")
         runtime = self.runtime
         await self.prepare()
         await ensure_agent_compiled(AGENT_DIR, self.python)
