@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from corral.backends.host.python import HOST_PREFIX
 from corral.backends.layout import (
     GUEST_AGENT_DIR,
     MERGED_USR_LINKS,
@@ -49,6 +50,7 @@ def rules(
     home: str | None = None,
     *,
     deferred: bool = False,
+    image_top: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The agent's ``landlock`` config: guest paths by kind (``read``, ``write``, ``proc``),
     or ``{"off": why}``. ``extra``: further read-only guest paths (the network's binds).
@@ -56,16 +58,23 @@ def rules(
     ``deferred`` (a warm pool's box, whose workspace is mounted over its staging directory
     when claimed): the agent applies the rules at the first request that needs them, not at
     start. A rule names an inode, and Landlock skips a mount point hidden by a later mount,
-    so a rule made on the staging directory would not reach the workspace mounted on it."""
+    so a rule made on the staging directory would not reach the workspace mounted on it.
+
+    ``image_top`` (a box on an image root): the image's top-level directories are what is
+    read, and the agent's interpreter is the host's, under :data:`HOST_PREFIX`."""
     if not policy.security.landlock:
         return {"off": OFF_BY_POLICY}
     fs = policy.filesystem
     home = home if home is not None else str(Path.home())
-    if fs.inherit_readable:
+    if image_top is not None:
+        read = list(image_top)
+    elif fs.inherit_readable:
         read = ["/" + name for name in sorted(SYSTEM_TOP)] + list(VAR_SYSTEM)
     else:
         read = [*MERGED_USR_LINKS, *MINIMAL_RO_DIRS, *MINIMAL_RO_FILES, "/etc/passwd", "/etc/group"]
     prefix = str(Path(python).resolve().parent.parent)  # the interpreter's installation
+    if image_top is not None:
+        prefix = HOST_PREFIX + prefix
     read += [prefix, GUEST_AGENT_DIR, "/run", "/sys", *extra]
     read += [m.guest for m in fs.mounts if m.mode != "rw"]
     write = [policy.workdir, "/tmp", "/home", "/dev", MQUEUE]

@@ -67,6 +67,7 @@ from corral.backends.layout import (
     SYSTEM_PATH,
     Bind,
     HostView,
+    image_entries,
     unplaceable_mount,
     writable_areas,
 )
@@ -203,6 +204,11 @@ async def _read_info(fd: int, proc: _Bwrap) -> dict[str, Any]:
     if b"}" not in data:
         raise BackendError(f"bwrap failed to start the box: {await proc.stderr()}")
     return dict(json.loads(data[: data.index(b"}") + 1]))
+
+
+def _image_dirs(image_root: Path) -> list[str]:
+    """The guest paths of an image root's top-level directories (its Landlock ``read``)."""
+    return [e.dest for e in image_entries(image_root) if isinstance(e, Bind)]
 
 
 @dataclass
@@ -493,15 +499,12 @@ class BwrapBackend(BackendBase):
         config = {**agent_config(spec), "fd": channel_fd}
         net = spec.network
         image_root, hidden = self._image(spec, held)
-        config["landlock"] = (
-            landlock_rules(
-                policy,
-                self.python,
-                [g for _, g in net.binds()] if net else (),
-                deferred=spec.workspace_prepared,
-            )
-            if image_root is None
-            else {"off": "not applied on an image root yet"}
+        config["landlock"] = landlock_rules(
+            policy,
+            self.python,
+            [g for _, g in net.binds()] if net else (),
+            deferred=spec.workspace_prepared,
+            image_top=None if image_root is None else _image_dirs(image_root),
         )
         if net is not None:
             config["forwarders"] = net.forwarders()
@@ -561,10 +564,6 @@ class BwrapBackend(BackendBase):
         shared.binds.entries.append(entry)
         mounts.bind(str(image.rootfs), str(entry / "ws"))
         mounts.read_only(str(entry / "ws"))
-        if policy.security.landlock:
-            held.warnings.append(
-                "security.landlock is not applied on an image root yet (policy.image)"
-            )
         return entry / "ws", hidden
 
     @staticmethod
