@@ -104,3 +104,20 @@ def test_corral_run_image(busybox_root: Path, tmp_path: Path) -> None:
     assert (
         bad.returncode == 125 and "image_not_found" in bad.stderr and "Traceback" not in bad.stderr
     )
+
+
+async def test_an_oci_layout_runs_with_its_env_under_the_policys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OCI image layout is unpacked into the store and run; its config's ``Env`` goes
+    over the box's defaults, the policy's ``env`` over it."""
+    from oci_images import busybox_root, dir_tar, write_layout
+
+    monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
+    root = busybox_root(tmp_path / "root")
+    config: dict[str, object] = {"Env": ["PATH=/bin", "GREETING=from-image", "MODE=image"]}
+    layout = write_layout(tmp_path / "layout", [dir_tar(root)], config=config).path
+    policy = Policy(image=str(layout), env={"MODE": "policy"})
+    async with Sandbox(policy) as sb:
+        r = await sb.run('cat /etc/hello; echo "$GREETING $MODE $PATH"')
+        assert r.stdout == "hello from the image\nfrom-image policy /bin\n", r

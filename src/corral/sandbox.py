@@ -82,6 +82,13 @@ def to_argv(cmd: Command) -> list[str]:
     return argv
 
 
+def _image_env(ref: str) -> dict[str, str]:
+    """The ``Env`` of an image's config (blocking: a registry ref may be pulled)."""
+    from corral.images import resolve_image
+
+    return dict(resolve_image(ref).config.env)
+
+
 def _invalid(message: str) -> errors.SandboxError:
     return errors.SandboxError(message, code=errors.ErrorCode.INVALID_INPUT)
 
@@ -190,6 +197,8 @@ class Sandbox:
         self.policy = as_policy(policy, self._workspace_arg)
         self._resolver = resolver
         self._network: BoxNetwork | None = None
+        self._image_env: dict[str, str] = {}
+        """The ``Env`` of ``policy.image``'s config (under the policy's own ``env``)."""
         self._backend = backend
         self._box: Box | None = None
         self._channel: Channel | None = None
@@ -280,6 +289,9 @@ class Sandbox:
                 backend = backend_for(self.policy)
             else:
                 backend = await blocking(backend_for, self.policy)
+        if self.policy.image != "host" and self.policy.backend == "bwrap":
+            # A registry ref is pulled here (then the backend finds it stored).
+            self._image_env = await blocking(_image_env, self.policy.image)
         state_dir = state_root() / "boxes" / self.sandbox_id
         self._network = BoxNetwork.for_policy(
             self.policy.network, state_dir / "net", audit=self.audit, resolver=self._resolver
@@ -578,7 +590,7 @@ class Sandbox:
         fields: dict[str, Any] = {
             "argv": argv,
             "cwd": self._cwd(cwd),
-            "env": {**box_env(self.policy), **(env or {})},
+            "env": {**box_env(self.policy, image_env=self._image_env), **(env or {})},
             "rlimits": {
                 **self.policy.limits.rlimits,
                 **_checked_rlimits(rlimits, self.policy.limits),

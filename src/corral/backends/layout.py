@@ -418,8 +418,12 @@ def _host_path(guest: str, policy: Policy, workspace: Path) -> str:
     return guest
 
 
-def box_env(policy: Policy, term: str = "xterm-256color") -> dict[str, str]:
-    """The environment of every command: built from the policy, never the host's."""
+def box_env(
+    policy: Policy, term: str = "xterm-256color", image_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of every command: built from the policy, never the host's.
+    ``image_env`` (a box on an image: its config's ``Env``) goes over the defaults; the
+    network's variables and the policy's ``env`` go over it."""
     env = {
         "PATH": SYSTEM_PATH,
         "HOME": GUEST_HOME,
@@ -432,6 +436,7 @@ def box_env(policy: Policy, term: str = "xterm-256color") -> dict[str, str]:
         # EMAIL after user.email, and the name from /etc/passwd: "box user").
         "EMAIL": BOX_EMAIL,
     }
+    env.update(image_env or {})
     env.update(net_env.command_env(policy.network))
     env.update(policy.env)
     return env
