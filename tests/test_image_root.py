@@ -121,3 +121,14 @@ async def test_an_oci_layout_runs_with_its_env_under_the_policys(
     async with Sandbox(policy) as sb:
         r = await sb.run('cat /etc/hello; echo "$GREETING $MODE $PATH"')
         assert r.stdout == "hello from the image\nfrom-image policy /bin\n", r
+
+
+async def test_the_image_staging_directory_is_closed_to_other_users(busybox_root: Path) -> None:
+    from corral.backends.host.state import state_root
+
+    async with Sandbox(Policy(image=str(busybox_root))) as sb:
+        entry = state_root() / "mnt" / f"{sb.sandbox_id}.image"
+        st = entry.stat()
+        assert st.st_mode & 0o777 == 0o700 and st.st_uid != 0, oct(st.st_mode)
+        assert (await sb.run("cat /etc/os-release")).stdout == "NAME=corral-test-image\n"
+    assert not entry.exists()  # released with the box

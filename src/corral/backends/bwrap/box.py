@@ -562,6 +562,10 @@ class BwrapBackend(BackendBase):
             shared.binds = idmap.IdmappedBinds(spec.sandbox_id)
         entry = staging.new_entry("mnt", f"{spec.sandbox_id}.image")
         shared.binds.entries.append(entry)
+        owner = held.owner
+        assert owner is not None
+        os.chown(entry, owner.uid, 0)  # bwrap (the box's owner uid) reaches it, no one else
+        entry.chmod(0o700)
         mounts.bind(str(image.rootfs), str(entry / "ws"))
         mounts.read_only(str(entry / "ws"))
         return entry / "ws", hidden
