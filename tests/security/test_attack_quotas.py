@@ -51,7 +51,9 @@ async def hold(sb: Sandbox, code: str, *args: str) -> tuple[Process, str]:
     it until stdin closes. Returns the process and that line."""
     proc = await sb.spawn(["python3", "-c", code, *args], stdin="pipe")
     queue = proc.subscribe()
-    line = b""
+    # What arrived with the spawn's reply (the same read of the channel) is in the buffer
+    # only: no await lies between these two lines, so nothing is missed or counted twice.
+    line = proc.output_bytes()
     async with asyncio.timeout(120):
         while not line.endswith(b"\n"):
             kind, data = await queue.get()
