@@ -296,3 +296,27 @@ def test_other_can_open_follows_the_mode_bits(tmp_path: Path) -> None:
     assert oci_config._other_can_open("/etc/passwd")
     assert not oci_config._other_can_open("/etc/shadow")  # 0640 root:shadow
     assert not oci_config._other_can_open(str(public))  # below pytest's 0700 directory
+
+
+MAPPED = ((0, 1, 1000), (1000, 0, 1), (1001, 1001, 64535))
+
+
+def test_a_rootless_box_has_the_runtimes_maps_and_no_cgroup() -> None:
+    policy = Policy.from_dict({"limits": {"memory_bytes": 64 << 20, "max_pids": 50}})
+    linux = bundle(policy, rootless=MAPPED).config["linux"]
+    maps = [{"containerID": b, "hostID": h, "size": n} for b, h, n in MAPPED]
+    assert linux["uidMappings"] == linux["gidMappings"] == maps
+    assert "resources" not in linux and "cgroupsPath" not in linux  # limits are rlimits
+    process = bundle(rootless=MAPPED).config["process"]
+    assert sorted(process["capabilities"]["bounding"]) == ["CAP_SETGID", "CAP_SETUID"]
+    home = mounts_at(bundle(rootless=MAPPED).config, "/home/user")[0]
+    assert "uid=1000" in home["options"]
+
+
+def test_a_rootless_box_with_one_id_keeps_no_capability_and_homes_box_root() -> None:
+    config = bundle(rootless=((0, 0, 1),)).config
+    caps = config["process"]["capabilities"]
+    assert all(caps[kind] == [] for kind in caps)  # commands are box root: nothing to keep
+    home = mounts_at(config, "/home/user")[0]
+    assert "uid=0" in home["options"] and "gid=0" in home["options"]  # 1000 is not mapped
+    assert config["linux"]["uidMappings"] == [{"containerID": 0, "hostID": 0, "size": 1}]

@@ -15,8 +15,9 @@ import pytest
 from corral import Policy
 from corral.backends import effective_backend
 from corral.backends.bwrap.args import BwrapFds, BwrapInputs, bwrap_argv
-from corral.backends.bwrap.rootless import NO_CGROUP, rootless_argv
+from corral.backends.bwrap.rootless import rootless_argv
 from corral.backends.host import cgroups, subids
+from corral.backends.host.subids import NO_CGROUP
 from corral.backends.layout import GUEST_AGENT_DIR
 from corral.backends.limits import Capabilities, plan_limits
 from corral.backends.users import BOX_UID, ID_RANGE, rootless_ranges

@@ -57,8 +57,8 @@ def check_rootless() -> list[Check]:
     """What an ordinary user's boxes get, each difference from root mode named with its fix."""
     if os.geteuid() == 0:
         return []
-    from corral.backends.bwrap.rootless import NO_CGROUP
     from corral.backends.host import subids
+    from corral.backends.host.subids import NO_CGROUP
 
     found = subids.probe()
     checks = []

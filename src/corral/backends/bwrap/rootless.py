@@ -54,7 +54,8 @@ from corral.backends.bwrap.box import BwrapBackend, BwrapBox, _Bwrap, _Held, _re
 from corral.backends.host import cgroups, idmap, safepath, seccomp, subids
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
-from corral.backends.host.state import state_root, write_owner
+from corral.backends.host.state import make_private_dir, state_root, write_owner
+from corral.backends.host.subids import NO_CGROUP, SINGLE_ID_WARNING
 from corral.backends.host.threads import blocking
 from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
@@ -67,31 +68,6 @@ from corral.backends.layout import (
 from corral.backends.limits import Capabilities, LimitPlan, agent_rlimits, plan_limits
 from corral.backends.users import BOX_UID, rootless_ranges
 from corral.errors import BackendError, BackendUnavailable, PolicyError
-
-NO_CGROUP = (
-    "rootless: no delegated cgroup for this user, so each command gets an rlimit instead "
-    "and the timeout bounds time"
-)
-SINGLE_ID_WARNING = (
-    "rootless without subordinate ids: commands run as the box's root id (no capabilities), "
-    "the same id as the guest agent (which is not dumpable: its memory and fds stay out of "
-    "reach), so a command can signal the agent (end its own box), and commands keep the "
-    "user's supplementary groups; {why}"
-)
-
-
-def _private_dir(path: Path) -> None:
-    """Make ``path`` (the state root) the user's own, mode 0700, refusing one that another
-    user made first (``/tmp`` is shared: a directory planted there would see every box)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise BackendUnavailable(
-            f"corral's state directory {path} is not a directory of this user: remove it, or "
-            "set CORRAL_STATE_DIR to a directory only you can write"
-        )
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
 
 
 def _map_argv(tool: str, pid: int, ranges: list[tuple[int, int, int]]) -> list[str]:
@@ -195,7 +171,7 @@ class RootlessBwrapBackend(BackendBase):
     async def start(self, spec: BoxSpec) -> BwrapBox:
         refuse_image(spec, "bwrap-rootless")
         policy = spec.policy
-        await blocking(_private_dir, state_root())
+        await blocking(make_private_dir, state_root())
         await self.prepare()
         await ensure_agent_compiled(AGENT_DIR, self.python)
         problem = unplaceable_mount(policy)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from corral import errors
 
 BOX_PREFIX = "cb-"
 """Every box id starts with this; orphan sweeps touch nothing else."""
@@ -31,6 +34,20 @@ def state_root() -> Path:
     if runtime and os.path.isdir(runtime) and os.stat(runtime).st_uid == os.geteuid():
         return Path(runtime, "corral")
     return Path(f"/tmp/corral-{os.geteuid()}")
+
+
+def make_private_dir(path: Path) -> None:
+    """Make ``path`` (the state root) the user's own, mode 0700, refusing one that another
+    user made first (``/tmp`` is shared: a directory planted there would see every box)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise errors.BackendUnavailable(
+            f"corral's state directory {path} is not a directory of this user: remove it, or "
+            "set CORRAL_STATE_DIR to a directory only you can write"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
 
 
 def cache_root() -> Path:

@@ -21,6 +21,17 @@ from pathlib import Path
 
 from corral.backends.layout import SYSTEM_PATH
 
+NO_CGROUP = (
+    "rootless: no delegated cgroup for this user, so each command gets an rlimit instead "
+    "and the timeout bounds time"
+)
+SINGLE_ID_WARNING = (
+    "rootless without subordinate ids: commands run as the box's root id (no capabilities), "
+    "the same id as the guest agent (which is not dumpable: its memory and fds stay out of "
+    "reach), so a command can signal the agent (end its own box), and commands keep the "
+    "user's supplementary groups; {why}"
+)
+
 NEEDED_IDS = 65536
 """Subordinate ids the rootless mode maps (box ids 0..65535 but the user's own)."""
 

@@ -36,6 +36,10 @@ crun refuses a hybrid cgroup host (v1 controllers plus a cgroup2 mount that hold
 controller), which is this machine's layout. Every crun call therefore runs in a private
 mount namespace where the cgroup2 mount is detached: crun sees a pure v1 host, and the
 host's mounts are untouched.
+
+When corral is not root, runc and crun run boxes rootless (:mod:`.rootless`): each runtime
+call in a user namespace of the user's own, the box without a cgroup (its limits are
+rlimits, each said in ``warnings``), its ids those of a rootless bwrap box.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ from corral.backends.host import (
 )
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
-from corral.backends.host.state import BOX_PREFIX, state_root, write_owner
+from corral.backends.host.state import BOX_PREFIX, make_private_dir, state_root, write_owner
+from corral.backends.host.subids import NO_CGROUP
 from corral.backends.host.threads import blocking
 from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
@@ -90,8 +95,9 @@ from corral.backends.layout import (
     unplaceable_mount,
     writable_areas,
 )
-from corral.backends.limits import LimitPlan, plan_limits
+from corral.backends.limits import Capabilities, LimitPlan, agent_rlimits, plan_limits
 from corral.backends.oci import config as oci_config
+from corral.backends.oci.rootless import RootlessMode, kill_init, rootless_mode
 from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE, id_map
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
@@ -185,6 +191,8 @@ class Runtime:
     """The runtime's state directory (``--root``): corral's containers only."""
     hidden_mount: str | None = None
     """A mount to hide from the runtime (crun on a hybrid cgroup host)."""
+    rootless: RootlessMode | None = None
+    """corral is not root: how the runtime runs as the user (:mod:`.rootless`)."""
 
     @property
     def gvisor(self) -> bool:
@@ -192,7 +200,11 @@ class Runtime:
         return self.name == "runsc"
 
     def argv(self, *args: str) -> list[str]:
-        return [self.path, "--root", str(self.root), *args]
+        if self.rootless is None:
+            return [self.path, "--root", str(self.root), *args]
+        # crun would try (and fail) to make a cgroup; runc's rootless mode skips it itself
+        flags = ["--cgroup-manager=disabled"] if self.name == "crun" else []
+        return [*self.rootless.outer, self.path, "--root", str(self.root), *flags, *args]
 
     def run_flags(self, netns: str | None, relays: bool) -> list[str]:
         """Global flags (before the subcommand) of the call that starts a box.
@@ -244,12 +256,10 @@ def find_runtime(name: str) -> Runtime:
             f"the OCI runtime {name!r} is not installed; install {_PACKAGES[name]} "
             f"or pick another with `--runtime` (see `corral doctor`)"
         )
-    if os.geteuid() != 0:
-        raise BackendUnavailable(
-            "the oci backend needs root on the host to map the box's users and create its "
-            "cgroup; run corral as root, or use another backend"
-        )
     hidden = hybrid_cgroup2_mount() if name == "crun" else None
+    if os.geteuid() != 0:  # crun's hybrid cgroup mount is covered in its own namespace
+        mode = rootless_mode(name, hidden)
+        return Runtime(name, path, state_root() / "oci" / name, rootless=mode)
     return Runtime(name, path, state_root() / "oci" / name, hidden)
 
 
@@ -276,6 +286,8 @@ def sweep_orphans(runtimes: list[Runtime]) -> list[str]:
 
     def kill(entry: Path, owner: dict[str, Any]) -> None:
         runtime = by_name.get(str(owner.get("runtime")))
+        if runtime is not None and runtime.rootless is not None:
+            kill_init(entry, entry.name)  # another namespace's runtime could not
         if runtime is not None:
             _delete_container(runtime, entry.name)
         _kill_cgroup(entry.name)
@@ -425,7 +437,9 @@ class OciBox(CgroupAccounting, BoxBase):
             return None
 
     def _facts(self) -> dict[str, Any]:
-        return {"runtime": self._runtime.name, "runtime_path": self._runtime.path}
+        facts = {"runtime": self._runtime.name, "runtime_path": self._runtime.path}
+        mode = self._runtime.rootless
+        return facts if mode is None else {**facts, "rootless": mode.facts}
 
     async def diagnose(self) -> str:
         """What the runtime or the agent wrote to stderr before the box failed."""
@@ -438,8 +452,13 @@ class OciBox(CgroupAccounting, BoxBase):
         if self._cgroup is not None:
             with contextlib.suppress(Exception):
                 self._cgroup.kill_all(wait=False)
+        elif self._runtime.rootless is not None:
+            with contextlib.suppress(Exception):
+                kill_init(self._spec.state_dir, self._spec.sandbox_id)
 
     async def _teardown(self) -> None:
+        if self._runtime.rootless is not None:  # the runtime's namespace of now cannot
+            await blocking(kill_init, self._spec.state_dir, self._spec.sandbox_id)
         await _delete(self._runtime, self._spec.sandbox_id)  # kills the box
         await self._release_host(self._cgroup, self._shared, self._owner)
 
@@ -509,10 +528,14 @@ class OciBackend(BackendBase):
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.python = find_python()
+        if runtime.rootless is not None:  # no cgroup: the user has none to give
+            self.cgroup_support = cgroups.CgroupSupport("none", frozenset(), "", NO_CGROUP)
+            self.limit_caps = Capabilities("rlimits", controllers=frozenset(), reason=NO_CGROUP)
+            return
         ucounts.lift_msgqueue_limit()  # the runtime owns every box's user namespace
         self.cgroup_support = cgroups.detect()
         self.limit_caps = cgroups.limit_capabilities(self.cgroup_support)
-        self.python = find_python()
 
     def sweep_key(self) -> str:
         return f"oci/{self.runtime.name}"
@@ -528,6 +551,12 @@ class OciBackend(BackendBase):
         problem = unplaceable_mount(spec.policy)
         if problem is not None:
             raise PolicyError(problem)
+        if runtime.rootless is not None and spec.policy.network.mode == "full":
+            raise BackendUnavailable(
+                "network mode 'full' is not available on the oci backend rootless: pasta "
+                "cannot join the network namespace of a box whose runtime made its user "
+                "namespace; use backend 'bwrap' (rootless too), or 'allowlist' or 'ports'"
+            )
         if runtime.gvisor and spec.policy.network.mode == "full":
             raise BackendUnavailable(
                 "network mode 'full' is not available with runsc here: this gVisor release "
@@ -552,7 +581,9 @@ class OciBackend(BackendBase):
             owner = next((h for h in held if isinstance(h, ucounts.BoxOwner)), None)
             root = owner.uid if owner is not None else HOST_UID_BASE  # box root's host uid
             maps = (id_map(shared.uid, root), id_map(shared.gid, root))
-            if spec.network is not None:  # who connects to its sockets; pasta's uid
+            if spec.network is not None and runtime.rootless is not None:
+                spec.network.admit(os.getuid(), os.getgid(), namespace_owner=os.getuid())
+            elif spec.network is not None:  # who connects to its sockets; pasta's uid
                 spec.network.admit(root, shared.gid, namespace_owner=root)
             # full mode: the box joins a namespace corral made and fenced (by path: the
             # runtime's init is not dumpable, so pasta could not attach to it by pid), and
@@ -583,6 +614,8 @@ class OciBackend(BackendBase):
             cgroup = _open_cgroup(spec.sandbox_id, self.cgroup_support)
         except BaseException:
             host_end.close()
+            if runtime.rootless is not None:
+                await blocking(kill_init, spec.state_dir, spec.sandbox_id)
             await _delete(runtime, spec.sandbox_id)
             await blocking(_undo_start, spec, held)
             raise
@@ -591,7 +624,8 @@ class OciBackend(BackendBase):
             if userns >= 0:  # the box's processes hold its namespace now
                 os.close(userns)
         host_end.setblocking(False)
-        warnings = limits.warnings + tuple(w for w in (shared.warning, compat_warning) if w)
+        said = (shared.warning, compat_warning, runtime.rootless and runtime.rootless.warning)
+        warnings = limits.warnings + tuple(w for w in said if w)
         return OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared, owner)
 
     def _share(
@@ -603,9 +637,15 @@ class OciBackend(BackendBase):
         be host root (the runtime's uid) for every box; from its slot, the box user's host id
         (epoll watches, pipe buffers and processes are counted per host uid). Then the
         idmapped mounts (into ``held`` as soon as they exist). Blocking."""
-        spec.state_dir.mkdir(parents=True, exist_ok=True)
         runtime = self.runtime
+        if runtime.rootless is not None:  # /tmp is shared: the state root must be the user's
+            make_private_dir(state_root())
+        spec.state_dir.mkdir(parents=True, exist_ok=True)
         write_owner(spec.state_dir, "oci", runtime=runtime.name, runtime_root=str(runtime.root))
+        if runtime.rootless is not None:  # commands are the user: the workspace as it is
+            shared = idmap.SharedPaths(spec.workspace, uid=os.getuid(), gid=os.getgid())
+            held.append(shared)
+            return shared
         user = COMMAND_HOST_ID
         if not runtime.gvisor:  # gVisor's inotify, queues, PTYs and epoll are its kernel's
             owner = ucounts.claim_owner()
@@ -645,7 +685,16 @@ class OciBackend(BackendBase):
         pins: list[Pinned] | None = None,
     ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
-        config = {**agent_config(spec), "fd": 0}
+        rootless = self.runtime.rootless
+        config: dict[str, Any] = {**agent_config(spec), "fd": 0}
+        if rootless is not None:
+            if not rootless.mapped:  # commands are box root, the agent's id: keep it out
+                config.update(uid=0, gid=0, undumpable=True)
+            # No cgroup: memory and processes are bounded per command (limits.warnings)
+            config["rlimits"] = {
+                **agent_rlimits(spec.policy.limits),
+                **{k: v for k, v in limits.rlimits.items() if k in ("as", "nproc")},
+            }
         seccomp_file = None
         if self.runtime.gvisor:
             seccomp_file = spec.state_dir / "seccomp.bpf"
@@ -683,6 +732,7 @@ class OciBackend(BackendBase):
             root_uid=userns[1],
             seccomp_file=str(seccomp_file) if seccomp_file else None,
             compat_library=str(compat) if compat else None,
+            rootless=rootless.box_ranges if rootless is not None else None,
             gvisor=self.runtime.gvisor,
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)

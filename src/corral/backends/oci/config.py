@@ -111,6 +111,12 @@ class OciInputs:
     """gVisor: the compiled filter (host path), bound at :data:`GUEST_SECCOMP`."""
     compat_library: str | None = None
     """gVisor: the compatibility library (host path), bound at :data:`GUEST_COMPAT`."""
+    rootless: tuple[tuple[int, int, int], ...] | None = None
+    """A rootless box (corral run by an ordinary user, :mod:`corral.backends.oci.rootless`):
+    its ``(box id, runtime's id, count)`` maps, the same for uids and gids. The box then has
+    no cgroup (no ``linux.resources``: its limits are the agent's rlimits), and with a single
+    id mapped (no subordinate ids) box root runs commands itself, so it keeps no capability
+    and its home is box root's."""
     gvisor: bool = False
     """runsc: gVisor's file server runs as the box's root in the box's user namespace, so
     every mount point is made in the root dir (it may not write there), and masks over host
@@ -169,7 +175,9 @@ MQUEUE_MOUNT: dict[str, Any] = {
 """The box's own IPC namespace's message queues (:data:`corral.backends.landlock.MQUEUE`)."""
 
 
-def _system_mounts(policy: Policy, own_netns: bool = True) -> list[dict[str, Any]]:
+def _system_mounts(
+    policy: Policy, own_netns: bool = True, user: int = BOX_UID
+) -> list[dict[str, Any]]:
     tmp_size = policy.filesystem.tmp_size
     # The box's own sysfs (it owns its network namespace), read-only: no cgroup or other
     # submounts of the host's /sys come along. A joined namespace (full mode) belongs to
@@ -207,7 +215,7 @@ def _system_mounts(policy: Policy, own_netns: bool = True) -> list[dict[str, Any
         _tmpfs("/tmp", "1777", tmp_size),
         _tmpfs("/run", "755"),
         _tmpfs("/home", "755"),
-        _tmpfs(GUEST_HOME, "755", tmp_size, [f"uid={BOX_UID}", f"gid={BOX_UID}"]),  # the user's
+        _tmpfs(GUEST_HOME, "755", tmp_size, [f"uid={user}", f"gid={user}"]),  # the user's
     ]
 
 
@@ -312,7 +320,9 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     ]
     if inp.gvisor:
         binds = _reachable_masks(binds, {str(inp.masked_file), str(inp.masked_dir)})
-    mounts = _system_mounts(policy, own_sysfs) + [_bind(b, host) for b in binds]
+    single = inp.rootless is not None and len(inp.rootless) == 1  # box root runs commands
+    user = 0 if single else BOX_UID
+    mounts = _system_mounts(policy, own_sysfs, user) + [_bind(b, host) for b in binds]
     if not inp.gvisor:  # the box's POSIX message queues, where Landlock can name them
         mounts.insert(3, MQUEUE_MOUNT)
     if not own_sysfs:  # the host's cgroupfs lists every box's cgroup: cover it
@@ -327,7 +337,7 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     if inp.netns_path is not None:
         network["path"] = inp.netns_path
     namespaces.append(network)
-    caps = list(AGENT_CAPS)
+    caps = [] if single else list(AGENT_CAPS)
     config: dict[str, Any] = {
         "ociVersion": OCI_VERSION,
         "process": {
@@ -366,6 +376,12 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         # CAP_SYS_RESOURCE may not do in a namespace it does not own; the agent sets core 0
         # on itself first thing (and on every command).
         del config["process"]["rlimits"]
+    if inp.rootless is not None:
+        maps = [{"containerID": b, "hostID": h, "size": n} for b, h, n in inp.rootless]
+        config["linux"].update(uidMappings=maps, gidMappings=maps)
+        # No cgroup of its own: the runtime may not make one (crun is told so, runc's
+        # rootless mode skips what it may not write); the agent's rlimits bound commands.
+        del config["linux"]["resources"], config["linux"]["cgroupsPath"]
     if inp.gvisor:
         # runsc's OCI seccomp turns every errno into EPERM and is off by default: the agent
         # installs corral's compiled filter on itself instead, which gVisor's kernel enforces.
