@@ -103,6 +103,10 @@ DEFAULT_DENY_READ: tuple[str, ...] = (
 )
 
 
+DEFAULT_WORKDIR = "/workspace"
+"""Where the workspace appears in a box unless the policy says otherwise."""
+
+
 def _no_core_dumps() -> dict[RlimitName, int]:
     return {"core": 0}
 
@@ -400,6 +404,11 @@ class Policy(_Model):
     (:func:`corral.images.resolve_image`: a root directory, an OCI layout or archive, a
     registry ref), read-only, with the guest agent run by the host's own interpreter from a
     hidden path. Images run on the bwrap backend as root for now."""
+    user: Literal["user", "root"] | None = None
+    """Who commands run as: ``user`` (box uid 1000, unprivileged), or ``root`` (box uid 0:
+    still an unprivileged uid on the host, with capabilities over the box's own namespace
+    only; on the bwrap backend). Unset: the image's ``User`` where it names uid 0 or 1000
+    (else the box refuses to start, saying so), else ``user``."""
     vm: VmPolicy = VmPolicy()
     filesystem: FilesystemPolicy = FilesystemPolicy()
     network: NetworkPolicy = NetworkPolicy()
@@ -408,7 +417,7 @@ class Policy(_Model):
     process_tracking: ProcessTracking = ProcessTracking()
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment of every command (on top of PATH, HOME, LANG, TERM)."""
-    workdir: str = "/workspace"
+    workdir: str = DEFAULT_WORKDIR
     """Where the workspace appears inside the box, and the default cwd."""
     audit_log: Path | None = None
     """A JSONL file on the host receiving every command, tool call, approval decision,

@@ -40,9 +40,10 @@ from corral.backends.layout import box_env, shared_sources, writable_areas
 from corral.backends.limits import agent_rlimits
 from corral.channel import Channel
 from corral.files import Files
+from corral.images.resolve import BoxUser, ImageConfig
 from corral.models import CommandResult, NetworkRefusal, ProcessInfo
 from corral.net import BoxNetwork, Resolver
-from corral.policy import Limits, Policy, PublishedPort, RlimitName
+from corral.policy import DEFAULT_WORKDIR, Limits, Policy, PublishedPort, RlimitName
 from corral.processes import Process, ProcessRegistry, end_all, end_in_background
 from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
@@ -82,11 +83,13 @@ def to_argv(cmd: Command) -> list[str]:
     return argv
 
 
-def _image_env(ref: str) -> dict[str, str]:
-    """The ``Env`` of an image's config (blocking: a registry ref may be pulled)."""
-    from corral.images import resolve_image
+def _resolve_image(policy: Policy) -> tuple[ImageConfig, BoxUser]:
+    """The config of ``policy.image`` and who its commands run as (blocking: a registry
+    ref may be pulled; an image ``User`` that is none of the box users is a PolicyError)."""
+    from corral.images.resolve import box_user, resolve_image
 
-    return dict(resolve_image(ref).config.env)
+    image = resolve_image(policy.image)
+    return image.config, box_user(image, policy.user)
 
 
 def _invalid(message: str) -> errors.SandboxError:
@@ -197,8 +200,12 @@ class Sandbox:
         self.policy = as_policy(policy, self._workspace_arg)
         self._resolver = resolver
         self._network: BoxNetwork | None = None
-        self._image_env: dict[str, str] = {}
-        """The ``Env`` of ``policy.image``'s config (under the policy's own ``env``)."""
+        self.image_config: ImageConfig | None = None
+        """The config of ``policy.image`` once started (None for ``host``): its ``Env`` goes
+        under the policy's ``env``, its ``WorkingDir`` is the default cwd unless the policy
+        moves ``workdir``, its ``cmd`` is what ``corral run --image REF`` runs by default."""
+        self.user: BoxUser = self.policy.user or "user"
+        """Who commands run as (``policy.user``, else the image's ``User``, else ``user``)."""
         self._backend = backend
         self._box: Box | None = None
         self._channel: Channel | None = None
@@ -291,7 +298,7 @@ class Sandbox:
                 backend = await blocking(backend_for, self.policy)
         if self.policy.image != "host" and self.policy.backend == "bwrap":
             # A registry ref is pulled here (then the backend finds it stored).
-            self._image_env = await blocking(_image_env, self.policy.image)
+            self.image_config, self.user = await blocking(_resolve_image, self.policy)
         state_dir = state_root() / "boxes" / self.sandbox_id
         self._network = BoxNetwork.for_policy(
             self.policy.network, state_dir / "net", audit=self.audit, resolver=self._resolver
@@ -304,6 +311,7 @@ class Sandbox:
             network=self._network,
             workspace_prepared=self._workspace_prepared,
             ready_timeout=self._ready_timeout,
+            user=self.user,
         )
         try:
             if self._network is not None:
@@ -590,7 +598,7 @@ class Sandbox:
         fields: dict[str, Any] = {
             "argv": argv,
             "cwd": self._cwd(cwd),
-            "env": {**box_env(self.policy, image_env=self._image_env), **(env or {})},
+            "env": {**self._env(), **(env or {})},
             "rlimits": {
                 **self.policy.limits.rlimits,
                 **_checked_rlimits(rlimits, self.policy.limits),
@@ -661,10 +669,27 @@ class Sandbox:
                     return
                 raise
 
+    def _env(self) -> dict[str, str]:
+        image = self.image_config
+        env = box_env(self.policy, image_env=image.env if image else None)
+        if self.user == "root" and "HOME" not in self.policy.env:
+            env["HOME"], env["USER"] = "/root", "root"
+        return env
+
+    @property
+    def default_cwd(self) -> str:
+        """Where commands run without a ``cwd``: the image's ``WorkingDir`` when the policy
+        leaves ``workdir`` at its default (the workspace is mounted at ``/workspace``
+        still), else the policy's ``workdir``."""
+        image = self.image_config
+        if image is not None and image.workdir and self.policy.workdir == DEFAULT_WORKDIR:
+            return posixpath.normpath(posixpath.join("/", image.workdir))
+        return self.policy.workdir
+
     def _cwd(self, cwd: str | None) -> str:
         if cwd is None:
-            return self.policy.workdir
-        return posixpath.normpath(posixpath.join(self.policy.workdir, cwd))
+            return self.default_cwd
+        return posixpath.normpath(posixpath.join(self.default_cwd, cwd))
 
     async def run(
         self,

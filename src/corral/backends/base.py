@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from corral.backends.host.state import orphaned_boxes, pid_alive, state_root
 from corral.backends.host.threads import blocking
@@ -81,6 +81,9 @@ class BoxSpec:
     ready_timeout: float | None = None
     """Seconds the caller gives the box to become ready (``Sandbox(ready_timeout=...)``); a
     backend with a boot wait of its own (the microVM's) uses it in place of its default."""
+    user: Literal["user", "root"] = "user"
+    """Who commands run as: box uid 1000, or box root (``policy.user``, or the image's
+    ``User``, as :class:`corral.Sandbox` decided)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +112,13 @@ def agent_config(spec: BoxSpec, *, uid: int = BOX_UID, gid: int = BOX_UID) -> di
 
 
 def refuse_image(spec: BoxSpec, backend: str) -> None:
-    """BackendUnavailable, naming the field, for a box on an image where ``backend`` has
-    no image roots yet."""
+    """BackendUnavailable, naming the field, for a box on an image (or whose commands run
+    as box root) where ``backend`` has neither yet."""
+    if spec.policy.user == "root" or spec.user == "root":
+        raise BackendUnavailable(
+            f"policy.user 'root': the {backend} backend runs commands as the box user only "
+            "for now; box root runs on the bwrap backend (as root)"
+        )
     if spec.policy.image != "host":
         raise BackendUnavailable(
             f"policy.image {spec.policy.image!r}: the {backend} backend runs boxes on the "

@@ -55,6 +55,8 @@ def build_policy(args: argparse.Namespace) -> Policy:
     policy = _with_backend(loaded, getattr(args, "backend", None), getattr(args, "runtime", None))
     if getattr(args, "image", None):
         policy = Policy.from_dict({**policy.model_dump(), "image": args.image})
+    if getattr(args, "user", None):
+        policy = Policy.from_dict({**policy.model_dump(), "user": args.user})
     limits: dict[str, object] = {}
     if getattr(args, "memory", None):
         limits["memory_bytes"] = args.memory
@@ -121,6 +123,12 @@ def add_sandbox_options(p: argparse.ArgumentParser) -> None:
         metavar="REF",
         help="the box's root: an image (a root directory, an OCI layout or archive, a registry "
         "ref; see `corral image`) instead of the host's system (bwrap backend, as root)",
+    )
+    p.add_argument(
+        "--user",
+        choices=("user", "root"),
+        help="who commands run as: the box user (uid 1000) or box root (an unprivileged host "
+        "uid; bwrap backend, as root); default: the image's User, else user",
     )
     p.add_argument(
         "--workspace", metavar="DIR", default=".", help="host dir mounted read-write (default: .)"

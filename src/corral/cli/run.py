@@ -210,11 +210,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    if not command:
-        raise errors.SandboxError(
-            "give a command after --, e.g. corral run -- make test",
-            code=errors.ErrorCode.INVALID_INPUT,
-        )
+    if not command and not getattr(args, "image", None):
+        raise _no_command()
     workspace = checked_workspace(args)
     policy = with_presets(build_policy(args), args, workspace)
     if args.mount:
@@ -237,6 +234,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             for warning in sb.warnings:
                 print(f"corral: warning: {warning}", file=sys.stderr)
             say_published(sb)
+            nonlocal command
+            if not command:  # an image's Entrypoint + Cmd, as docker run runs them
+                image_cmd = sb.image_config.cmd if sb.image_config else None
+                if not image_cmd:
+                    raise _no_command(" (the image names no Cmd or Entrypoint)")
+                command = list(image_cmd)
             try:
                 if args.json:
                     return await _captured(sb, args, command, env)
@@ -245,6 +248,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 return _spawn_failed(exc, args.json)
 
     return with_signals(go())
+
+
+def _no_command(why: str = "") -> errors.SandboxError:
+    return errors.SandboxError(
+        f"give a command after --, e.g. corral run -- make test{why}",
+        code=errors.ErrorCode.INVALID_INPUT,
+    )
 
 
 def _spawn_failed(exc: errors.SpawnFailed, as_json: bool) -> int:

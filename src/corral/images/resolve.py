@@ -16,9 +16,11 @@ root and a config. Blocking: call it from a thread in async code.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from corral import errors
 
@@ -79,3 +81,63 @@ def resolve_image(ref: str) -> ResolvedImage:
     if is_path(ref):  # a directory that is no OCI layout: a plain root
         return ResolvedImage(ref, Path(ref).expanduser().resolve(), ImageConfig())
     raise errors.ImageNotFound(f"no image {ref!r}")
+
+
+BoxUser = Literal["user", "root"]
+"""corral's box users: ``user`` (box uid 1000, the default) and ``root`` (box uid 0)."""
+_BOX_UIDS: dict[int, BoxUser] = {0: "root", 1000: "user"}
+_PASSWD_MAX = 1 << 20
+
+
+def _image_ids(rootfs: Path, file: str, name: str) -> int | None:
+    """The id of ``name`` in the image's ``/etc/passwd`` or ``/etc/group`` (None when the
+    file or the name is not there). Read on the host beneath the image's root without
+    following any of its symlinks, a regular file only, at most 1 MiB."""
+    from corral.backends.host import safepath
+
+    try:
+        fd = safepath.open_beneath(rootfs, file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        text = f.read(_PASSWD_MAX).decode(errors="replace")
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) >= 3 and fields[0] == name and fields[2].isdigit():
+            return int(fields[2])
+    return None
+
+
+def box_user(image: ResolvedImage, wanted: BoxUser | None) -> BoxUser:
+    """Who a box's commands run as: the policy's ``user`` when it names one, else the
+    image's ``User`` (``NAME``, ``UID``, ``NAME:GROUP`` or ``UID:GID``, names looked up in
+    the image's own ``/etc/passwd`` and ``/etc/group``) mapped to corral's box users (uid 0:
+    ``root``, uid 1000: ``user``), else ``user``. A ``User`` that maps to neither is a
+    :class:`~corral.errors.PolicyError` saying how to choose."""
+    if wanted is not None:
+        return wanted
+    spec = image.config.user
+    if not spec or image.rootfs is None:
+        return "user"
+    name, _, group = spec.partition(":")
+    uid = int(name) if name.isdigit() else _image_ids(image.rootfs, "etc/passwd", name)
+    gid = (
+        None
+        if not group
+        else int(group)
+        if group.isdigit()
+        else _image_ids(image.rootfs, "etc/group", group)
+    )
+    who = _BOX_UIDS.get(uid) if uid is not None else None
+    if who is None or (group and gid != uid):
+        found = "not in its /etc/passwd" if uid is None else f"uid {uid}"
+        if group and uid is not None and who is not None:
+            found = f"uid {uid}, gid {gid if gid is not None else 'not in its /etc/group'}"
+        raise errors.PolicyError(
+            f"image {image.ref!r} runs as User {spec!r} ({found}), which is none of corral's "
+            "box users (root = uid 0:0, user = uid 1000:1000): set the policy's user to "
+            "'user' or 'root' (corral run --user) to run it as one of them"
+        )
+    return who

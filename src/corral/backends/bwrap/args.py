@@ -35,6 +35,20 @@ from corral.backends.layout import (
 )
 from corral.policy import Policy
 
+ROOT_CAPS = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+)
+"""What box root's commands hold beside CAP_SETUID/CAP_SETGID (``policy.user = "root"``):
+what package managers need (dpkg chowns what it unpacks, apt drops to ``_apt``), a subset of
+Docker's defaults. Capabilities of the box's own user namespace: they reach the box's files
+and processes only (host files appear as nobody's, and no uid outside the box is mapped)."""
+
 
 @dataclass(frozen=True, slots=True)
 class BwrapFds:
@@ -71,6 +85,9 @@ class BwrapInputs:
     """The image's root directory (``policy.image``), instead of the host's system."""
     hidden: HiddenPython | None = None
     """With ``image_root``: how the agent's interpreter runs from the host's /usr."""
+    root_commands: bool = False
+    """Commands run as box root (``policy.user = "root"``): the box keeps the capabilities
+    :data:`ROOT_CAPS` over its own namespace (and nothing outside it)."""
 
 
 def _parent_dirs(dest: str, made: set[str]) -> list[str]:
@@ -173,6 +190,9 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
         "--cap-add",
         "CAP_SETGID",
     ]
+    if inp.root_commands:
+        for cap in ROOT_CAPS:
+            args += ["--cap-add", cap]
     made: set[str] = {"/etc"}
     args += _root_args(policy, inp, host, made)
     # The box's own IPC namespace's POSIX message queues, where Landlock can name them

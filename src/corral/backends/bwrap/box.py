@@ -495,8 +495,16 @@ class BwrapBackend(BackendBase):
             started.wait(0.05)
         masked_file, masked_dir, passwd = shared_files()
         held.owner = owner = ucounts.claim_owner()
-        held.shared = shared = idmap.share_paths(spec, user=owner.command_id)
-        config = {**agent_config(spec), "fd": channel_fd}
+        if spec.user == "root":
+            # Box root's commands own the shared paths: their owner's files appear as box
+            # root's (the namespace owner's host uid); box uid 1000 keeps its own host id.
+            held.shared = shared = idmap.share_paths(spec, user=owner.uid)
+            if shared.binds is not None or spec.workspace_prepared:
+                shared.uid = shared.gid = owner.command_id
+        else:
+            held.shared = shared = idmap.share_paths(spec, user=owner.command_id)
+        ids = {"uid": 0, "gid": 0} if spec.user == "root" else {}
+        config = {**agent_config(spec, **ids), "fd": channel_fd}
         net = spec.network
         image_root, hidden = self._image(spec, held)
         config["landlock"] = landlock_rules(
@@ -525,6 +533,7 @@ class BwrapBackend(BackendBase):
             devpts=self.devpts,
             image_root=image_root,
             hidden=hidden,
+            root_commands=spec.user == "root",
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))

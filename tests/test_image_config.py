@@ -1,0 +1,182 @@
+"""An image's config honoured by a box on it (bwrap): ``WorkingDir`` as the default cwd,
+``User`` mapped to corral's box users (names read from the image's own /etc/passwd, never
+through its links), ``Entrypoint`` + ``Cmd`` run by ``corral run --image REF``; the policy
+wins over each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corral import Policy, PolicyError, Sandbox
+from corral.images.resolve import ImageConfig, ResolvedImage, box_user
+
+pytestmark = [
+    pytest.mark.needs_bwrap,
+    pytest.mark.skipif(os.geteuid() != 0, reason="images run on the bwrap backend as root"),
+]
+
+
+def _layout(tmp: Path, config: dict[str, object], passwd: str | None = None) -> str:
+    from oci_images import busybox_root, dir_tar, write_layout
+
+    root = busybox_root(tmp / "root")
+    (root / "app" / "src").mkdir(parents=True)
+    (root / "app" / "src" / "marker").write_text("in app\n")
+    if passwd is not None:
+        (root / "etc" / "passwd").write_text(passwd)
+    return str(write_layout(tmp / "layout", [dir_tar(root)], config=config).path)
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
+    return tmp_path / "store"
+
+
+async def test_workingdir_is_the_default_cwd_unless_the_policy_moves_workdir(
+    tmp_path: Path, store: Path
+) -> None:
+    ref = _layout(tmp_path, {"Env": ["PATH=/bin"], "WorkingDir": "/app"})
+    async with Sandbox(Policy(image=ref), workspace=tmp_path / "root") as sb:
+        assert sb.default_cwd == "/app"
+        r = await sb.run("pwd; ls /workspace/etc/hello")
+        assert r.stdout == "/app\n/workspace/etc/hello\n", r  # the workspace is still there
+        assert (await sb.run("pwd; cat marker", cwd="src")).stdout == "/app/src\nin app\n"
+        assert (await sb.run("pwd", cwd="/workspace")).stdout == "/workspace\n"
+    policy = Policy(image=ref, workdir="/work")
+    async with Sandbox(policy, workspace=tmp_path / "root") as sb:
+        assert (await sb.run("pwd")).stdout == "/work\n"
+
+
+@pytest.mark.parametrize(
+    ("user", "passwd", "expected"),
+    [
+        ("0", None, "0:0"),
+        ("root", None, "0:0"),
+        ("1000:1000", None, "1000:1000"),
+        ("app", "root:x:0:0::/root:/bin/sh\napp:x:1000:1000::/app:/bin/sh\n", "1000:1000"),
+        (None, None, "1000:1000"),
+    ],
+)
+async def test_the_images_user_maps_to_a_box_user(
+    tmp_path: Path, store: Path, user: str | None, passwd: str | None, expected: str
+) -> None:
+    config: dict[str, object] = {"Env": ["PATH=/bin"]}
+    if user is not None:
+        config["User"] = user
+    ref = _layout(tmp_path, config, passwd)
+    async with Sandbox(Policy(image=ref), workspace=tmp_path / "root") as sb:
+        r = await sb.run('echo "$(id -u):$(id -g)"', cwd="/")
+        assert r.stdout == expected + "\n", r
+        assert sb.user == ("root" if expected == "0:0" else "user")
+    # The policy wins.
+    policy = Policy(image=ref, user="user")
+    async with Sandbox(policy, workspace=tmp_path / "root") as sb:
+        assert (await sb.run("id -u", cwd="/")).stdout == "1000\n"
+
+
+@pytest.mark.parametrize(
+    ("user", "passwd", "why"),
+    [
+        ("postgres", "postgres:x:999:999::/:/bin/sh\n", "uid 999"),
+        ("nosuch", None, "not in its /etc/passwd"),
+        ("1000:5", None, "uid 1000, gid 5"),
+        ("65534", None, "uid 65534"),
+    ],
+)
+async def test_an_image_user_that_maps_to_no_box_user_is_refused_clearly(
+    tmp_path: Path, store: Path, user: str, passwd: str | None, why: str
+) -> None:
+    ref = _layout(tmp_path, {"Env": ["PATH=/bin"], "User": user}, passwd)
+    with pytest.raises(PolicyError, match=rf"User '{user}' \({why}.*set the policy's user"):
+        async with Sandbox(Policy(image=ref), workspace=tmp_path / "root"):
+            pass
+    async with Sandbox(Policy(image=ref, user="root"), workspace=tmp_path / "root") as sb:
+        assert (await sb.run("id -u", cwd="/")).stdout == "0\n"
+
+
+def test_the_image_passwd_is_read_without_following_its_links(tmp_path: Path) -> None:
+    """A hostile image's /etc/passwd (a link to the host's, a FIFO) is never read."""
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    host_passwd = tmp_path / "host-passwd"
+    host_passwd.write_text("app:x:1000:1000::/:/bin/sh\n")
+    (root / "etc" / "passwd").symlink_to(host_passwd)
+    image = ResolvedImage("x", root, ImageConfig(user="app"))
+    with pytest.raises(PolicyError, match="not in its /etc/passwd"):
+        box_user(image, None)
+    (root / "etc" / "passwd").unlink()
+    os.mkfifo(root / "etc" / "passwd")  # would hang a plain open
+    with pytest.raises(PolicyError, match="not in its /etc/passwd"):
+        box_user(image, None)
+    (root / "etc" / "passwd").unlink()
+    (root / "etc").rmdir()
+    (root / "etc").symlink_to(tmp_path)  # a linked directory on the way
+    with pytest.raises(PolicyError, match="not in its /etc/passwd"):
+        box_user(image, None)
+
+
+def test_corral_run_runs_the_images_entrypoint_and_cmd(tmp_path: Path, store: Path) -> None:
+    config: dict[str, object] = {
+        "Env": ["PATH=/bin"],
+        "Entrypoint": ["/bin/echo", "entry"],
+        "Cmd": ["cmd-arg"],
+    }
+    ref = _layout(tmp_path, config)
+    argv = [sys.executable, "-m", "corral.cli", "run", "--workspace", str(tmp_path / "root")]
+    env = {**os.environ, "CORRAL_IMAGE_STORE": str(store)}
+    r = subprocess.run(
+        [*argv, "--image", ref], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert r.returncode == 0 and r.stdout == "entry cmd-arg\n", r
+    given = subprocess.run(
+        [*argv, "--image", ref, "--", "echo", "given"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert given.stdout == "given\n", given  # a command given wins
+    bare = _layout(tmp_path / "bare", {"Env": ["PATH=/bin"]})
+    none = subprocess.run(
+        [*argv, "--image", bare], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert none.returncode != 0 and "names no Cmd or Entrypoint" in none.stderr, none
+    assert "Traceback" not in none.stderr
+
+
+async def test_box_root_commands_hold_nothing_over_the_host(tmp_path: Path) -> None:
+    """``user = "root"``: box uid 0 with capabilities over the box's namespace only; the
+    host's root stays read-only and unreadable where it is host root's, and what it writes
+    in the workspace belongs to the workspace's owner on the host."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    os.chown(ws, 4242, 4242)
+    secret = tmp_path / "secret"
+    secret.write_text("host root only\n")
+    secret.chmod(0o600)
+    policy = Policy(user="root", filesystem={"allow_write": [], "mounts": []})
+    async with Sandbox(policy, workspace=ws) as sb:
+        r = await sb.run("id -u; echo $HOME; echo hi > out; touch /usr/corral-x 2>&1; echo $?")
+        assert r.stdout.splitlines()[:2] == ["0", "/root"], r
+        assert r.stdout.strip().endswith("1"), r
+        assert not Path("/usr/corral-x").exists()
+        mounted = await sb.run(f"mount -t tmpfs x /tmp 2>&1; cat {secret} 2>&1; echo $?")
+        assert mounted.stdout.strip().endswith("1"), mounted
+        assert "host root only" not in mounted.stdout
+    st = (ws / "out").stat()
+    assert (st.st_uid, st.st_gid) == (4242, 4242)
+
+
+@pytest.mark.parametrize("backend", ["oci", "microvm"])
+async def test_other_backends_refuse_box_root_naming_the_field(backend: str) -> None:
+    from corral import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match=r"policy\.user"):
+        async with Sandbox(Policy(user="root", backend=backend)):
+            pass
