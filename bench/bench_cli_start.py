@@ -1,0 +1,101 @@
+"""What ``corral run -- true`` costs without a server, next to its baselines in the same run.
+
+    python bench/bench_cli_start.py [--runs N]
+
+Each figure is the median of ``--runs`` runs (wall time, and the CPU time the process and
+its children used, from ``getrusage``; on a busy machine the CPU figure is the steadier):
+
+- ``python -c pass``: the interpreter's own start, the floor of any Python CLI;
+- raw ``bwrap ... true``: a box's start and exit without corral;
+- ``corral --version``: corral's command line up to argument parsing;
+- ``corral run -- true``: the console script (the ``corral`` next to this interpreter), a
+  box started with the default policy (network none), ``true`` run, the box torn down;
+- ``python -m corral run -- true``: the same through ``-m``.
+
+Ratios are against ``python -c pass`` and raw bwrap. Issue 16's target: ``corral run --
+true`` with no server in at most 120 ms. Children run with bytecode caching on (as an
+installed corral runs), whatever ``PYTHONDONTWRITEBYTECODE`` says here; one unmeasured run of
+each command first writes the caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RAW_BWRAP = [
+    "bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/",
+    "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--", "true",
+]  # fmt: skip
+TARGET_MS = 120.0
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(argv: list[str], runs: int, cwd: str, env: dict[str, str]) -> tuple[float, float]:
+    """Median wall and CPU seconds of ``argv`` (which must exit 0)."""
+    walls: list[float] = []
+    cpus: list[float] = []
+    for _ in range(runs + 1):  # the first run warms caches and is not counted
+        cpu = _cpu()
+        start = time.perf_counter()
+        done = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, check=False)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"{' '.join(argv)}: exit {done.returncode}")
+        walls.append(wall)
+        cpus.append(_cpu() - cpu)
+    return statistics.median(walls[1:]), statistics.median(cpus[1:])
+
+
+def corral_script() -> list[str]:
+    script = Path(sys.executable).with_name("corral")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "corral"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=15)
+    args = parser.parse_args()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    cases: list[tuple[str, list[str]]] = [
+        ("python -c pass", [sys.executable, "-c", "pass"]),
+        ("raw bwrap ... true", RAW_BWRAP),
+        ("corral --version", [*corral_script(), "--version"]),
+        ("corral run -- true", [*corral_script(), "run", "--", "true"]),
+        ("python -m corral run -- true", [sys.executable, "-m", "corral", "run", "--", "true"]),
+    ]
+    if shutil.which("bwrap") is None:
+        raise SystemExit("bwrap is not installed")
+    with tempfile.TemporaryDirectory(prefix="corral-bench-") as ws:
+        os.chmod(ws, 0o755)
+        results = {name: measure(argv, args.runs, ws, env) for name, argv in cases}
+    python_wall, python_cpu = results["python -c pass"]
+    bwrap_wall, _ = results["raw bwrap ... true"]
+    print(f"CLI start without a server (median of {args.runs}; wall and CPU in ms)")
+    print(f"  {'':30} {'wall':>8} {'cpu':>8} {'/python':>8} {'/bwrap':>8}")
+    for name, (wall, cpu) in results.items():
+        print(
+            f"  {name:30} {wall * 1e3:8.1f} {cpu * 1e3:8.1f} "
+            f"{wall / python_wall:7.1f}x {wall / bwrap_wall:7.1f}x"
+        )
+    run_wall, run_cpu = results["corral run -- true"]
+    print(
+        f"  corral run -- true: {run_wall * 1e3:.0f} ms wall (target <= {TARGET_MS:.0f} ms), "
+        f"{run_wall / python_wall:.1f}x python's start, CPU {run_cpu / python_cpu:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
