@@ -6,54 +6,115 @@
 
     async with corral.Sandbox() as sb:
         result = await sb.run("echo hello")
+
+Importing :mod:`corral` is cheap: each public name is imported from its module on first use
+(PEP 562), so a program (or the ``corral`` command) that needs only part of the library pays
+only for that part.
 """
 
-from corral.errors import (
-    BackendError,
-    BackendUnavailable,
-    CommandFailed,
-    CommandNotFound,
-    DangerousWorkspace,
-    ErrorCode,
-    FileNotFound,
-    FileOpError,
-    FilePermissionDenied,
-    FileTooLarge,
-    IsADirectory,
-    NotADirectory,
-    NotARegularFile,
-    NotExecutable,
-    PathOutsideSandbox,
-    PolicyError,
-    ProcessError,
-    ProcessNotFound,
-    ProtocolError,
-    RequestTooLarge,
-    SandboxBroken,
-    SandboxClosed,
-    SandboxError,
-    SessionBusy,
-    SessionError,
-    SessionNotFound,
-    SpawnFailed,
-    Timeout,
-)
-from corral.models import CommandResult, FileInfo, ProcessInfo, ProcessStats, WaitResult
-from corral.policy import (
-    FilesystemPolicy,
-    Limits,
-    Mount,
-    NetworkPolicy,
-    Policy,
-    ProcessTracking,
-    PublishedPort,
-    SecurityPolicy,
-)
-from corral.pool import SandboxPool
-from corral.processes import Process
-from corral.sandbox import Sandbox
-from corral.sessions.terminal import AttachOutcome
-from corral.sync import SyncSandbox
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from corral._lazy import lazy_dir, lazy_getattr
+
+if TYPE_CHECKING:
+    from corral.errors import (
+        BackendError,
+        BackendUnavailable,
+        CommandFailed,
+        CommandNotFound,
+        DangerousWorkspace,
+        ErrorCode,
+        FileNotFound,
+        FileOpError,
+        FilePermissionDenied,
+        FileTooLarge,
+        IsADirectory,
+        NotADirectory,
+        NotARegularFile,
+        NotExecutable,
+        PathOutsideSandbox,
+        PolicyError,
+        ProcessError,
+        ProcessNotFound,
+        ProtocolError,
+        RequestTooLarge,
+        SandboxBroken,
+        SandboxClosed,
+        SandboxError,
+        SessionBusy,
+        SessionError,
+        SessionNotFound,
+        SpawnFailed,
+        Timeout,
+    )
+    from corral.models import CommandResult, FileInfo, ProcessInfo, ProcessStats, WaitResult
+    from corral.policy import (
+        FilesystemPolicy,
+        Limits,
+        Mount,
+        NetworkPolicy,
+        Policy,
+        ProcessTracking,
+        PublishedPort,
+        SecurityPolicy,
+    )
+    from corral.pool import SandboxPool
+    from corral.processes import Process
+    from corral.sandbox import Sandbox
+    from corral.sessions.terminal import AttachOutcome
+    from corral.sync import SyncSandbox
+
+_LAZY: dict[str, str] = {
+    "AttachOutcome": "corral.sessions.terminal",
+    "BackendError": "corral.errors",
+    "BackendUnavailable": "corral.errors",
+    "CommandFailed": "corral.errors",
+    "CommandNotFound": "corral.errors",
+    "CommandResult": "corral.models",
+    "DangerousWorkspace": "corral.errors",
+    "ErrorCode": "corral.errors",
+    "FileInfo": "corral.models",
+    "FileNotFound": "corral.errors",
+    "FileOpError": "corral.errors",
+    "FilePermissionDenied": "corral.errors",
+    "FileTooLarge": "corral.errors",
+    "FilesystemPolicy": "corral.policy",
+    "IsADirectory": "corral.errors",
+    "Limits": "corral.policy",
+    "Mount": "corral.policy",
+    "NetworkPolicy": "corral.policy",
+    "NotADirectory": "corral.errors",
+    "NotARegularFile": "corral.errors",
+    "NotExecutable": "corral.errors",
+    "PathOutsideSandbox": "corral.errors",
+    "Policy": "corral.policy",
+    "PolicyError": "corral.errors",
+    "Process": "corral.processes",
+    "ProcessError": "corral.errors",
+    "ProcessInfo": "corral.models",
+    "ProcessNotFound": "corral.errors",
+    "ProcessStats": "corral.models",
+    "ProcessTracking": "corral.policy",
+    "ProtocolError": "corral.errors",
+    "PublishedPort": "corral.policy",
+    "RequestTooLarge": "corral.errors",
+    "Sandbox": "corral.sandbox",
+    "SandboxBroken": "corral.errors",
+    "SandboxClosed": "corral.errors",
+    "SandboxError": "corral.errors",
+    "SandboxPool": "corral.pool",
+    "SecurityPolicy": "corral.policy",
+    "SessionBusy": "corral.errors",
+    "SessionError": "corral.errors",
+    "SessionNotFound": "corral.errors",
+    "SpawnFailed": "corral.errors",
+    "SyncSandbox": "corral.sync",
+    "Timeout": "corral.errors",
+    "WaitResult": "corral.models",
+}
+"""Public name -> the module defining it."""
 
 __all__ = [
     "AttachOutcome",
@@ -103,3 +164,7 @@ __all__ = [
     "Timeout",
     "WaitResult",
 ]
+
+
+__getattr__ = lazy_getattr(globals(), _LAZY)
+__dir__ = lazy_dir(globals())

@@ -30,37 +30,16 @@ from pydantic import (
 )
 
 from corral import specconfig
+from corral.bounds import CPU_PERIOD_US as CPU_PERIOD_US
+from corral.bounds import MAX_CPU_QUOTA as MAX_CPU_QUOTA
+from corral.bounds import MIN_CPU_QUOTA as MIN_CPU_QUOTA
+from corral.bounds import MIN_MEMORY_BYTES as MIN_MEMORY_BYTES
+from corral.bounds import MIN_PIDS as MIN_PIDS
+from corral.bounds import parse_size as parse_size
 from corral.errors import PolicyError
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(value: object) -> object:
-    """``"512M"`` -> 536870912; ints pass through; anything else is left for pydantic."""
-    if isinstance(value, str):
-        m = _SIZE.match(value)
-        if not m:
-            raise ValueError(f"not a size: {value!r} (use bytes or a suffix: 64K, 512M, 2G)")
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    return value
-
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
 
-# The smallest limits a box can start with, checked here so that no backend discovers them at
-# start. Measured on bwrap, runc and crun (``bench``-style loops over the values): an idle box
-# (the guest agent) uses about 8 MiB, 8 MiB starts it and runs ``true``, a Python one-liner
-# needs 12 MiB; below that the OOM killer takes the agent itself.
-MIN_MEMORY_BYTES = 16 << 20
-CPU_PERIOD_US = 100_000
-"""The CFS period every backend uses: ``cpu_quota`` cores = quota/period."""
-MIN_CPU_QUOTA = 0.01
-"""The kernel refuses a CFS quota below 1 ms per period: 1 ms / 100 ms = 0.01 cores."""
-MAX_CPU_QUOTA = 4096.0
-MIN_PIDS = 4
-"""The guest agent plus a shell running a two-command pipeline (measured: with 3, the
-shell's second fork fails)."""
 VM_GUEST_MEMORY_MB = 128
 """What a microVM's own kernel, initramfs and guest agent take of its RAM beside the box's
 memory limit, plus 1/8 of the limit (the kernel's page tables and structures grow with the

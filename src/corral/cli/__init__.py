@@ -11,19 +11,38 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
+import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from corral import errors
-from corral.cli import audit, doctor, image, interactive, mcp, run
-from corral.cli.options import EXIT_SANDBOX, EXIT_USAGE, build_policy
+from corral.cli.options import EXIT_SANDBOX, EXIT_USAGE
+
+if TYPE_CHECKING:
+    from corral.cli.options import build_policy
 
 __all__ = ["build_policy", "main", "make_parser"]
 
 EXIT_PIPE = 141
+
+# The first imports of the command are argparse-level: each command's module is imported only
+# when that command runs (or for the full help), and each keeps the library out of its own
+# top level, so `corral run` pays for what running a box needs and nothing else.
+MODULES = ("run", "doctor", "interactive", "mcp", "audit", "image")
+"""The modules of ``corral.cli`` that register commands, in the order ``--help`` lists them."""
+COMMANDS = {
+    "run": "run",
+    "doctor": "doctor",
+    "shell": "interactive",
+    "attach": "interactive",
+    "sessions": "interactive",
+    "mcp": "mcp",
+    "audit": "audit",
+    "image": "image",
+}
+"""Command -> the module of ``corral.cli`` that registers it."""
 
 
 class UsageError(Exception):
@@ -44,13 +63,36 @@ def _version() -> str:
         return "unknown"
 
 
-def make_parser() -> argparse.ArgumentParser:
+class _Version(argparse.Action):
+    """``--version``: the installed version, read (importlib.metadata) only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.update(nargs=0, default=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"corral {_version()}")
+        parser.exit()
+
+
+def make_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``corral`` parser. Given the command line it will parse, only the named command
+    is registered (its module alone is imported); otherwise every command is."""
     parser = _Parser(prog="corral", description="Run commands and code inside Linux sandboxes.")
-    parser.add_argument("--version", action="version", version=f"corral {_version()}")
+    parser.add_argument("--version", action=_Version, help="show corral's version and exit")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    for command in (run, doctor, interactive, mcp, audit, image):
-        command.register(sub)
+    named = COMMANDS.get(argv[0]) if argv else None
+    for name in (named,) if named else MODULES:
+        importlib.import_module(f"corral.cli.{name}").register(sub)
     return parser
+
+
+def __getattr__(name: str) -> Any:
+    if name == "build_policy":
+        from corral.cli.options import build_policy
+
+        return build_policy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _wants_json(argv: Sequence[str]) -> bool:
@@ -64,6 +106,8 @@ def _wants_json(argv: Sequence[str]) -> bool:
 
 def _fail(message: str, code: str, status: int, as_json: bool) -> int:
     if as_json:
+        import json
+
         print(json.dumps({"error": {"code": code, "message": message}}))
     else:
         print(
@@ -77,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_json = _wants_json(argv)
     try:
         try:
-            args = make_parser().parse_args(argv)
+            args = make_parser(argv).parse_args(argv)
         except UsageError as exc:
             return _fail(str(exc), str(errors.ErrorCode.INVALID_INPUT), EXIT_USAGE, as_json)
         try:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from corral import errors
-from corral.net.cli import apply_network_options
-from corral.policy import Limits, Policy
-from corral.tools import presets
-from corral.tools.presets import PRESETS
 from corral.workspaces import refuse_dangerous_workspace, workspace_danger
+
+if TYPE_CHECKING:
+    from corral.policy import Policy
 
 __all__ = [
     "EXIT_SANDBOX",
@@ -27,6 +26,9 @@ __all__ = [
 
 EXIT_USAGE = 2
 EXIT_SANDBOX = 125
+PRESET_NAMES = ("node", "python", "rust")
+"""The names of :data:`corral.tools.presets.PRESETS` (a test keeps them equal), for
+``--preset``'s choices without importing the policy models to build a parser."""
 
 
 def add_raw_option(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +52,9 @@ def terminal_safe(text: str, stream: TextIO, args: argparse.Namespace) -> str:
 
 def build_policy(args: argparse.Namespace) -> Policy:
     """Policy file first, then the command-line overrides on top."""
+    from corral.net.cli import apply_network_options
+    from corral.policy import Limits, Policy
+
     trust = bool(getattr(args, "trust_writable_policy", False))
     loaded = Policy.load(args.policy, trust_writable=trust) if args.policy else Policy()
     policy = _with_backend(loaded, getattr(args, "backend", None), getattr(args, "runtime", None))
@@ -77,6 +82,8 @@ def build_policy(args: argparse.Namespace) -> Policy:
 def with_presets(policy: Policy, args: argparse.Namespace, workspace: str) -> Policy:
     """``policy`` with the ``--preset`` toolchains and those the workspace asks for
     (:func:`corral.tools.presets.detect`; each said on stderr), unless ``--no-presets``."""
+    from corral.tools import presets
+
     names = list(getattr(args, "preset", None) or [])
     if not getattr(args, "no_presets", False):
         for name, why in presets.detect(workspace, policy).items():
@@ -95,6 +102,8 @@ def _with_backend(policy: Policy, backend: str | None, runtime: str | None) -> P
         return policy
     if runtime is not None and backend not in (None, "oci"):
         raise errors.PolicyError(f"--runtime {runtime} needs --backend oci, not {backend}")
+    from corral.policy import Policy
+
     data = policy.model_dump()
     data["backend"] = backend or ("oci" if runtime else policy.backend)
     data["runtime"] = runtime or (policy.runtime if data["backend"] == "oci" else None)
@@ -137,7 +146,7 @@ def add_sandbox_options(p: argparse.ArgumentParser) -> None:
         "--preset",
         action="append",
         default=[],
-        choices=sorted(PRESETS),
+        choices=PRESET_NAMES,
         help="share a toolchain from your home read-only (rust: ~/.cargo and ~/.rustup, node: "
         "nvm's default node, python: pyenv and the interpreter of a workspace venv)",
     )

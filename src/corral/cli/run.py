@@ -13,7 +13,6 @@ not found, 126 when it is not executable; 125 when the sandbox itself failed; 2 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import errno
 import json
@@ -21,11 +20,11 @@ import math
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from corral import errors
+from corral.bounds import MAX_CPU_QUOTA, MIN_CPU_QUOTA, MIN_MEMORY_BYTES, MIN_PIDS, parse_size
 from corral.cli.options import (
     add_raw_option,
     add_sandbox_options,
@@ -40,10 +39,11 @@ from corral.net.cli import (
     refusal_lines,
     say_published,
 )
-from corral.output import TerminalFilter
-from corral.policy import MAX_CPU_QUOTA, MIN_CPU_QUOTA, MIN_MEMORY_BYTES, MIN_PIDS, parse_size
 
 if TYPE_CHECKING:
+    import asyncio
+
+    from corral.output import TerminalFilter
     from corral.sandbox import Sandbox
 
 __all__ = ["cmd_run", "register", "with_signals"]
@@ -270,6 +270,7 @@ def _spawn_failed(exc: errors.SpawnFailed, as_json: bool) -> int:
 def with_signals(main: Any) -> int:
     """Run ``main``; SIGTERM and SIGHUP cancel it like Ctrl-C does, so the sandbox is torn
     down (state dir, mounts, cgroup) before corral exits with 128+N."""
+    import asyncio
 
     async def guarded() -> int:
         loop = asyncio.get_running_loop()
@@ -366,6 +367,8 @@ async def _streamed(sb: Sandbox, args: argparse.Namespace, command: list[str], e
 def _terminal_filter(fd: int, args: argparse.Namespace) -> TerminalFilter | None:
     if args.raw or not os.isatty(fd):
         return None
+    from corral.output import TerminalFilter
+
     return TerminalFilter()
 
 
@@ -392,6 +395,9 @@ def _write_all(fd: int, data: bytes) -> bool:
 def _feed_stdin(stream: Any) -> asyncio.Future[None]:
     """Copy corral's stdin to the command as it arrives, then close the command's stdin. A
     daemon thread reads (a terminal never ends; nothing waits for it at exit)."""
+    import asyncio
+    import threading
+
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[bytes] = asyncio.Queue(maxsize=4)
 

@@ -17,12 +17,36 @@ Backends use :class:`BoxNetwork` (binds, agent forwarders, ``attach(pid)``, ``cl
 :func:`command_env`; nothing here depends on a backend.
 """
 
-from corral.net.box import BoxNetwork, sweep
-from corral.net.env import GUEST_NET_DIR, command_env, proxy_port
-from corral.net.proxy import EgressProxy
-from corral.net.publish import PortInUse
-from corral.net.resolver import ResolveError, Resolver, StaticResolver, SystemResolver
-from corral.net.rules import AddressScreen, HostAllowlist
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from corral._lazy import lazy_dir, lazy_getattr
+
+if TYPE_CHECKING:
+    from corral.net.box import BoxNetwork, sweep
+    from corral.net.env import GUEST_NET_DIR, command_env, proxy_port
+    from corral.net.proxy import EgressProxy
+    from corral.net.publish import PortInUse
+    from corral.net.resolver import ResolveError, Resolver, StaticResolver, SystemResolver
+    from corral.net.rules import AddressScreen, HostAllowlist
+
+_LAZY: dict[str, str] = {
+    "AddressScreen": "corral.net.rules",
+    "BoxNetwork": "corral.net.box",
+    "EgressProxy": "corral.net.proxy",
+    "GUEST_NET_DIR": "corral.net.env",
+    "HostAllowlist": "corral.net.rules",
+    "PortInUse": "corral.net.publish",
+    "ResolveError": "corral.net.resolver",
+    "Resolver": "corral.net.resolver",
+    "StaticResolver": "corral.net.resolver",
+    "SystemResolver": "corral.net.resolver",
+    "command_env": "corral.net.env",
+    "proxy_port": "corral.net.env",
+    "sweep": "corral.net.box",
+}
+"""Public name -> the module defining it, imported on first use."""
 
 __all__ = [
     "GUEST_NET_DIR",
@@ -39,3 +63,6 @@ __all__ = [
     "proxy_port",
     "sweep",
 ]
+
+__getattr__ = lazy_getattr(globals(), _LAZY)
+__dir__ = lazy_dir(globals())

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from corral.errors import PolicyError
-from corral.models import NetworkRefusal
-from corral.policy import NetworkPolicy, Policy, PublishedPort
 
 if TYPE_CHECKING:
+    from corral.models import NetworkRefusal
+    from corral.policy import Policy, PublishedPort
     from corral.sandbox import Sandbox
 
 MODES = ("none", "allowlist", "ports", "full")
@@ -25,6 +25,8 @@ def _port(text: str) -> int:
 
 
 def _publish(text: str) -> PublishedPort:
+    from corral.policy import PublishedPort
+
     try:
         return PublishedPort.parse(text)
     except PolicyError as exc:
@@ -86,6 +88,8 @@ def apply_network_options(policy: Policy, args: argparse.Namespace) -> Policy:
     publish: list[PublishedPort] = list(getattr(args, "publish", None) or [])
     if mode is None and not (hosts or ports or private or publish):
         return policy
+    from corral.policy import NetworkPolicy, Policy
+
     current = policy.network
     if mode == "none" and (hosts or ports):
         raise PolicyError("--network none contradicts --allow-host/--allow-port; drop one of them")
