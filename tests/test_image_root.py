@@ -52,7 +52,8 @@ async def test_a_command_runs_in_an_image_without_python(
     busybox_root: Path, tmp_path: Path
 ) -> None:
     before = tree(busybox_root)
-    async with Sandbox(Policy(image=str(busybox_root)), workspace=tmp_path) as sb:
+    read_only = Policy(image=str(busybox_root), filesystem={"root_size": None})
+    async with Sandbox(read_only, workspace=tmp_path) as sb:
         r = await sb.run("cat /etc/os-release; id -u; command -v python3 || echo no-python")
         assert r.stdout.splitlines() == ["NAME=corral-test-image", "1000", "no-python"], r
         assert (await sb.run("id -un")).stdout == "user\n"  # the box's passwd over the image's

@@ -82,6 +82,8 @@ DEFAULT_DENY_READ: tuple[str, ...] = (
 )
 
 
+MIN_ROOT_SIZE = 1 << 20
+"""Smallest ``filesystem.root_size`` (a writable image root's tmpfs)."""
 DEFAULT_WORKDIR = "/workspace"
 """Where the workspace appears in a box unless the policy says otherwise."""
 
@@ -156,6 +158,10 @@ class FilesystemPolicy(_Model):
     """Host directories shared into the box."""
     tmp_size: Size = 256 << 20
     """Size cap of the private ``/tmp`` (a tmpfs)."""
+    root_size: Annotated[Size, Field(ge=MIN_ROOT_SIZE)] | None = 1 << 30
+    """A box on an image (``image``): its root is writable, an overlay with the image
+    read-only below and a per-box tmpfs of this size above (what the box changes; gone with
+    the box). ``None`` (JSON ``null``): the image read-only. At least 1 MiB."""
     workspace_size: Size | None = None
     """Size cap of the workspace, for a temporary one (a sandbox started without
     ``workspace=``): corral makes it a tmpfs of this size, so a box cannot fill the host's

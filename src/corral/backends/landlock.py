@@ -51,6 +51,7 @@ def rules(
     *,
     deferred: bool = False,
     image_top: Sequence[str] | None = None,
+    image_writable: bool = False,
 ) -> dict[str, Any]:
     """The agent's ``landlock`` config: guest paths by kind (``read``, ``write``, ``proc``),
     or ``{"off": why}``. ``extra``: further read-only guest paths (the network's binds).
@@ -61,7 +62,8 @@ def rules(
     so a rule made on the staging directory would not reach the workspace mounted on it.
 
     ``image_top`` (a box on an image root): the image's top-level directories are what is
-    read, and the agent's interpreter is the host's, under :data:`HOST_PREFIX`."""
+    read, and the agent's interpreter is the host's, under :data:`HOST_PREFIX`;
+    ``image_writable`` (its overlay root): they are written too."""
     if not policy.security.landlock:
         return {"off": OFF_BY_POLICY}
     fs = policy.filesystem
@@ -80,6 +82,8 @@ def rules(
     write = [policy.workdir, "/tmp", "/home", "/dev", MQUEUE]
     write += [expand(raw, home) for raw in fs.allow_write]
     write += [m.guest for m in fs.mounts if m.mode == "rw"]
+    if image_top is not None and image_writable:
+        write += list(image_top)
     return {
         **({"deferred": True} if deferred else {}),
         "read": ["/", *dict.fromkeys(read)],

@@ -153,11 +153,11 @@ VAR_LINKS = (("/run", "/var/run"), ("/run/lock", "/var/lock"), ("/tmp", "/var/tm
 own /run and /tmp."""
 
 
-def image_entries(rootfs: Path) -> list[Bind | Symlink]:
+def image_entries(rootfs: Path, writable: bool = False) -> list[Bind | Symlink]:
     """A box root made of an image's root directory: each of its top-level directories
-    bound read-only and its top-level symlinks copied (``bin -> usr/bin``), never followed
-    on the host; the box's own ``/proc``, ``/dev``, ``/tmp``, ``/run`` and ``/home`` are
-    not taken from it."""
+    bound (read-only unless ``writable``: a writable root's overlay) and its top-level
+    symlinks copied (``bin -> usr/bin``), never followed on the host; the box's own
+    ``/proc``, ``/dev``, ``/tmp``, ``/run`` and ``/home`` are not taken from it."""
     entries: list[Bind | Symlink] = []
     with os.scandir(rootfs) as listing:
         for entry in sorted(listing, key=lambda e: e.name):
@@ -166,7 +166,7 @@ def image_entries(rootfs: Path) -> list[Bind | Symlink]:
             if entry.is_symlink():
                 entries.append(Symlink(os.readlink(entry.path), "/" + entry.name))
             elif entry.is_dir(follow_symlinks=False):
-                entries.append(Bind(entry.path, "/" + entry.name))
+                entries.append(Bind(entry.path, "/" + entry.name, writable))
     return entries
 
 

@@ -83,6 +83,8 @@ class BwrapInputs:
     (:mod:`corral.backends.host.devpts`): bound over ``/dev/pts``."""
     image_root: Path | None = None
     """The image's root directory (``policy.image``), instead of the host's system."""
+    image_writable: bool = False
+    """``image_root`` is the box's overlay (``filesystem.root_size``): bound read-write."""
     hidden: HiddenPython | None = None
     """With ``image_root``: how the agent's interpreter runs from the host's /usr."""
     root_commands: bool = False
@@ -118,7 +120,7 @@ def _root_args(policy: Policy, inp: BwrapInputs, host: HostView, made: set[str])
     roots: list[Bind | Symlink]
     if inp.image_root is not None:  # the image's entries, and the box's passwd if it has one
         args: list[str] = []
-        roots = image_entries(inp.image_root)
+        roots = image_entries(inp.image_root, inp.image_writable)
         roots += [
             b for b in passwd_binds(policy, inp.passwd_file) if _has_file(inp.image_root, b.dest)
         ]

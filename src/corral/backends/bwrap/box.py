@@ -52,7 +52,16 @@ from corral.backends.base import (
     sweep_boxes,
 )
 from corral.backends.bwrap import args as bwrap_args
-from corral.backends.host import cgroups, devpts, idmap, mounts, safepath, seccomp, staging, ucounts
+from corral.backends.host import (
+    cgroups,
+    devpts,
+    idmap,
+    overlay,
+    safepath,
+    seccomp,
+    staging,
+    ucounts,
+)
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import (
     HiddenPython,
@@ -207,7 +216,8 @@ async def _read_info(fd: int, proc: _Bwrap) -> dict[str, Any]:
 
 
 def _image_dirs(image_root: Path) -> list[str]:
-    """The guest paths of an image root's top-level directories (its Landlock ``read``)."""
+    """The guest paths of an image root's top-level directories (its Landlock ``read``, and
+    ``write`` too on a writable root)."""
     return [e.dest for e in image_entries(image_root) if isinstance(e, Bind)]
 
 
@@ -506,13 +516,15 @@ class BwrapBackend(BackendBase):
         ids = {"uid": 0, "gid": 0} if spec.user == "root" else {}
         config = {**agent_config(spec, **ids), "fd": channel_fd}
         net = spec.network
-        image_root, hidden = self._image(spec, held)
+        image, hidden = self._image(spec, held)
+        image_root = None if image is None else image.root
         config["landlock"] = landlock_rules(
             policy,
             self.python,
             [g for _, g in net.binds()] if net else (),
             deferred=spec.workspace_prepared,
             image_top=None if image_root is None else _image_dirs(image_root),
+            image_writable=image is not None and image.upper is not None,
         )
         if net is not None:
             config["forwarders"] = net.forwarders()
@@ -532,6 +544,7 @@ class BwrapBackend(BackendBase):
             sources=shared.sources,
             devpts=self.devpts,
             image_root=image_root,
+            image_writable=image is not None and image.upper is not None,
             hidden=hidden,
             root_commands=spec.user == "root",
         )
@@ -548,12 +561,14 @@ class BwrapBackend(BackendBase):
             held.warnings.append(shared.warning)
         return argv
 
-    def _image(self, spec: BoxSpec, held: _Held) -> tuple[Path | None, HiddenPython | None]:
-        """The root directory of ``policy.image`` (None: the host's system) and how the
-        agent's interpreter runs beside it. The image is bound read-only, nosuid and nodev
-        at a staging mount point bwrap can reach (the store is 0700, and bwrap runs as an
-        unprivileged uid), released with the box's shared paths. Blocking (a registry ref
-        may be pulled)."""
+    def _image(
+        self, spec: BoxSpec, held: _Held
+    ) -> tuple[overlay.ImageRoot | None, HiddenPython | None]:
+        """The root of ``policy.image`` (None: the host's system) and how the agent's
+        interpreter runs beside it. The image is mounted idmapped with the box's own id maps
+        under a per-box overlay (``filesystem.root_size``; :mod:`.overlay`), at a staging
+        mount point only bwrap (the box's owner uid) can reach, released with the box's
+        shared paths. Blocking (a registry ref may be pulled)."""
         policy = spec.policy
         if policy.image == "host":
             return None, None
@@ -565,19 +580,20 @@ class BwrapBackend(BackendBase):
         if not image.rootfs.is_dir():
             raise BackendError(f"policy.image {policy.image!r}: {image.rootfs} is not a directory")
         hidden = hidden_python(self.python)
-        shared = held.shared
-        assert shared is not None
+        shared, owner = held.shared, held.owner
+        assert shared is not None and owner is not None
         if shared.binds is None:
             shared.binds = idmap.IdmappedBinds(spec.sandbox_id)
-        entry = staging.new_entry("mnt", f"{spec.sandbox_id}.image")
-        shared.binds.entries.append(entry)
-        owner = held.owner
-        assert owner is not None
-        os.chown(entry, owner.uid, 0)  # bwrap (the box's owner uid) reaches it, no one else
-        entry.chmod(0o700)
-        mounts.bind(str(image.rootfs), str(entry / "ws"))
-        mounts.read_only(str(entry / "ws"))
-        return entry / "ws", hidden
+        root = overlay.mount_image_root(
+            spec.sandbox_id,
+            image.rootfs,
+            shared.binds.entries,
+            uid_map=id_map(shared.uid, owner.uid),
+            gid_map=id_map(shared.gid, owner.uid),
+            owner=owner.uid,
+            size=policy.filesystem.root_size,
+        )
+        return root, hidden
 
     @staticmethod
     def _binds_by_fd(

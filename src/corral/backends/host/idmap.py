@@ -44,8 +44,9 @@ _AT_EMPTY_PATH = 0x1000
 _AT_RECURSIVE = 0x8000
 _OPEN_TREE_CLONE = 1
 _MOVE_MOUNT_F_EMPTY_PATH = 0x4
-_MOUNT_ATTR_NOSUID = 0x2
-_MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
 _MOUNT_ATTR_IDMAP = 0x0010_0000
 
 _lock = threading.Lock()
@@ -103,26 +104,7 @@ def userns_fd(uid: int, gid: int, box_root: bool = False, user: int = COMMAND_HO
         fd = _userns.get(key)
         if fd is not None:
             return fd
-        proc = subprocess.Popen(
-            ["unshare", "--user", "--", "/bin/sh", "-c", "echo; exec cat"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env={"PATH": "/usr/bin:/bin"},
-        )
-        try:
-            assert proc.stdout is not None and proc.stdin is not None
-            if not proc.stdout.readline():
-                raise OSError(f"unshare --user failed (exit {proc.wait()})")
-            Path(f"/proc/{proc.pid}/uid_map").write_text(id_map_text(uid, box_root, user))
-            Path(f"/proc/{proc.pid}/gid_map").write_text(id_map_text(gid, box_root, user))
-            fd = os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-        finally:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            proc.kill()
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        fd = _unshared_userns(id_map_text(uid, box_root, user), id_map_text(gid, box_root, user))
         _userns[key] = fd
         return fd
 
@@ -131,7 +113,82 @@ def cached_namespace_fds() -> frozenset[int]:
     """The fds :func:`userns_fd` keeps open for the life of the process (its cache: one per
     workspace owner and box user host id in use; not a leak)."""
     with _lock:
-        return frozenset(_userns.values())
+        return frozenset([*_userns.values(), *_box_userns.values()])
+
+
+_box_userns: dict[tuple[str, str], int] = {}
+
+
+def box_userns_fd(uid_map: str, gid_map: str) -> int:
+    """A user namespace with a box's own id maps (``users.id_map``): an idmapped mount made
+    with it shows a tree's on-disk ids inside that box as they are on disk (an image's root
+    files are box root's, its uid 1000 files the box user's). Cached for the life of the
+    process, one per namespace owner slot in use (its lowest ids are reused first)."""
+    key = (uid_map, gid_map)
+    with _lock:
+        fd = _box_userns.get(key)
+        if fd is None:
+            fd = _box_userns[key] = _unshared_userns(uid_map, gid_map)
+        return fd
+
+
+def _unshared_userns(uid_map: str, gid_map: str) -> int:
+    proc = subprocess.Popen(
+        ["unshare", "--user", "--", "/bin/sh", "-c", "echo; exec cat"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        if not proc.stdout.readline():
+            raise OSError(f"unshare --user failed (exit {proc.wait()})")
+        Path(f"/proc/{proc.pid}/uid_map").write_text(uid_map)
+        Path(f"/proc/{proc.pid}/gid_map").write_text(gid_map)
+        return os.open(f"/proc/{proc.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def mount_tree(source_fd: int, name: str, target: str, ns_fd: int, attrs: int) -> None:
+    """Clone the tree open at ``source_fd`` (recursively) and attach it at ``target`` with
+    the mount attributes ``attrs`` (``MOUNT_ATTR_*``), idmapped through the user namespace
+    ``ns_fd``. ``name`` names the source in errors."""
+    tree = _syscall_for(
+        name,
+        _SYS_OPEN_TREE,
+        ctypes.c_int(source_fd),
+        b"",
+        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE | _AT_EMPTY_PATH),
+    )
+    try:
+        attr = struct.pack("QQQQ", _MOUNT_ATTR_IDMAP | attrs, 0, 0, ns_fd)
+        buf = ctypes.create_string_buffer(attr, len(attr))
+        _syscall_for(
+            name,
+            _SYS_MOUNT_SETATTR,
+            ctypes.c_int(tree),
+            b"",
+            ctypes.c_uint(_AT_EMPTY_PATH | _AT_RECURSIVE),
+            buf,
+            ctypes.c_size_t(len(attr)),
+        )
+        _syscall_for(
+            target,
+            _SYS_MOVE_MOUNT,
+            ctypes.c_int(tree),
+            b"",
+            ctypes.c_int(_AT_FDCWD),
+            os.fsencode(target),
+            ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+        )
+    finally:
+        os.close(tree)
 
 
 def mount_idmapped(
@@ -151,40 +208,9 @@ def mount_idmapped(
     try:
         st = os.fstat(src_fd)
         ns_fd = userns_fd(st.st_uid, st.st_gid, box_root, user)
-        tree = _syscall_for(
-            source,
-            _SYS_OPEN_TREE,
-            ctypes.c_int(src_fd),
-            b"",
-            ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC | _AT_RECURSIVE | _AT_EMPTY_PATH),
-        )
+        mount_tree(src_fd, source, target, ns_fd, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
     finally:
         os.close(src_fd)
-    try:
-        attr = struct.pack(
-            "QQQQ", _MOUNT_ATTR_IDMAP | _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV, 0, 0, ns_fd
-        )
-        buf = ctypes.create_string_buffer(attr, len(attr))
-        _syscall_for(
-            source,
-            _SYS_MOUNT_SETATTR,
-            ctypes.c_int(tree),
-            b"",
-            ctypes.c_uint(_AT_EMPTY_PATH | _AT_RECURSIVE),
-            buf,
-            ctypes.c_size_t(len(attr)),
-        )
-        _syscall_for(
-            target,
-            _SYS_MOVE_MOUNT,
-            ctypes.c_int(tree),
-            b"",
-            ctypes.c_int(_AT_FDCWD),
-            os.fsencode(target),
-            ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
-        )
-    finally:
-        os.close(tree)
 
 
 @functools.cache

@@ -1,0 +1,118 @@
+"""A box's root on an image, writable: overlayfs, the image read-only below, a per-box tmpfs
+of ``filesystem.root_size`` above (the bwrap backend, as root).
+
+Three staging entries per box (:mod:`corral.backends.host.staging`, released with the box's
+other mounts: unmounted, then ``rmdir`` only)::
+
+    <state>/mnt/<box>.image/ws   the overlay, bound into the box entry by entry (0700, the
+                                 box's namespace owner: bwrap runs as it; no one else enters)
+    <state>/mnt/<box>.lower/ws   the image's root, idmapped with the box's own id maps,
+                                 read-only, nosuid, nodev (0700, host root's)
+    <state>/mnt/<box>.upper/ws   a tmpfs (size=root_size, 0700, host root's) holding the
+                                 overlay's ``upper`` and ``work`` directories
+
+Why idmapped: the store keeps an image's owners as its layers say (root's files are host
+uid 0's), and box root is an unprivileged host uid. Seen through the box's own id map, an
+on-disk uid N is box uid N: root's files are box root's (``apt-get`` may replace them), the
+box user's are uid 1000's, and nothing is host root's. The image on the host is never
+written: overlayfs copies a file up into the tmpfs before it changes, and the lower mount is
+read-only besides.
+
+Why mounted by the host: bwrap 0.8 has no overlay option. The overlay is made by host root
+with ``redirect_dir=off``, ``index=off``, ``metacopy=off`` (no redirect or metacopy xattr in
+an upper a box wrote is ever followed) and ``nosuid,nodev``; the box reaches the upper only
+through it and cannot set the ``trusted.overlay.*`` xattrs overlayfs acts on. When the box
+ends, the tmpfs is unmounted: nothing it wrote is left on a host disk, and host code never
+walks it then (:mod:`corral.images.export` reads a live upper as hostile, by fds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from corral.backends.host import idmap, mounts, staging
+from corral.errors import BackendError
+
+_MS_NOSUID_NODEV = mounts.MS_NOSUID | mounts.MS_NODEV
+OVERLAY_OPTIONS = "redirect_dir=off,index=off,metacopy=off,xino=off"
+
+
+@dataclass(frozen=True)
+class ImageRoot:
+    root: Path
+    """What the box's root entries are bound from: the overlay (or the read-only lower)."""
+    upper: Path | None
+    """The overlay's upper directory (what the box changed), None for a read-only root."""
+
+
+def _new(name: str, entries: list[Path], owner: int = 0) -> Path:
+    entry = staging.new_entry("mnt", name)
+    entries.append(entry)  # released with the box, mounted or not
+    os.chown(entry, owner, 0)
+    entry.chmod(0o700)
+    return entry / "ws"
+
+
+def _tmpfs(target: Path, options: str) -> None:
+    done = mounts.libc().mount(
+        b"tmpfs", os.fsencode(target), b"tmpfs", _MS_NOSUID_NODEV, options.encode()
+    )
+    if done != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount tmpfs on {target}: {os.strerror(err)}", str(target))
+
+
+def _overlay(target: Path, lower: Path, upper: Path, work: Path) -> None:
+    options = f"lowerdir={lower},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
+    done = mounts.libc().mount(
+        b"overlay", os.fsencode(target), b"overlay", _MS_NOSUID_NODEV, options.encode()
+    )
+    if done != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount overlay on {target}: {os.strerror(err)}", str(target))
+
+
+def mount_image_root(
+    sandbox_id: str,
+    rootfs: Path,
+    entries: list[Path],
+    *,
+    uid_map: str,
+    gid_map: str,
+    owner: int,
+    size: int | None,
+) -> ImageRoot:
+    """Mount the box's root for the image at ``rootfs``: idmapped with the box's id maps
+    (``uid_map``/``gid_map``), under an overlay with a tmpfs of ``size`` bytes above it (None:
+    the image read-only). ``entries`` receives each staging entry as soon as it exists (the
+    caller releases them in order: overlay first). Blocking."""
+    merged = _new(f"{sandbox_id}.image", entries, owner)
+    lower = _new(f"{sandbox_id}.lower", entries)
+    upper_fs = _new(f"{sandbox_id}.upper", entries) if size is not None else None
+    try:
+        source = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            ns_fd = idmap.box_userns_fd(uid_map, gid_map)
+            attrs = idmap.MOUNT_ATTR_RDONLY | idmap.MOUNT_ATTR_NOSUID | idmap.MOUNT_ATTR_NODEV
+            idmap.mount_tree(source, str(rootfs), str(lower), ns_fd, attrs)
+        finally:
+            os.close(source)
+        if upper_fs is None:
+            mounts.bind(str(lower), str(merged))
+            mounts.read_only(str(merged))
+            return ImageRoot(merged, None)
+        _tmpfs(upper_fs, f"size={size},mode=0700")
+        upper, work = upper_fs / "upper", upper_fs / "work"
+        upper.mkdir(mode=0o755)
+        work.mkdir(mode=0o700)
+        _overlay(merged, lower, upper, work)
+    except OSError as exc:
+        raise BackendError(
+            f"policy.image: cannot mount the box's root ({exc.strerror or exc}"
+            f"{' on ' + exc.filename if exc.filename else ''}); corral needs root on the host "
+            "and a kernel with idmapped mounts and overlayfs (Linux 5.19+)"
+        ) from None
+    return ImageRoot(merged, upper)

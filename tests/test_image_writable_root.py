@@ -1,0 +1,119 @@
+"""A writable root on an image (bwrap): the image idmapped read-only below, a per-box tmpfs
+of ``filesystem.root_size`` above. Box root changes the image's files, the box user writes
+only what the image gives uid 1000; the image on the host never changes, a second box
+starts from the image again, the cap holds, and nothing of the upper outlives the box."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from corral import Policy, PolicyError, Sandbox
+from corral.backends.host.state import state_root
+
+pytestmark = [
+    pytest.mark.needs_bwrap,
+    pytest.mark.skipif(os.geteuid() != 0, reason="images run on the bwrap backend as root"),
+]
+
+BUSYBOX = shutil.which("busybox") or "/bin/busybox"
+APPLETS = ("sh", "ls", "cat", "id", "echo", "touch", "mkdir", "rm", "ln", "dd", "mknod", "stat")
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    """A busybox root as the store keeps one: root's files host uid 0's, one directory the
+    image's uid 1000 owns."""
+    if not os.path.exists(BUSYBOX):
+        pytest.skip("busybox-static is not installed")
+    root = tmp_path / "rootfs"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    for applet in APPLETS:
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc").mkdir()
+    (root / "etc" / "motd").write_text("from the image\n")
+    (root / "srv" / "app").mkdir(parents=True)
+    os.chown(root / "srv" / "app", 1000, 1000)
+    os.chmod(root, 0o755)
+    return root
+
+
+def snapshot(root: Path) -> list[tuple[str, int, int, int, bytes]]:
+    out = []
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        data = p.read_bytes() if p.is_file() and not p.is_symlink() else b""
+        out.append((str(p.relative_to(root)), st.st_mode, st.st_uid, st.st_size, data[:64]))
+    return out
+
+
+async def test_box_root_changes_the_image_root_and_the_host_image_stays(
+    image: Path, tmp_path: Path
+) -> None:
+    before = snapshot(image)
+    policy = Policy(image=str(image), user="root")
+    async with Sandbox(policy, workspace=tmp_path) as sb:
+        r = await sb.run(
+            "echo changed > /etc/motd && echo new > /etc/new && rm /bin/dd && "
+            "mkdir -p /srv/more && cat /etc/motd /etc/new; ls /bin/dd 2>&1; stat -c %u /etc",
+            cwd="/",
+        )
+        assert r.stdout.splitlines()[:2] == ["changed", "new"], r
+        assert "No such file" in r.stdout and r.stdout.endswith("0\n"), r  # root's, as on disk
+    assert snapshot(image) == before  # the image on the host is unchanged
+    async with Sandbox(policy, workspace=tmp_path) as sb:  # a fresh copy for the next box
+        r = await sb.run("cat /etc/motd; ls /etc/new 2>&1; ls /bin/dd", cwd="/")
+        assert r.stdout.splitlines()[0] == "from the image", r
+        assert "No such file" in r.stdout and "/bin/dd" in r.stdout
+
+
+async def test_the_box_user_writes_only_what_the_image_gives_uid_1000(
+    image: Path, tmp_path: Path
+) -> None:
+    async with Sandbox(Policy(image=str(image)), workspace=tmp_path) as sb:
+        r = await sb.run("touch /etc/x 2>&1; echo $?; touch /srv/app/mine && stat -c %u /srv/app")
+        assert "Permission denied" in r.stdout and r.stdout.endswith("1000\n"), r
+        assert not (image / "srv" / "app" / "mine").exists()
+
+
+async def test_the_root_size_caps_what_the_box_writes(image: Path, tmp_path: Path) -> None:
+    policy = Policy(image=str(image), user="root", filesystem={"root_size": "2M"})
+    async with Sandbox(policy, workspace=tmp_path) as sb:
+        r = await sb.run("dd if=/dev/zero of=/etc/big bs=1M count=8 2>&1; echo $?", cwd="/")
+        assert "No space left on device" in r.stdout and r.stdout.endswith("1\n"), r
+
+
+def test_the_root_size_is_checked_by_the_policy() -> None:
+    with pytest.raises(PolicyError, match=r"filesystem\.root_size"):
+        Policy(filesystem={"root_size": "4K"})
+    with pytest.raises(PolicyError, match=r"filesystem\.root_size"):
+        Policy(filesystem={"root_size": "lots"})
+
+
+async def test_the_upper_is_out_of_reach_and_gone_with_the_box(image: Path, tmp_path: Path) -> None:
+    """What a box leaves above the image (a link to a host file, a FIFO, a setuid file)
+    stays in its tmpfs; the lower and upper mounts are host root's, closed to other users,
+    not in the box; the image stays unchanged and every staging entry is gone at the end."""
+    before = snapshot(image)
+    policy = Policy(image=str(image), user="root")
+    async with Sandbox(policy, workspace=tmp_path) as sb:
+        mnt = state_root() / "mnt"
+        for part, owner_is_root in (("lower", True), ("upper", True), ("image", False)):
+            st = (mnt / f"{sb.sandbox_id}.{part}").stat()
+            assert st.st_mode & 0o777 == 0o700 and (st.st_uid == 0) == owner_is_root, part
+        r = await sb.run(
+            "ln -s /etc/shadow /etc/link; mkfifo /etc/fifo 2>/dev/null; "
+            "cp /bin/busybox /bin/suid && chmod 4755 /bin/suid; "
+            "mknod /etc/dev c 1 3 2>&1; echo mknod=$?; "
+            f"ls {mnt} 2>&1; mount -o remount,rw /etc 2>&1; echo remount=$?; "
+            "umount /etc 2>&1; echo umount=$?",
+            cwd="/",
+        )
+        assert "mknod=1" in r.stdout and "remount=1" in r.stdout and "umount=1" in r.stdout, r
+        assert "No such file" in r.stdout, r  # the host's staging mounts are not in the box
+    assert snapshot(image) == before
+    assert not list((state_root() / "mnt").glob(f"{sb.sandbox_id}.*"))
