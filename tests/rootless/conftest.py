@@ -4,10 +4,12 @@ tests/test_rootless.py runs this folder as the test users ``make setup`` creates
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,3 +49,18 @@ def workspace(tmp_path: Path) -> Path:
 async def box(workspace: Path) -> AsyncIterator[Sandbox]:
     async with Sandbox(Policy(), workspace=workspace) as sb:
         yield sb
+
+
+@pytest.fixture
+async def host_server() -> Any:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        body = b"hello " + head.split(b" ")[1] + b"\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()

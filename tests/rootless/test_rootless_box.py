@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mcp import Client, StdioServerParameters
@@ -244,21 +243,11 @@ def test_corral_doctor_explains_rootless_mode(mapped: bool) -> None:
         assert "usermod --add-subuids" in checks["rootless ids"]["fix"]
     assert "RLIMIT_NPROC" in checks["rootless limits"]["detail"]
     assert checks["sandbox"]["ok"], checks["sandbox"]
-
-
-@pytest.fixture
-async def host_server() -> Any:
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        body = b"hello " + head.split(b" ")[1] + b"\n"
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    yield server.sockets[0].getsockname()[1]
-    server.close()
-    await server.wait_closed()
+    for runtime in ("crun", "runc"):  # the oci backend runs rootless too, and says how
+        assert checks[runtime]["ok"], checks[runtime]
+        assert "rootless: " in checks[runtime]["detail"]
+        assert ("your first subordinate id" in checks[runtime]["detail"]) is mapped
+    assert "run corral as root for gVisor" in checks["runsc"]["detail"]
 
 
 async def test_allowlist_proxy_runs_as_the_user(workspace: Path, host_server: int) -> None:

@@ -17,6 +17,7 @@ from corral import Policy, Sandbox
 from corral.backends.host.state import state_root
 from corral.backends.oci.box import OciBox
 from corral.errors import BackendUnavailable
+from corral.net import StaticResolver
 
 RUNTIMES = ["crun", "runc"]
 
@@ -239,3 +240,45 @@ async def test_stop_kills_the_box_from_the_host(workspace: Path, runtime: str) -
             assert ready, "the box's init outlived stop()"
         finally:
             os.close(fd)
+
+
+async def test_allowlist_and_ports_reach_the_host_as_the_user(
+    workspace: Path, runtime: str, host_server: int
+) -> None:
+    policy = Policy.from_dict(
+        {
+            "backend": "oci",
+            "runtime": runtime,
+            "network": {
+                "mode": "allowlist",
+                "allow_hosts": ["allowed.test"],
+                "allow_private": ["127.0.0.1"],
+            },
+        }
+    )
+    names = StaticResolver({"allowed.test": "127.0.0.1", "denied.test": "127.0.0.1"})
+    async with Sandbox(policy, workspace=workspace, resolver=names) as sb:
+        r = await sb.run(f"curl -sS http://allowed.test:{host_server}/allowed", timeout=20)
+        assert r.stdout == "hello /allowed\n", r.stderr
+        r = await sb.run(f"curl -sS http://denied.test:{host_server}/x", timeout=20)
+        assert "network.allow_hosts" in r.stdout
+    ports = Policy.from_dict(
+        {"backend": "oci", "runtime": runtime, "network": {"mode": "ports", "ports": [host_server]}}
+    )
+    async with Sandbox(ports, workspace=workspace) as sb:
+        r = await sb.run(f"curl -sS http://127.0.0.1:{host_server}/port", timeout=20)
+        assert r.stdout == "hello /port\n", r.stderr
+
+
+async def test_full_mode_is_refused_with_the_alternatives(workspace: Path, runtime: str) -> None:
+    policy = Policy.from_dict({"backend": "oci", "runtime": runtime, "network": {"mode": "full"}})
+    with pytest.raises(BackendUnavailable, match="use backend 'bwrap'"):
+        async with Sandbox(policy, workspace=workspace):
+            pass
+
+
+async def test_the_box_has_its_own_capped_pty_pool(oci_box: Sandbox) -> None:
+    """The runtime's devpts takes ``max=`` in the box's user namespace (bwrap's does not):
+    a box cannot drain the host's ``kernel.pty.max``."""
+    r = await oci_box.run("grep ' /dev/pts ' /proc/self/mountinfo")
+    assert "max=256" in r.stdout, r.stdout

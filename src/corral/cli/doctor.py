@@ -273,6 +273,17 @@ def check_oci_runtime(name: str) -> Check:
             f"; this host mixes cgroup v1 and v2, which crun refuses, so corral runs it in a "
             f"private mount namespace without {runtime.hidden_mount}"
         )
+    if runtime.rootless is not None:
+        ids = (
+            "box root -> your first subordinate id, commands -> you"
+            if runtime.rootless.mapped
+            else "one id: agent and commands are you (commands with no capability)"
+        )
+        where += (
+            f"; rootless: {name} runs in a user namespace of yours mapping your ids ({ids}), "
+            "the box has no cgroup (limits as rlimits, each in its warnings), a devpts capped "
+            "at 256 PTYs, network none/allowlist/ports (full: use backend bwrap)"
+        )
 
     async def go() -> int:
         async with Sandbox(Policy.from_dict({"backend": "oci", "runtime": name})) as sb:
