@@ -5,6 +5,9 @@ that make box root that owner and the box user that uid."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,20 +28,21 @@ from corral.backends.users import (
 from corral.errors import BackendError
 
 
-@pytest.fixture(autouse=True)
-def own_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp_path))
+@pytest.fixture
+def slots(tmp_path: Path) -> Path:
+    """A lock folder of its own: the host's (``ucounts.OWNERS_DIR``) has running boxes."""
+    return tmp_path
 
 
-def test_running_boxes_never_share_an_owner() -> None:
-    held = [ucounts.claim_owner() for _ in range(5)]
+def test_running_boxes_never_share_an_owner(slots: Path) -> None:
+    held = [ucounts.claim_owner(slots) for _ in range(5)]
     uids = {o.uid for o in held}
     assert len(uids) == 5
     assert all(OWNER_UID_BASE <= u < OWNER_UID_BASE + OWNER_SLOTS for u in uids)
     first = held[0].uid
     held[0].release()
     held[0].release()  # idempotent
-    again = ucounts.claim_owner()
+    again = ucounts.claim_owner(slots)
     assert again.uid == first  # a closed box's owner is free again
     for o in [again, *held[1:]]:
         o.release()
@@ -58,8 +62,8 @@ def test_a_workspace_owner_in_the_owner_range_is_refused() -> None:
         id_ranges(OWNER_UID_BASE + 1)
 
 
-def test_slots_are_lowest_first_and_give_each_box_its_own_command_id() -> None:
-    held = [ucounts.claim_owner() for _ in range(3)]
+def test_slots_are_lowest_first_and_give_each_box_its_own_command_id(slots: Path) -> None:
+    held = [ucounts.claim_owner(slots) for _ in range(3)]
     assert [o.uid for o in held] == [OWNER_UID_BASE + n for n in range(3)]
     ids = [o.command_id for o in held]
     assert ids == [COMMAND_UID_BASE + n for n in range(3)]
@@ -79,3 +83,26 @@ def test_box_user_maps_to_the_command_id_of_its_slot() -> None:
         id_ranges(COMMAND_UID_BASE - 1)  # the last namespace owner: never a box user
     with pytest.raises(ValueError, match="not a namespace owner"):
         command_id(COMMAND_HOST_ID)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as another uid")
+def test_the_sweep_kills_a_free_slots_processes_and_spares_a_held_ones() -> None:
+    slot = OWNER_SLOTS - 1  # the last: no box of this host is there while the test runs
+    uid = COMMAND_UID_BASE + slot
+    held = ucounts._try_slot(ucounts.OWNERS_DIR, slot)
+    assert held >= 0, "the last slot is in use"
+    proc = subprocess.Popen(["sleep", "300"], user=uid, group=uid, extra_groups=[])
+    try:
+        assert proc.pid in ucounts.slot_processes()[slot]
+        ucounts.sweep_free_slots()
+        assert proc.poll() is None  # its slot is held: a running box's
+        os.close(held)
+        held = -1
+        assert slot in ucounts.sweep_free_slots()
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert slot not in ucounts.slot_processes()
+    finally:
+        if held >= 0:
+            os.close(held)
+        proc.kill()
+        proc.wait()

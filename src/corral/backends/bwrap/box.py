@@ -375,7 +375,9 @@ class BwrapBackend(BackendBase):
         self.devpts = devpts.mount_point()
 
     def sweep_orphans(self) -> list[str]:
-        return sweep_orphans(self.cgroup_support)
+        removed = sweep_orphans(self.cgroup_support)
+        ucounts.sweep_free_slots()  # what a dead owner's box left running as its uids
+        return removed
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
         policy = spec.policy

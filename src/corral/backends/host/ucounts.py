@@ -15,6 +15,12 @@ box's user namespace as that uid (bwrap runs as it; OCI runtimes join a namespac
 created as it). Each box is then held by the host's per-user limits alone, and host root's
 own budget is untouched.
 
+A slot's lock is held by the host process that started the box, so a host process killed
+hard (SIGKILL mid-start or mid-run) frees the slot while what ran as its uids may live on
+(pasta, a runtime's box, a process its cleanup missed). Before the next box takes the slot,
+:func:`sweep_free_slots` (run with every orphan sweep) kills every process still running as
+the owner uid or the command uid of a slot nobody holds.
+
 ``RLIMIT_MSGQUEUE``: the box's own namespace counts its commands against the agent's
 :data:`corral.agent.commands.BOX_MSGQUEUE_BYTES`; the host level checks the limit the
 namespace's creator had, which corral lifts once (:func:`lift_msgqueue_limit`).
@@ -26,15 +32,23 @@ import contextlib
 import fcntl
 import os
 import resource
+import select
 import shutil
 import subprocess
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.backends.host.state import state_root
 from corral.backends.layout import SYSTEM_PATH
-from corral.backends.users import OWNER_SLOTS, OWNER_UID_BASE, command_id
+from corral.backends.users import COMMAND_UID_BASE, OWNER_SLOTS, OWNER_UID_BASE, command_id
 from corral.errors import BackendError
+
+OWNERS_DIR = Path("/run/corral/owners")
+"""The slots' lock files, one per slot: host-wide whatever ``CORRAL_STATE_DIR`` says, since
+the uids they hand out are host-wide (two state directories must not hand out one uid)."""
+
+_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def lift_msgqueue_limit() -> None:
@@ -66,27 +80,165 @@ class BoxOwner:
             self.fd = -1
 
 
-def claim_owner() -> BoxOwner:
+def _try_slot(folder: Path, slot: int) -> int:
+    """The slot's lock file, flock'd by this call, or -1 when someone holds it."""
+    fd = os.open(folder / str(slot), _FLAGS, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return -1
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def claim_owner(folder: Path = OWNERS_DIR) -> BoxOwner:
     """A namespace owner uid no other running box on this host holds (BackendError when all
     :data:`OWNER_SLOTS` are taken): the lowest free one, so the ids a host uses stay few and
     what is made per id (an idmapped mount's namespace, :mod:`.idmap`) is made again rarely."""
-    folder = state_root() / "owners"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
     for slot in range(OWNER_SLOTS):
-        fd = os.open(folder / str(slot), flags, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        except BaseException:
-            os.close(fd)
-            raise
-        return BoxOwner(OWNER_UID_BASE + slot, fd)
+        fd = _try_slot(folder, slot)
+        if fd >= 0:
+            return BoxOwner(OWNER_UID_BASE + slot, fd)
     raise BackendError(
         f"all {OWNER_SLOTS} namespace owner ids are held by running boxes; close some boxes"
     )
+
+
+def slot_of(uid: int) -> int | None:
+    """The slot whose owner uid or command uid ``uid`` is, else None."""
+    for base in (OWNER_UID_BASE, COMMAND_UID_BASE):
+        if base <= uid < base + OWNER_SLOTS:
+            return uid - base
+    return None
+
+
+def slot_processes() -> dict[int, set[int]]:
+    """slot -> pids of the live (not zombie) processes that have the slot's owner uid or
+    command uid as their real, effective, saved or filesystem uid. One read of
+    ``/proc/PID/status`` per process."""
+    found: dict[int, set[int]] = {}
+    for pid, uids, state in _processes():
+        if state == "Z":
+            continue
+        for uid in uids:
+            slot = slot_of(uid)
+            if slot is not None:
+                found.setdefault(slot, set()).add(pid)
+    return found
+
+
+def _processes() -> Iterator[tuple[int, tuple[int, ...], str]]:
+    """(pid, uids, state letter) of every process, read from its status file."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                status = f.read(2048)
+        except OSError:
+            continue  # gone meanwhile
+        uids: tuple[int, ...] = ()
+        state = ""
+        for line in status.split(b"\n"):
+            if line.startswith(b"State:"):
+                state = line[6:].strip()[:1].decode()
+            elif line.startswith(b"Uid:"):
+                uids = tuple(int(u) for u in line[4:].split())
+                break
+        yield int(name), uids, state
+
+
+SWEEP_WAIT = 5.0
+"""Seconds the sweep waits for a free slot's killed processes to be gone."""
+
+
+def sweep_free_slots(folder: Path = OWNERS_DIR) -> list[int]:
+    """Kill every process still running as the owner or command uid of a slot nobody holds
+    (its host process died without ending it), and wait until they are gone; the slots
+    swept. Each slot is locked meanwhile, so no box claims it before its last process is
+    gone. Blocking (one pass over ``/proc``; more only where something is left)."""
+    swept: list[int] = []
+    leftovers = slot_processes()
+    if not leftovers:
+        return swept
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for slot, pids in sorted(leftovers.items()):
+        fd = _try_slot(folder, slot)
+        if fd < 0:
+            continue  # a running box's: its host process lives
+        try:
+            _kill_slot(slot, pids)
+        finally:
+            os.close(fd)
+        swept.append(slot)
+    return swept
+
+
+def _kill_slot(slot: int, pids: set[int]) -> None:
+    """SIGKILL everything running as the slot's two uids and wait for it to end.
+
+    ``kill(-1, SIGKILL)`` run as each uid reaches every process of that uid in one pass
+    under the kernel's task list lock, so a process forking meanwhile cannot slip past
+    (a kill of pid after pid could miss the children). A pidfd per process seen tells
+    when it is gone; a second pass catches what was between two uids."""
+    for _ in range(3):
+        pidfds = []
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                pidfds.append(os.pidfd_open(pid))
+        try:
+            for uid in (OWNER_UID_BASE + slot, COMMAND_UID_BASE + slot):
+                _kill_all_of(uid)
+            _wait_gone(pidfds, SWEEP_WAIT)
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+        pids = slot_processes().get(slot, set())
+        if not pids:
+            return
+
+
+def _kill_all_of(uid: int) -> None:
+    """``kill(-1, SIGKILL)`` as ``uid`` (no groups): every process that uid may signal,
+    which is every process running as it, in any namespace. The host's interpreter runs it
+    (neither procps' ``kill`` nor dash's builtin take pid -1 with a named signal here)."""
+    python = shutil.which("python3", path=SYSTEM_PATH)
+    if python is None:
+        return
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(
+            [python, "-I", "-S", "-c", "import os; os.kill(-1, 9)"],
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+            cwd="/",
+            timeout=SWEEP_WAIT,
+            check=False,
+        )
+
+
+def _wait_gone(pidfds: list[int], timeout: float) -> None:
+    """Until every pidfd says its process exited, or ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    waiting = list(pidfds)
+    poller = select.poll()
+    for fd in waiting:
+        poller.register(fd, select.POLLIN)
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for fd, _ in poller.poll(left * 1000):
+            poller.unregister(fd)
+            waiting.remove(fd)
 
 
 def make_userns(owner: int, uid_map: str, gid_map: str) -> int:

@@ -541,7 +541,9 @@ class OciBackend(BackendBase):
         return f"oci/{self.runtime.name}"
 
     def sweep_orphans(self) -> list[str]:
-        return sweep_orphans([self.runtime])
+        removed = sweep_orphans([self.runtime])
+        ucounts.sweep_free_slots()  # what a dead owner's box left running as its uids
+        return removed
 
     async def start(self, spec: BoxSpec) -> OciBox:
         refuse_image(spec, "oci")
