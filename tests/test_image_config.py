@@ -180,3 +180,9 @@ async def test_other_backends_refuse_box_root_naming_the_field(backend: str) -> 
     with pytest.raises(BackendUnavailable, match=r"policy\.user"):
         async with Sandbox(Policy(user="root", backend=backend)):
             pass
+
+
+async def test_the_hosts_own_root_is_no_plain_image() -> None:
+    with pytest.raises(PolicyError, match="host's own root"):
+        async with Sandbox(Policy(image="/")):
+            pass

@@ -79,7 +79,14 @@ def resolve_image(ref: str) -> ResolvedImage:
             ref, store.rootfs(record), ImageConfig.from_oci(record.config, record.digest)
         )
     if is_path(ref):  # a directory that is no OCI layout: a plain root
-        return ResolvedImage(ref, Path(ref).expanduser().resolve(), ImageConfig())
+        root = Path(ref).expanduser().resolve()
+        if root == Path("/"):
+            # Its owners show in the box as they are: host root's files would be box root's.
+            raise errors.PolicyError(
+                f"policy.image {ref!r} is the host's own root: use image 'host' (read-only, "
+                "its secrets masked) or a root directory made for boxes"
+            )
+        return ResolvedImage(ref, root, ImageConfig())
     raise errors.ImageNotFound(f"no image {ref!r}")
 
 
