@@ -162,6 +162,8 @@ def sweep_free_slots(folder: Path = OWNERS_DIR) -> list[int]:
     swept. Each slot is locked meanwhile, so no box claims it before its last process is
     gone. Blocking (one pass over ``/proc``; more only where something is left)."""
     swept: list[int] = []
+    if os.geteuid() != 0:
+        return swept  # slots are root's (rootless boxes take none) and so are their uids
     leftovers = slot_processes()
     if not leftovers:
         return swept
