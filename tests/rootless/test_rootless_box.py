@@ -349,3 +349,24 @@ async def test_a_microvm_runs_rootless(workspace: Path) -> None:
         assert Path(f"/proc/{qemu}/status").read_text().count(f"\t{os.getuid()}\t") >= 1
     comm = Path(f"/proc/{qemu}/comm")
     assert not comm.exists() or "qemu" not in comm.read_text()  # gone (or the pid reused)
+
+
+async def test_the_box_has_its_own_capped_pty_pool(box: Sandbox) -> None:
+    """As in root mode: the box's devpts takes ``max=`` (mounted through the box's user
+    namespace), so a box cannot drain the host's ``kernel.pty.max``; commands cannot lift it."""
+    r = await box.run("grep ' /dev/pts ' /proc/self/mountinfo")
+    assert "max=256" in r.stdout, r.stdout
+    grab = (
+        "import os\ntry:\n    [os.openpty() for _ in range(300)]\n"
+        "except OSError as e:\n    print(e.errno)"
+    )
+    r = await box.run(["python3", "-c", grab])
+    assert r.stdout.strip() == "28", r  # ENOSPC at the cap, not the host's limit
+    r = await box.run("umount /dev/pts || umount -l /dev/pts")
+    assert r.exit_code != 0
+    sh = await box.shell()  # PTY sessions still work on it
+    try:
+        await sh.write("echo $((6 * 7))\n")
+        assert (await sh.expect("42", 10)).matched
+    finally:
+        await sh.close()

@@ -116,8 +116,8 @@ def check_rootless() -> list[Check]:
         Check(
             "rootless differences",
             False,
-            "no warm pool (its staging mounts are root's); the box's devpts is bwrap's (no PTY "
-            "count cap); workspaces are not idmapped (commands act as you in them); your boxes "
+            "no warm pool (its staging mounts are root's); workspaces are not idmapped "
+            "(commands act as you in them); your boxes "
             "share your kernel quotas (inotify, message queues); network full runs pasta as you",
             "run corral as root for these",
             required=False,

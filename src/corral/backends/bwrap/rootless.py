@@ -16,8 +16,12 @@ What changes from root mode (:mod:`corral.backends.bwrap.box`), and why:
 - **limits.** No cgroup (a user cannot create one without a delegated subtree): the
   planner's ``rlimits`` fallback (RLIMIT_AS for memory, RLIMIT_NPROC for processes, the
   timeout for time; a CPU quota is not enforced) and a warning per limit.
-- **no host-side mounts.** No idmapped workspace, no capped devpts of the host's making
-  (bwrap's own devpts), no warm pool (its staging mounts are root's).
+- **no host-side mounts.** No idmapped workspace, no warm pool (its staging mounts are
+  root's). The box's capped devpts (``max=``, :mod:`corral.backends.host.devpts`) is
+  mounted as in root mode, while bwrap waits for its maps, but from inside the box's user
+  namespace (``nsenter --user --mount ... mount -t devpts``): the user owns that namespace,
+  and a thread of this process could not enter it (a process with threads may not change
+  user namespace).
 - **network.** every mode: the sockets of ``allowlist``, ``ports`` and published ports are
   the user's, and ``full`` runs pasta as the user, its nftables fence loaded through the
   box's user namespace (the user owns it) before the agent starts.
@@ -51,7 +55,7 @@ from corral.backends.base import (
 )
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.bwrap.box import BwrapBackend, BwrapBox, _Bwrap, _Held, _read_info
-from corral.backends.host import cgroups, idmap, safepath, seccomp, subids
+from corral.backends.host import cgroups, devpts, idmap, safepath, seccomp, subids
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import make_private_dir, state_root, write_owner
@@ -68,6 +72,12 @@ from corral.backends.layout import (
 from corral.backends.limits import Capabilities, LimitPlan, agent_rlimits, plan_limits
 from corral.backends.users import BOX_UID, rootless_ranges
 from corral.errors import BackendError, BackendUnavailable, PolicyError
+
+PTY_UNCAPPED = (
+    "rootless: the box's PTYs come from bwrap's own devpts, without a cap (kernel.pty.max is "
+    "shared with the host): nsenter and mount (util-linux) are needed to cap them; as root "
+    "run once: apt-get install util-linux mount"
+)
 
 
 def _map_argv(tool: str, pid: int, ranges: list[tuple[int, int, int]]) -> list[str]:
@@ -158,6 +168,9 @@ class RootlessBwrapBackend(BackendBase):
                 found, rlimit_fallback=True, reason=self.cgroup_support.reason
             )
         self.warnings: tuple[str, ...] = ()
+        self.devpts_tools = tuple(shutil.which(t, path=SYSTEM_PATH) for t in ("nsenter", "mount"))
+        if None in self.devpts_tools:
+            self.warnings += (PTY_UNCAPPED,)
         if not self.probe.mapped:
             self.warnings = (SINGLE_ID_WARNING.format(why=self.probe.separation_problem),)
 
@@ -209,6 +222,8 @@ class RootlessBwrapBackend(BackendBase):
             child = int(info["child-pid"])
             write_owner(spec.state_dir, "bwrap", bwrap_pid=proc.pid)
             await self._map_ids(child, proc)
+            if None not in self.devpts_tools:  # in the box's namespaces: maps written first
+                await self._mount_devpts(child, proc)
             net = spec.network
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence the netns first (as in root mode)
@@ -294,6 +309,38 @@ class RootlessBwrapBackend(BackendBase):
                     "(`corral doctor` says what it found)"
                 )
 
+    async def _mount_devpts(self, child: int, proc: _Bwrap) -> None:
+        """The box's capped devpts on :func:`devpts.mount_point`, in the box's mount
+        namespace, mounted as box root through the box's user namespace (the user owns it)."""
+        nsenter, mount = self.devpts_tools
+        assert nsenter is not None and mount is not None
+        # nsenter takes box root (setgroups, setuid 0); with one id the user is box root
+        # already, and setgroups is denied in its namespace: it keeps its ids then.
+        keep = () if self.probe.mapped else ("--preserve-credentials",)
+        run = await asyncio.create_subprocess_exec(
+            nsenter,
+            f"--target={child}",
+            "--user",
+            "--mount",
+            *keep,
+            "--",
+            mount,
+            "-t",
+            "devpts",
+            "-o",
+            f"nosuid,noexec,{devpts.OPTIONS}",
+            "devpts",
+            str(devpts.mount_point()),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+        )
+        _, err = await run.communicate()
+        if run.returncode != 0:
+            said = err.decode(errors="replace").strip() or await proc.stderr()
+            raise BackendError(f"the box's PTY pool (devpts) could not be mounted: {said}")
+
     @staticmethod
     def _map_single(child: int) -> None:
         Path(f"/proc/{child}/uid_map").write_text(f"0 {os.getuid()} 1\n")
@@ -357,6 +404,7 @@ class RootlessBwrapBackend(BackendBase):
             agent_args=(json.dumps(config, separators=(",", ":")),),
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             sources=shared.sources,
+            devpts=None if None in self.devpts_tools else devpts.mount_point(),
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
