@@ -15,6 +15,7 @@ import pytest
 
 from corral import Policy, Sandbox
 from corral.backends.host.state import state_root
+from corral.backends.layout import PTY_MAX
 from corral.backends.oci.box import OciBox
 from corral.errors import BackendUnavailable
 from corral.net import StaticResolver
@@ -281,4 +282,4 @@ async def test_the_box_has_its_own_capped_pty_pool(oci_box: Sandbox) -> None:
     """The runtime's devpts takes ``max=`` in the box's user namespace (bwrap's does not):
     a box cannot drain the host's ``kernel.pty.max``."""
     r = await oci_box.run("grep ' /dev/pts ' /proc/self/mountinfo")
-    assert "max=256" in r.stdout, r.stdout
+    assert f"max={PTY_MAX}" in r.stdout, r.stdout

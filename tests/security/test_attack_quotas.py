@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from corral import Policy, PolicyError, Sandbox
+from corral import BackendError, Policy, PolicyError, Sandbox
+from corral.backends.host import devpts
+from corral.backends.host.state import state_root
 from corral.backends.layout import PTY_MAX
 from corral.backends.limits import DEFAULT_NOFILE
 from corral.processes import Process
@@ -256,6 +258,37 @@ async def test_pty_pool_exhaustion_stays_in_the_box(sandbox: Sandbox, other_box:
     master, slave = os.openpty()  # the host too
     os.close(master)
     os.close(slave)
+
+
+def test_every_running_box_at_its_pty_cap_fits_in_the_kernels_pool() -> None:
+    """Box A's cap holds A; the caps of all boxes that may run at once must fit in the
+    shared pool, or A and its neighbours together could leave box B none. A start on a
+    slot beyond that is refused, naming the sysctl that makes room."""
+    pty_max, reserve = devpts.pool()
+    fit = devpts.boxes_in_pool()
+    assert fit * PTY_MAX <= pty_max - reserve < (fit + 1) * PTY_MAX
+    assert fit >= 32, "realistic box counts must fit (48 with the kernel's defaults)"
+    devpts.refuse_beyond_pool(fit - 1)
+    with pytest.raises(BackendError, match=rf"{fit} boxes run already.*kernel\.pty\.max="):
+        devpts.refuse_beyond_pool(fit)
+
+
+async def test_a_start_the_pty_pool_cannot_hold_is_refused(
+    box_policy: Policy, workspace: Path, other_box: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a pool too small for one more box (here: a host whose kernel.pty.max leaves
+    less than PTY_MAX beside the reserve), the start fails with the sysctl to raise, and
+    box B keeps working."""
+    host_kernel_only(other_box)
+    if box_policy.backend == "microvm":
+        pytest.skip("a VM's PTYs are its own kernel's pool")
+    monkeypatch.setattr(devpts, "pool", lambda: (1024 + PTY_MAX - 1, 1024))
+    sb = Sandbox(box_policy, workspace=workspace)
+    with pytest.raises(BackendError, match=r"PTY pool.*sysctl -w kernel\.pty\.max="):
+        await sb.start()
+    assert not (state_root() / "boxes" / sb.sandbox_id).exists()  # nothing of it is left
+    r = await other_box.run(["python3", "-c", "import os; os.openpty(); print('ok')"])
+    assert r.stdout == "ok\n", r
 
 
 async def test_the_box_pty_pool_cannot_be_remounted_bigger(sandbox: Sandbox) -> None:

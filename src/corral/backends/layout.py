@@ -125,9 +125,11 @@ PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", 
 # The host's cgroupfs below a bound host /sys lists every box's cgroup (ids, memory use):
 # a box that sees the host's /sys gets an empty read-only tmpfs here instead.
 CGROUP_DIR = "/sys/fs/cgroup"
-# The box's own devpts instance holds at most this many PTYs (the kernel's pool,
-# kernel.pty.max, is shared by every box and the host).
-PTY_MAX = 256
+# The box's own devpts instance holds at most this many PTYs. The kernel's pool
+# (kernel.pty.max less kernel.pty.reserve, 3072 by default) is shared by every box: at 64
+# each, 48 boxes at full use fit in it (at 256, twelve did), and a start beyond that is
+# refused (host.devpts.refuse_beyond_pool).
+PTY_MAX = 64
 
 # Top-level host directories a box never sees: it gets its own of each (or none).
 PRIVATE_TOP = frozenset({"proc", "dev", "tmp", "run", "home", "lost+found", "var/run"})

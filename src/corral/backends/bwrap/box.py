@@ -507,6 +507,7 @@ class BwrapBackend(BackendBase):
             started.wait(0.05)
         masked_file, masked_dir, passwd = shared_files()
         held.owner = owner = ucounts.claim_owner()
+        devpts.refuse_beyond_pool(owner.slot)  # its max= must fit beside the others'
         if spec.user == "root":
             # Box root's commands own the shared paths: their owner's files appear as box
             # root's (the namespace owner's host uid); box uid 1000 keeps its own host id.

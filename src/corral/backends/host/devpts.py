@@ -9,6 +9,14 @@ the box's namespace only; bwrap then binds it over ``/dev/pts`` (``--dev-bind``)
 is made by host root, so the box's root can neither remount nor unmount it under ``/dev``.
 The new namespace is owned by the box's less privileged user namespace, so the host's shared
 mounts are slaves in it: nothing propagates back to the host, and nothing needs unmounting.
+
+``max=`` bounds one box; the kernel's pool (``kernel.pty.max``) is one for every devpts
+instance but the host's own, which alone may use the ``kernel.pty.reserve`` part. So that box
+B always gets its PTYs however many its neighbours hold, the sum of the caps of the boxes
+running at once must fit in ``kernel.pty.max - kernel.pty.reserve``:
+:func:`refuse_beyond_pool` refuses a start (bwrap and runc/crun, as root) whose owner slot
+lies beyond the number of boxes that fit. Slots are handed out lowest first, so a box on slot
+``n`` starts while ``n`` others run.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from pathlib import Path
 from corral.backends.host import mounts
 from corral.backends.host.state import state_root
 from corral.backends.layout import PTY_MAX
+from corral.errors import BackendError
 
 OPTIONS = f"newinstance,ptmxmode=0666,mode=0620,max={PTY_MAX}"
 """The box's devpts: its own instance, ``/dev/ptmx`` usable by the box user, PTY_MAX PTYs."""
@@ -99,3 +108,39 @@ def submit_mount(pid: int, target: Path) -> Future[None]:
             )
         thread = _thread
     return thread.submit(_mount, pid, str(target))
+
+
+PTY_SYSCTLS = Path("/proc/sys/kernel/pty")
+
+
+def pool() -> tuple[int, int]:
+    """``(kernel.pty.max, kernel.pty.reserve)``: the system-wide count of PTYs, and the part
+    of it only the host's own devpts instance may take."""
+    return (
+        int((PTY_SYSCTLS / "max").read_text()),
+        int((PTY_SYSCTLS / "reserve").read_text()),
+    )
+
+
+def boxes_in_pool(size: tuple[int, int] | None = None) -> int:
+    """How many boxes, each holding :data:`PTY_MAX` PTYs, fit in the pool beside the host's
+    reserve (48 with the kernel's defaults)."""
+    pty_max, reserve = pool() if size is None else size
+    return max(0, pty_max - reserve) // PTY_MAX
+
+
+def refuse_beyond_pool(slot: int, size: tuple[int, int] | None = None) -> None:
+    """BackendError when a box on owner slot ``slot`` would not fit in the kernel's PTY
+    pool beside the boxes on the slots below it (held: slots go lowest first), so box B
+    could be starved by A's PTYs. Raising ``kernel.pty.max`` makes room at once."""
+    pty_max, reserve = pool() if size is None else size
+    fit = boxes_in_pool((pty_max, reserve))
+    if slot < fit:
+        return
+    need = reserve + (slot + 1) * PTY_MAX
+    raise BackendError(
+        f"{slot} boxes run already and the kernel's PTY pool holds {fit} at {PTY_MAX} PTYs "
+        f"each (kernel.pty.max {pty_max} less kernel.pty.reserve {reserve}, the host's own): "
+        "another box could leave its neighbours without a terminal. Close a box, or raise "
+        f"the pool: sysctl -w kernel.pty.max={need}"
+    )

@@ -68,6 +68,12 @@ class BoxOwner:
     """The slot's lock file (flock'd; closed by :meth:`release` or this process's death)."""
 
     @property
+    def slot(self) -> int:
+        """The slot's number: the lowest free one when it was claimed, so ``slot`` other
+        boxes were running then."""
+        return self.uid - OWNER_UID_BASE
+
+    @property
     def command_id(self) -> int:
         """The host uid and gid of the box's commands (box uid 1000), from the same slot."""
         return command_id(self.uid)

@@ -74,6 +74,7 @@ from corral.backends.base import (
 )
 from corral.backends.host import (
     cgroups,
+    devpts,
     idmap,
     mountinfo,
     mounts,
@@ -652,6 +653,7 @@ class OciBackend(BackendBase):
         if not runtime.gvisor:  # gVisor's inotify, queues, PTYs and epoll are its kernel's
             owner = ucounts.claim_owner()
             held.append(owner)
+            devpts.refuse_beyond_pool(owner.slot)  # its max= must fit beside the others'
             user = owner.command_id
         # gVisor's file server is the box's root: shared paths take its files too.
         shared = idmap.share_paths(spec, box_root=runtime.gvisor, user=user)
