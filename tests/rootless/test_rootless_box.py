@@ -16,6 +16,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 from corral import Policy, Sandbox
+from corral.backends.layout import PTY_MAX
 from corral.net import StaticResolver
 
 PROMPT = r"\$ $|# $"
@@ -355,7 +356,7 @@ async def test_the_box_has_its_own_capped_pty_pool(box: Sandbox) -> None:
     """As in root mode: the box's devpts takes ``max=`` (mounted through the box's user
     namespace), so a box cannot drain the host's ``kernel.pty.max``; commands cannot lift it."""
     r = await box.run("grep ' /dev/pts ' /proc/self/mountinfo")
-    assert "max=256" in r.stdout, r.stdout
+    assert f"max={PTY_MAX}" in r.stdout, r.stdout
     grab = (
         "import os\ntry:\n    [os.openpty() for _ in range(300)]\n"
         "except OSError as e:\n    print(e.errno)"
