@@ -1,6 +1,7 @@
 """``corral image build`` from a Dockerfile subset (corral.images.build): FROM an image of the
-store (or scratch), COPY from the context as layers, ENV/WORKDIR/USER/CMD into the config;
-RUN and everything else refused with the line it is on."""
+store (or scratch), COPY from the context as layers, RUN in a corral box on the image so far
+(its writable root's upper as the next layer), ENV/WORKDIR/USER/CMD into the config;
+everything else refused with the line it is on."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def test_build_copies_the_context_and_sets_the_config(
 @pytest.mark.parametrize(
     ("dockerfile", "words"),
     [
-        ("FROM scratch\nRUN apt-get install -y git\n", "line 2: RUN is not supported yet"),
+        ("FROM scratch\nONBUILD RUN true\n", "line 2: ONBUILD is not in"),
         ("FROM scratch\nHEALTHCHECK NONE\n", "line 2: HEALTHCHECK is not in"),
         ("COPY a b\n", "line 1: the first instruction must be FROM"),
         ("FROM scratch\nCOPY ../secret /x\n", "leaves the build context"),
@@ -103,3 +104,59 @@ def test_build_from_scratch(store: ImageStore, tmp_path: Path) -> None:
     (tmp_path / "hello").write_text("hi\n")
     record = build(store, "FROM scratch\nCOPY hello /hello\n", tmp_path, "bare:1")
     assert os.listdir(store.rootfs(record)) == ["hello"]
+
+
+needs_root_bwrap = [
+    pytest.mark.needs_bwrap,
+    pytest.mark.skipif(os.geteuid() != 0, reason="RUN boxes run on the bwrap backend as root"),
+]
+
+
+@pytest.mark.parametrize("_", [None], ids=["run"])
+@needs_root_bwrap[0]
+@needs_root_bwrap[1]
+def test_run_steps_become_layers(
+    store: ImageStore, base: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], _: None
+) -> None:
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(
+        f"FROM {base}\n"
+        "ENV GREETING=hi\n"
+        "WORKDIR /app\n"  # not in the base: made by the first RUN, as Docker does
+        "RUN echo built > out && id -u > uid && rm /etc/hello && mkdir -p /opt/x && "
+        'echo "$GREETING" > /opt/x/g && mkdir /data && busybox chown 1000:1000 /data\n'
+        "USER 1000\n"
+        'RUN ["/bin/sh", "-c", "id -u > /data/who && echo says hello"]\n'
+    )
+    assert main(["image", "build", "-t", "ran:1", str(ctx), "--json"]) == 0
+    captured = capsys.readouterr()
+    built = json.loads(captured.out)
+    assert built["layers"] == 3 and "says hello" in captured.err
+    image = resolve_image("ran:1")
+    root = image.rootfs
+    assert root is not None
+    assert (root / "app" / "out").read_text() == "built\n"
+    assert (root / "app" / "uid").read_text() == "0\n"  # RUN is root unless USER says
+    assert not (root / "etc" / "hello").exists()  # a deletion became a whiteout
+    assert (root / "opt" / "x" / "g").read_text() == "hi\n"
+    assert (root / "data" / "who").read_text() == "1000\n"
+    # The layer records the box's ids (box root 0, the box user 1000), not host ids.
+    assert (root / "app" / "out").stat().st_uid == 0
+    assert (root / "data").stat().st_uid == 1000 and (root / "data" / "who").stat().st_uid == 1000
+    refs = sorted(r.ref for r in store.list())
+    assert len(refs) == 2 and "docker.io/library/ran:1" in refs  # the steps' images are gone
+    assert (root / "bin" / "busybox").stat().st_ino == (
+        store.rootfs(store.resolve(base)).joinpath("bin", "busybox").stat().st_ino  # type: ignore[arg-type]
+    )
+
+
+@needs_root_bwrap[0]
+@needs_root_bwrap[1]
+def test_a_failing_run_fails_the_build_with_its_output(
+    store: ImageStore, base: str, tmp_path: Path
+) -> None:
+    dockerfile = f"FROM {base}\nRUN echo about to fail && exit 3\n"
+    with pytest.raises(errors.ImageError, match=r"line 2: RUN exited with 3:\nabout to fail"):
+        build(store, dockerfile, tmp_path, "bad:1")
+    assert [r.ref for r in store.list()] == [store.resolve(base).ref]  # type: ignore[union-attr]

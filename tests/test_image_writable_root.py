@@ -217,3 +217,27 @@ async def _host_dpkg_status(name: str) -> str:
     )
     out, _ = await proc.communicate()
     return out.decode()
+
+
+async def test_export_root_is_what_the_box_changed_with_its_own_ids(
+    image: Path, tmp_path: Path
+) -> None:
+    """``Sandbox.export_root``: the upper as an OCI layer (a deletion as a whiteout, a new
+    top-level directory), owners as the box sees them, the box's mount points left out."""
+    import tarfile
+
+    policy = Policy(image=str(image), user="root")
+    async with Sandbox(policy, workspace=tmp_path) as sb:
+        assert await sb.export_root(tmp_path / "empty.tar") == 0  # nothing changed yet
+        r = await sb.run(
+            "echo x > /etc/new && rm /etc/motd && mkdir /data && chown 1000:1000 /data", cwd="/"
+        )
+        assert r.exit_code == 0, r
+        count = await sb.export_root(tmp_path / "layer.tar")
+    with tarfile.open(tmp_path / "layer.tar") as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert sorted(members) == ["data", "etc", "etc/.wh.motd", "etc/new"] and count == 4
+    assert (members["etc/new"].uid, members["data"].uid, members["data"].gid) == (0, 1000, 1000)
+    async with Sandbox(Policy(image=str(image), filesystem={"root_size": None})) as sb:
+        with pytest.raises(Exception, match="no writable root"):
+            await sb.export_root(tmp_path / "none.tar")

@@ -669,6 +669,30 @@ class Sandbox:
                     return
                 raise
 
+    async def export_root(self, dest: str | os.PathLike[str]) -> int:
+        """Write what the box changed in its writable root on an image (the overlay's upper
+        layer: new and changed files, deletions as whiteouts) to ``dest`` as an OCI layer
+        tar, with the box's own ids; returns the number of entries. ``ImageStore.commit``
+        puts such a layer on top of the image. The box keeps running: what changes while it
+        is read may or may not be in the layer."""
+        box = self._box
+        if box is None:
+            raise errors.SandboxClosed("the sandbox is not started")
+        layer = box.root_layer
+        if layer is None:
+            raise _invalid(
+                "this box has no writable root: start it on an image (policy.image) with "
+                "filesystem.root_size set, on the bwrap backend"
+            )
+
+        def write() -> int:
+            from corral.images.export import write_layer
+
+            with open(dest, "wb") as out:
+                return write_layer(layer.upper, out, layer.box_id, layer.mount_points)
+
+        return await blocking(write)
+
     def _env(self) -> dict[str, str]:
         image = self.image_config
         env = box_env(self.policy, image_env=image.env if image else None)

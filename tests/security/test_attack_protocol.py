@@ -59,6 +59,10 @@ class FakeBox:
     def user_ids(self) -> tuple[int, int]:
         return (65534, 65534)
 
+    @property
+    def root_layer(self) -> None:
+        return None
+
     def stats(self) -> BoxStats:
         return BoxStats()
 

@@ -118,7 +118,7 @@ def apply(config: dict[str, Any], as_user: Any = None) -> dict[str, Any]:
     try:
         for key, rights in (("read", READ), ("proc", PROC), ("write", fs)):
             for path in config.get(key) or ():
-                _add(libc, ruleset, str(path), rights & fs, as_user)
+                _add(libc, ruleset, str(path), rights & fs, as_user, key == "write")
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # bwrap and OCI set it already
         libc.syscall("landlock_restrict_self", RESTRICT_SELF, ruleset, 0)
     finally:
@@ -129,9 +129,13 @@ def apply(config: dict[str, Any], as_user: Any = None) -> dict[str, Any]:
     return status
 
 
-def _add(libc: clib.Libc, ruleset: int, path: str, rights: int, as_user: Any) -> None:
+def _add(
+    libc: clib.Libc, ruleset: int, path: str, rights: int, as_user: Any, whole: bool = False
+) -> None:
     """One path-beneath rule; a path the box does not have is skipped, and so is one that
-    neither the agent nor (``as_user()``) the command user can reach: no rule, no access."""
+    neither the agent nor (``as_user()``) the command user can reach: no rule, no access.
+    ``/`` gives names only (listing), unless ``whole`` (a ``write`` rule: a box whose root
+    is its own writable overlay)."""
     import stat
 
     try:
@@ -147,8 +151,8 @@ def _add(libc: clib.Libc, ruleset: int, path: str, rights: int, as_user: Any) ->
         except OSError:
             return
     try:
-        if path == "/":  # names only: listing / must work, its files stay the rules' own
-            rights &= READ_DIR
+        if path == "/" and not whole:  # names only: listing / works, its files stay the
+            rights &= READ_DIR  # rules' own
         elif not stat.S_ISDIR(os.fstat(fd).st_mode):
             rights &= FILE_ONLY
         # struct landlock_path_beneath_attr (packed): __u64 allowed_access, __s32 parent_fd.

@@ -87,6 +87,26 @@ class BoxSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RootLayer:
+    """A box's writable root, as the host sees it: overlayfs's upper directory (what the box
+    changed above its image; written by the box: read it as hostile) and the box's id map,
+    ``(box id, host id, count)`` ranges, to tell the box ids of what it holds."""
+
+    upper: Path
+    ids: tuple[tuple[int, int, int], ...]
+    mount_points: frozenset[str] = frozenset()
+    """Top-level names the backend made in the root for the box's own mounts (``workspace``
+    where the image had none): mount points, not changes of the box."""
+
+    def box_id(self, host_id: int) -> int:
+        """The box's id for ``host_id`` (65534, nobody, for an id the box does not map)."""
+        for box, host, count in self.ids:
+            if host <= host_id < host + count:
+                return box + host_id - host
+        return 65534
+
+
+@dataclass(frozen=True, slots=True)
 class BoxStats:
     """Resource accounting of a whole box, from its cgroup (None where not measured)."""
 
@@ -181,6 +201,9 @@ class BoxBase:
 
     user_ids: tuple[int, int] = (COMMAND_HOST_ID, COMMAND_HOST_ID)
     """Host uid and gid of the box user (box uid 1000); a backend sets its box's own."""
+
+    root_layer: RootLayer | None = None
+    """The box's writable root on an image (None: none); a backend sets its box's own."""
 
     def __init__(
         self,
@@ -336,6 +359,11 @@ class Box(Protocol):
     def user_ids(self) -> tuple[int, int]:
         """Host uid and gid of the box user (box uid 1000): what the owner's files of an
         idmapped shared path appear as (the warm pool mounts a workspace so at a claim)."""
+        ...
+
+    @property
+    def root_layer(self) -> RootLayer | None:
+        """The upper layer of the box's writable root on an image, or None."""
         ...
 
     def stats(self) -> BoxStats: ...

@@ -83,7 +83,7 @@ def rules(
     write += [expand(raw, home) for raw in fs.allow_write]
     write += [m.guest for m in fs.mounts if m.mode == "rw"]
     if image_top is not None and image_writable:
-        write += list(image_top)
+        write.append("/")  # the overlay is the box's root: its mounts hold the rest
     return {
         **({"deferred": True} if deferred else {}),
         "read": ["/", *dict.fromkeys(read)],

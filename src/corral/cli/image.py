@@ -7,7 +7,7 @@
     corral image ls                              # what is stored
     corral image inspect tools:1                 # its digest, config, layers and root (JSON)
     corral image rm 127.0.0.1:5000/tools:1       # forget it; layers no image uses are dropped
-    corral image build -t tools:2 ./ctx          # FROM, COPY, ENV, WORKDIR... (no RUN yet)
+    corral image build -t tools:2 ./ctx          # FROM, RUN, COPY, ENV, WORKDIR...
 
 A ref is normalised as docker does (``busybox`` is ``docker.io/library/busybox:latest``);
 ``inspect`` and ``rm`` also take a digest or a 12+ digit prefix of one. Errors are one line
@@ -203,7 +203,12 @@ def cmd_build(args: argparse.Namespace) -> int:
             f"cannot read {dockerfile}: {exc.strerror}", code=errors.ErrorCode.INVALID_INPUT
         ) from None
     store = _store()
-    record = build(store, text, context, args.tag)
+
+    def log(text: str) -> None:  # what RUN steps print, as docker build shows it
+        sys.stderr.write(terminal_safe(text, sys.stderr, args))
+        sys.stderr.flush()
+
+    record = build(store, text, context, args.tag, log=log)
     if args.json:
         print(json.dumps(_summary(store, record)))
     else:

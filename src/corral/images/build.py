@@ -2,10 +2,10 @@
 
 Supported: ``FROM`` (an image ref as :func:`corral.images.resolve_image` takes it, or
 ``scratch``), ``COPY SRC... DST`` (from the build context; each ``COPY`` is one layer),
-``ENV``, ``WORKDIR``, ``USER``, ``CMD``, ``ENTRYPOINT`` (JSON or shell form), ``LABEL``
-(ignored), comments and ``\\`` continuations. Anything else, ``RUN`` included, is refused with
-the line it is on: ``RUN`` needs a box running on the image being built (a writable root whose
-upper layer becomes the next layer), which is the part of the images work that runs boxes.
+``RUN`` (JSON or shell form: a corral box on the image so far, whose writable root's upper
+layer becomes the next layer), ``ENV``, ``WORKDIR``, ``USER``, ``CMD``, ``ENTRYPOINT``,
+``LABEL`` (ignored), comments and ``\\`` continuations. Anything else is refused with the
+line it is on.
 
 ``COPY`` never leaves the context: a source with ``..`` or an absolute path is refused, and
 symlinks in the context are copied as symlinks, never followed. Files are owned by root
@@ -14,20 +14,28 @@ symlinks in the context are copied as symlinks, never followed. Files are owned 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
 import shlex
+import stat
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corral import errors
 from corral.images.registry import parse_ref
 from corral.images.store import ImageRecord, ImageStore, is_path
 
+if TYPE_CHECKING:
+    from corral.images.resolve import BoxUser
+    from corral.models import CommandResult
+
 IGNORED = {"LABEL", "MAINTAINER"}
+Log = Callable[[str], object]
 
 
 @dataclass
@@ -42,6 +50,9 @@ class _State:
     base: ImageRecord | None = None
     config: dict[str, Any] = field(default_factory=dict)
     layers: list[Path] = field(default_factory=list)
+    runs: int = 0
+    temp_refs: list[str] = field(default_factory=list)
+    """The images ``RUN`` steps ran on (removed once the build is done)."""
 
 
 def _bad(line: int, message: str) -> errors.ImageError:
@@ -135,52 +146,153 @@ def _copy_layer(ins: Instruction, context: Path, workdir: str, out: Path) -> Non
                 add(path, f"{dest}/{path.name}" if to_dir else dest)
 
 
+def _config_step(ins: Instruction, config: dict[str, Any]) -> bool:
+    """Apply an instruction that only changes the config (or is ignored); False for others."""
+    if ins.op == "ENV":
+        env = dict(item.partition("=")[::2] for item in config.get("Env") or ())
+        _env(ins, env)
+        config["Env"] = [f"{k}={v}" for k, v in env.items()]
+    elif ins.op == "WORKDIR":
+        cwd = str(config.get("WorkingDir") or "/")
+        config["WorkingDir"] = posixpath.normpath(posixpath.join(cwd, ins.args))
+    elif ins.op == "USER":
+        config["User"] = ins.args
+    elif ins.op in ("CMD", "ENTRYPOINT"):
+        config["Cmd" if ins.op == "CMD" else "Entrypoint"] = _command(ins)
+    elif ins.op not in IGNORED:
+        return False
+    return True
+
+
+def _run_layer(
+    store: ImageStore, state: _State, ins: Instruction, out: Path, log: Log | None
+) -> None:
+    """``RUN``: the image so far (committed under a temporary ref, removed at the end of
+    the build) as a box's writable root; the command runs there as the image's ``USER``
+    (root when it names none, as Docker's builds do), in its ``WORKDIR`` (made when
+    missing), with its ``Env``, no network and an empty workspace; what it changed becomes
+    ``out``, the next layer. A non-zero exit fails the build with the command's output."""
+    import asyncio
+
+    from corral.images.resolve import ImageConfig, ResolvedImage, box_user
+
+    state.runs += 1
+    temp = f"corral-build.invalid/{os.getpid()}-{id(state):x}:{state.runs}"
+    record = store.commit(temp, state.base, state.layers, state.config, source="build-step")
+    state.temp_refs.append(temp)
+    rootfs = store.rootfs(record)
+    config = ImageConfig.from_oci(state.config)
+    try:
+        user = box_user(ResolvedImage(temp, rootfs, config), None if config.user else "root")
+    except errors.PolicyError as exc:
+        raise _bad(ins.line, f"RUN: {exc}") from None
+    argv = _command(ins)
+    cwd = posixpath.normpath(posixpath.join("/", config.workdir or "/"))
+    if cwd != "/" and not _is_dir_in(rootfs, cwd):  # Docker makes a missing WORKDIR
+        argv = ["/bin/sh", "-c", 'mkdir -p "$1" && cd "$1" && shift && exec "$@"', "sh", cwd]
+        argv += _command(ins)
+        cwd = "/"
+    with store.scratch() as ws:
+        result = asyncio.run(_run_in_box(rootfs, user, argv, cwd, config.env, ws, out))
+    if log is not None:
+        log(result.stdout + result.stderr)
+    if result.exit_code != 0:
+        tail = (result.stdout + result.stderr).strip()[-2000:]
+        raise _bad(ins.line, f"RUN exited with {result.exit_code}" + (f":\n{tail}" if tail else ""))
+
+
+async def _run_in_box(
+    rootfs: Path,
+    user: BoxUser,
+    argv: list[str],
+    cwd: str,
+    env: dict[str, str],
+    workspace: Path,
+    out: Path,
+) -> CommandResult:
+    from corral.policy import Policy
+    from corral.sandbox import Sandbox
+
+    policy = Policy(image=str(rootfs), user=user)
+    async with Sandbox(policy, workspace=workspace) as sb:
+        result = await sb.run(argv, cwd=cwd, env=env)
+        if result.exit_code == 0:
+            await sb.export_root(out)
+        return result
+
+
+def _is_dir_in(root: Path, path: str) -> bool:
+    from corral.backends.host import safepath
+
+    try:
+        fd = safepath.open_beneath(root, path, os.O_PATH | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISDIR(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+
+
 def build(
-    store: ImageStore, dockerfile: str, context: Path, ref: str, *, pull: bool = True
+    store: ImageStore,
+    dockerfile: str,
+    context: Path,
+    ref: str,
+    *,
+    pull: bool = True,
+    log: Log | None = None,
 ) -> ImageRecord:
-    """Build ``dockerfile`` (its text) with ``context`` as the build context, into ``ref``."""
+    """Build ``dockerfile`` (its text) with ``context`` as the build context, into ``ref``;
+    what ``RUN`` commands print goes to ``log``. Blocking (``RUN`` starts boxes in an
+    event loop of its own): call it from a thread in async code."""
     instructions = parse(dockerfile)
     if not instructions or instructions[0].op != "FROM":
         raise _bad(
             instructions[0].line if instructions else 1, "the first instruction must be FROM"
         )
     state = _State()
-    with store.scratch() as tmp:
-        for n, ins in enumerate(instructions):
-            if ins.op == "FROM":
-                if n:
-                    raise _bad(ins.line, "one FROM only (no multi-stage builds)")
-                if ins.args != "scratch":
-                    base = store.resolve(ins.args, pull=pull)
-                    if base is None:
-                        kind = "a plain directory" if is_path(ins.args) else "not found"
-                        raise _bad(ins.line, f"FROM {ins.args}: {kind}; name an OCI image")
-                    state.base = base
-                    state.config = json.loads(json.dumps(base.config))
-            elif ins.op == "COPY":
-                layer = tmp / f"layer{len(state.layers)}.tar"
-                workdir = str(state.config.get("WorkingDir") or "/")
-                _copy_layer(ins, context, workdir, layer)
-                state.layers.append(layer)
-            elif ins.op == "ENV":
-                env = dict(item.partition("=")[::2] for item in state.config.get("Env") or ())
-                _env(ins, env)
-                state.config["Env"] = [f"{k}={v}" for k, v in env.items()]
-            elif ins.op == "WORKDIR":
-                cwd = str(state.config.get("WorkingDir") or "/")
-                state.config["WorkingDir"] = posixpath.normpath(posixpath.join(cwd, ins.args))
-            elif ins.op == "USER":
-                state.config["User"] = ins.args
-            elif ins.op in ("CMD", "ENTRYPOINT"):
-                state.config["Cmd" if ins.op == "CMD" else "Entrypoint"] = _command(ins)
-            elif ins.op in IGNORED:
-                continue
-            elif ins.op == "RUN":
-                raise _bad(
-                    ins.line,
-                    "RUN is not supported yet: it needs a box on the image being built; "
-                    "build the root another way (mmdebstrap, a registry image) and COPY onto it",
-                )
-            else:
-                raise _bad(ins.line, f"{ins.op} is not in corral's Dockerfile subset")
-        return store.commit(str(parse_ref(ref)), state.base, state.layers, state.config)
+    try:
+        with store.scratch() as tmp:
+            return _steps(store, instructions, context, ref, state, tmp, pull, log)
+    finally:
+        for temp in state.temp_refs:  # after the commit: the image keeps their roots
+            with contextlib.suppress(errors.ImageError):
+                store.remove(temp)
+
+
+def _steps(
+    store: ImageStore,
+    instructions: list[Instruction],
+    context: Path,
+    ref: str,
+    state: _State,
+    tmp: Path,
+    pull: bool,
+    log: Log | None,
+) -> ImageRecord:
+    for n, ins in enumerate(instructions):
+        if ins.op == "FROM":
+            if n:
+                raise _bad(ins.line, "one FROM only (no multi-stage builds)")
+            if ins.args != "scratch":
+                base = store.resolve(ins.args, pull=pull)
+                if base is None:
+                    kind = "a plain directory" if is_path(ins.args) else "not found"
+                    raise _bad(ins.line, f"FROM {ins.args}: {kind}; name an OCI image")
+                state.base = base
+                state.config = json.loads(json.dumps(base.config))
+        elif ins.op == "COPY":
+            layer = tmp / f"layer{len(state.layers)}.tar"
+            workdir = str(state.config.get("WorkingDir") or "/")
+            _copy_layer(ins, context, workdir, layer)
+            state.layers.append(layer)
+        elif _config_step(ins, state.config):
+            continue
+        elif ins.op == "RUN":
+            layer = tmp / f"layer{len(state.layers)}.tar"
+            _run_layer(store, state, ins, layer, log)
+            state.layers.append(layer)
+        else:
+            raise _bad(ins.line, f"{ins.op} is not in corral's Dockerfile subset")
+    return store.commit(str(parse_ref(ref)), state.base, state.layers, state.config)

@@ -22,6 +22,7 @@ import io
 import os
 import stat
 import tarfile
+from collections.abc import Callable, Collection
 from typing import IO
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -57,9 +58,17 @@ def _opaque(fd: int) -> bool:
     return False
 
 
-def write_layer(upper: str | os.PathLike[str], out: IO[bytes]) -> int:
+def write_layer(
+    upper: str | os.PathLike[str],
+    out: IO[bytes],
+    box_id: Callable[[int], int] | None = None,
+    skip_top: Collection[str] = (),
+) -> int:
     """Write ``upper`` (an overlay upper directory) to ``out`` as an uncompressed OCI layer
-    tar; return the number of entries."""
+    tar; return the number of entries. ``box_id`` maps the host uids and gids the upper's
+    files have to the ids the layer records (a box's: ``RootLayer.box_id``); ``skip_top``
+    names top-level entries left out (a box's own mount points)."""
+    ids = box_id or (lambda host: host)
     root = os.open(upper, _DIR_FLAGS)
     count = 0
     links: dict[tuple[int, int], str] = {}
@@ -68,11 +77,13 @@ def write_layer(upper: str | os.PathLike[str], out: IO[bytes]) -> int:
         def walk(dir_fd: int, prefix: str) -> None:
             nonlocal count
             for name in sorted(os.listdir(dir_fd)):
+                if not prefix and name in skip_top:
+                    continue
                 path = f"{prefix}{name}"
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 info = tarfile.TarInfo(path)
                 info.mode = stat.S_IMODE(st.st_mode) & 0o1777
-                info.uid, info.gid, info.mtime = st.st_uid, st.st_gid, int(st.st_mtime)
+                info.uid, info.gid, info.mtime = ids(st.st_uid), ids(st.st_gid), int(st.st_mtime)
                 if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
                     tar.addfile(tarfile.TarInfo(f"{prefix}.wh.{name}"))
                 elif stat.S_ISDIR(st.st_mode):

@@ -120,7 +120,10 @@ def _root_args(policy: Policy, inp: BwrapInputs, host: HostView, made: set[str])
     roots: list[Bind | Symlink]
     if inp.image_root is not None:  # the image's entries, and the box's passwd if it has one
         args: list[str] = []
-        roots = image_entries(inp.image_root, inp.image_writable)
+        if inp.image_writable:  # the overlay whole: new top-level entries may be made
+            roots = [Bind(str(inp.image_root), "/", writable=True)]
+        else:
+            roots = image_entries(inp.image_root)
         roots += [
             b for b in passwd_binds(policy, inp.passwd_file) if _has_file(inp.image_root, b.dest)
         ]
@@ -225,11 +228,40 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     for bind in binds:
         args += _parent_dirs(bind.dest, made)
         args += _render(bind)
-    args += ["--remount-ro", "/"]
+    if not inp.image_writable:
+        args += ["--remount-ro", "/"]
     args += ["--seccomp", str(inp.fds.seccomp)]
     args += ["--chdir", "/", "--"]  # the agent needs no cwd; commands get theirs
     args += [*interpreter, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args]
     return args
+
+
+_ONE_PATH = {"--tmpfs", "--proc", "--dev", "--mqueue", "--dir", "--remount-ro"}
+_TWO_PATHS = {
+    "--bind",
+    "--ro-bind",
+    "--dev-bind",
+    "--bind-try",
+    "--ro-bind-try",
+    "--bind-fd",
+    "--ro-bind-fd",
+    "--symlink",
+}
+
+
+def mount_tops(argv: list[str]) -> frozenset[str]:
+    """The top-level names of the box's root that bwrap's options mount on or make
+    (``workspace`` of ``--bind X /workspace``): on a writable root, bwrap makes the missing
+    ones in the overlay, and they are the box's mount points, not its changes."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    tops = set()
+    for i, arg in enumerate(options):
+        at = i + 1 if arg in _ONE_PATH else i + 2 if arg in _TWO_PATHS else -1
+        if 0 < at < len(options):
+            top = options[at].strip("/").split("/")[0]
+            if top:
+                tops.add(top)
+    return frozenset(tops)
 
 
 def hide_options(argv: list[str]) -> tuple[list[str], bytes]:

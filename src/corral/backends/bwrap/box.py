@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -46,6 +47,7 @@ from corral.backends.base import (
     BoxBase,
     BoxSpec,
     CgroupAccounting,
+    RootLayer,
     agent_config,
     channel_pair,
     kill_if_named,
@@ -81,7 +83,7 @@ from corral.backends.layout import (
     writable_areas,
 )
 from corral.backends.limits import LimitPlan, plan_limits
-from corral.backends.users import id_map
+from corral.backends.users import id_map, id_ranges
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.policy import Policy
 
@@ -234,6 +236,8 @@ class _Held:
     """The host uid that owns (creates) the box's user namespace; bwrap runs as it."""
     primed: concurrent.futures.Future[None] | None = None
     """:func:`cgroups.prime_migration` running in a thread (the move waits for it)."""
+    root_layer: RootLayer | None = None
+    """The upper of the box's writable root on an image (:mod:`.overlay`), if any."""
     bind_fds: list[int] = field(default_factory=list)
     """Bind sources in writable areas, opened safely (``--bind-fd``), closed once bwrap runs."""
 
@@ -302,8 +306,10 @@ class BwrapBox(CgroupAccounting, BoxBase):
         limits: LimitPlan,
         shared: idmap.SharedPaths | None = None,
         owner: ucounts.BoxOwner | None = None,
+        root_layer: RootLayer | None = None,
     ) -> None:
         super().__init__(spec, channel, warnings, limits)
+        self.root_layer = root_layer
         self._proc = proc
         self._cgroup = cgroup
         self._own_pids = limits.own_pids
@@ -460,7 +466,17 @@ class BwrapBackend(BackendBase):
                 with contextlib.suppress(OSError):
                     os.close(held.args_fd)
         host_end.setblocking(False)
-        return BwrapBox(spec, proc, host_end, cgroup, tuple(held.warnings), limits, shared, owner)
+        return BwrapBox(
+            spec,
+            proc,
+            host_end,
+            cgroup,
+            tuple(held.warnings),
+            limits,
+            shared,
+            owner,
+            held.root_layer,
+        )
 
     @staticmethod
     async def _add_to_cgroup(cgroup: cgroups.Cgroup, child: int, proc: _Bwrap) -> None:
@@ -555,6 +571,9 @@ class BwrapBackend(BackendBase):
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
         argv = self._binds_by_fd(spec, shared, argv, held)
         argv[0] = self.bwrap or "bwrap"
+        if held.root_layer is not None and image_root is not None:
+            made = bwrap_args.mount_tops(argv) - set(os.listdir(image_root))
+            held.root_layer = dataclasses.replace(held.root_layer, mount_points=made)
         argv, options = bwrap_args.hide_options(argv)
         held.args_fd = os.memfd_create("corral-bwrap-args", os.MFD_CLOEXEC)
         os.write(held.args_fd, options)  # a memfd takes any size whole: no partial write
@@ -591,11 +610,13 @@ class BwrapBackend(BackendBase):
             spec.sandbox_id,
             image.rootfs,
             shared.binds.entries,
-            uid_map=id_map(shared.uid, owner.uid),
-            gid_map=id_map(shared.gid, owner.uid),
+            uids=id_ranges(shared.uid, owner.uid),
+            gids=id_ranges(shared.gid, owner.uid),
             owner=owner.uid,
             size=policy.filesystem.root_size,
         )
+        if root.upper is not None:
+            held.root_layer = RootLayer(root.upper, tuple(id_ranges(shared.uid, owner.uid)))
         return root, hidden
 
     @staticmethod

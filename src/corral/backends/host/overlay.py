@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,15 +82,17 @@ def mount_image_root(
     rootfs: Path,
     entries: list[Path],
     *,
-    uid_map: str,
-    gid_map: str,
+    uids: Sequence[tuple[int, int, int]],
+    gids: Sequence[tuple[int, int, int]],
     owner: int,
     size: int | None,
 ) -> ImageRoot:
     """Mount the box's root for the image at ``rootfs``: idmapped with the box's id maps
-    (``uid_map``/``gid_map``), under an overlay with a tmpfs of ``size`` bytes above it (None:
-    the image read-only). ``entries`` receives each staging entry as soon as it exists (the
-    caller releases them in order: overlay first). Blocking."""
+    (``(box id, host id, count)`` ranges), under an overlay with a tmpfs of ``size`` bytes
+    above it (None: the image read-only). ``entries`` receives each staging entry as soon as
+    it exists (the caller releases them in order: overlay first). Blocking."""
+    uid_map = "".join(f"{b} {h} {n}\n" for b, h, n in uids)
+    gid_map = "".join(f"{b} {h} {n}\n" for b, h, n in gids)
     merged = _new(f"{sandbox_id}.image", entries, owner)
     lower = _new(f"{sandbox_id}.lower", entries)
     upper_fs = _new(f"{sandbox_id}.upper", entries) if size is not None else None
@@ -108,6 +112,11 @@ def mount_image_root(
         upper, work = upper_fs / "upper", upper_fs / "work"
         upper.mkdir(mode=0o755)
         work.mkdir(mode=0o700)
+        # The root directory of the box is the upper's: the image root's owner and mode,
+        # as the box sees them (box root may make new top-level entries).
+        st = os.stat(lower)
+        os.chown(upper, st.st_uid, st.st_gid)  # already mapped by the idmapped lower
+        upper.chmod(stat.S_IMODE(st.st_mode) & 0o1777)
         _overlay(merged, lower, upper, work)
     except OSError as exc:
         raise BackendError(
