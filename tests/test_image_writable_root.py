@@ -42,6 +42,21 @@ def image(tmp_path: Path) -> Path:
     return root
 
 
+def _own_entries() -> list[Path]:
+    """Staging entries of this process's boxes (other sessions may run boxes meanwhile)."""
+    import json
+
+    mine = []
+    for entry in (state_root() / "mnt").glob("*"):
+        try:
+            owner = json.loads((entry / "owner.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if owner.get("host_pid") == os.getpid():
+            mine.append(entry)
+    return mine
+
+
 def snapshot(root: Path) -> list[tuple[str, int, int, int, bytes]]:
     out = []
     for p in sorted(root.rglob("*")):
@@ -117,6 +132,7 @@ async def test_the_upper_is_out_of_reach_and_gone_with_the_box(image: Path, tmp_
         assert "No such file" in r.stdout, r  # the host's staging mounts are not in the box
     assert snapshot(image) == before
     assert not list((state_root() / "mnt").glob(f"{sb.sandbox_id}.*"))
+    assert not _own_entries()
 
 
 def _dpkg_root(root: Path) -> Path:
@@ -241,3 +257,27 @@ async def test_export_root_is_what_the_box_changed_with_its_own_ids(
     async with Sandbox(Policy(image=str(image), filesystem={"root_size": None})) as sb:
         with pytest.raises(Exception, match="no writable root"):
             await sb.export_root(tmp_path / "none.tar")
+
+
+@pytest.mark.parametrize("writable", [True, False])
+@pytest.mark.parametrize(("link", "target"), [("tmp", "/etc"), ("workspace", "/usr")])
+async def test_an_image_link_where_corral_mounts_is_refused(
+    image: Path, tmp_path: Path, writable: bool, link: str, target: str
+) -> None:
+    """bwrap resolves mount destinations before it enters the box's root: an image's
+    ``/tmp -> /etc`` would send the box's /tmp, or the directories bwrap makes for it, to
+    the host's. The host looks each destination up beneath the image following no link."""
+    from corral.errors import ImageError
+
+    (image / link).symlink_to(target)
+    size = "64M" if writable else None
+    policy = Policy(image=str(image), filesystem={"root_size": size})
+    if not writable and link == "tmp":  # a read-only root leaves the image's /tmp out
+        async with Sandbox(policy, workspace=tmp_path) as sb:
+            r = await sb.run("echo x > /tmp/t && cat /tmp/t && ls -d /etc/t 2>&1")
+            assert r.stdout.startswith("x\n") and "No such file" in r.stdout, r
+        return
+    with pytest.raises(ImageError, match=f"/{link} passes through a symbolic link"):
+        async with Sandbox(policy, workspace=tmp_path):
+            pass
+    assert not _own_entries()  # released

@@ -12,6 +12,7 @@ moved it into the box's cgroup.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import stat
@@ -118,15 +119,18 @@ def _root_args(policy: Policy, inp: BwrapInputs, host: HostView, made: set[str])
     """The box's root is bwrap's tmpfs (so mount points like /workspace can be made), with
     the host system's entries bound read-only on it; ``--remount-ro /`` seals it at the end."""
     roots: list[Bind | Symlink]
-    if inp.image_root is not None:  # the image's entries, and the box's passwd if it has one
+    if inp.image_root is not None:
         args: list[str] = []
-        if inp.image_writable:  # the overlay whole: new top-level entries may be made
+        if inp.image_writable:  # the overlay whole: new top-level entries may be made, and
+            # its /etc/passwd is the image's own, which box root may change (useradd)
             roots = [Bind(str(inp.image_root), "/", writable=True)]
-        else:
+        else:  # the image's entries, and the box's passwd over the image's if it has one
             roots = image_entries(inp.image_root)
-        roots += [
-            b for b in passwd_binds(policy, inp.passwd_file) if _has_file(inp.image_root, b.dest)
-        ]
+            roots += [
+                b
+                for b in passwd_binds(policy, inp.passwd_file)
+                if _has_file(inp.image_root, b.dest)
+            ]
     else:
         # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
         args = [] if policy.filesystem.inherit_readable else ["--perms", "0755", "--dir", "/etc"]
@@ -262,6 +266,64 @@ def mount_tops(argv: list[str]) -> frozenset[str]:
             if top:
                 tops.add(top)
     return frozenset(tops)
+
+
+_FRESH = {"--tmpfs", "--proc", "--dev"}
+"""Options that mount a new filesystem: what lies below their destination is not the root's."""
+
+
+def _mount_dests(argv: list[str]) -> list[str]:
+    """The destinations bwrap resolves in the box's root (not those beneath a new
+    filesystem it mounted, such as ``/dev/pts`` in its ``/dev``)."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    dests: list[str] = []
+    fresh: list[str] = []
+    for i, arg in enumerate(options):
+        at = i + 1 if arg in _ONE_PATH else i + 2 if arg in _TWO_PATHS else -1
+        if not 0 < at < len(options) or arg == "--symlink" or options[at] == "/":
+            continue
+        dest = options[at]
+        if any(dest.startswith(f.rstrip("/") + "/") for f in fresh):
+            continue
+        dests.append(dest)
+        if arg in _FRESH:
+            fresh.append(dest)
+    return dests
+
+
+def image_link_in_the_way(argv: list[str], image_root: Path, writable: bool) -> str | None:
+    """A mount destination of ``argv`` that passes through a symlink of the image (``/tmp
+    -> /etc``, ``/workspace -> /usr``), or None. bwrap resolves a destination before it
+    pivots into the box's root, so such a link would send the mount, or the directories
+    bwrap makes for it, to a path of the host's root instead (inside the box's private
+    mount namespace, as its unprivileged owner uid: still nothing to allow).
+
+    A read-only root is bwrap's tmpfs with the image's top-level links copied on it: only
+    those matter. A writable root is the image itself: every component is looked up beneath
+    it on the host without following a link."""
+    links = (
+        {}
+        if writable
+        else {e.dest.strip("/"): e for e in image_entries(image_root) if isinstance(e, Symlink)}
+    )
+    for dest in _mount_dests(argv):
+        rel = dest.strip("/")
+        if not writable:
+            if rel.split("/")[0] in links:
+                return dest
+            continue
+        try:
+            fd = safepath.open_beneath(image_root, rel, os.O_PATH | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link on the way
+                return dest
+            continue
+        try:
+            if stat.S_ISLNK(os.fstat(fd).st_mode):  # the destination itself
+                return dest
+        finally:
+            os.close(fd)
+    return None
 
 
 def hide_options(argv: list[str]) -> tuple[list[str], bytes]:

@@ -84,7 +84,7 @@ from corral.backends.layout import (
 )
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.users import id_map, id_ranges
-from corral.errors import BackendError, BackendUnavailable, PolicyError
+from corral.errors import BackendError, BackendUnavailable, ImageError, PolicyError
 from corral.policy import Policy
 
 START_TIMEOUT = 10.0
@@ -571,6 +571,15 @@ class BwrapBackend(BackendBase):
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
         argv = self._binds_by_fd(spec, shared, argv, held)
         argv[0] = self.bwrap or "bwrap"
+        if image_root is not None:
+            writable = held.root_layer is not None
+            link = bwrap_args.image_link_in_the_way(argv, image_root, writable)
+            if link is not None:
+                raise ImageError(
+                    f"policy.image {policy.image!r}: {link} passes through a symbolic link "
+                    "of the image, where corral mounts the box's own; corral does not follow "
+                    "an image's links on the host (make it a directory in the image)"
+                )
         if held.root_layer is not None and image_root is not None:
             made = bwrap_args.mount_tops(argv) - set(os.listdir(image_root))
             held.root_layer = dataclasses.replace(held.root_layer, mount_points=made)
