@@ -184,3 +184,24 @@ async def test_one_shot_claims_a_started_box_and_refills_after(workspace: Path) 
         assert started == []  # claimed a ready box; the refill is only scheduled
         await pool.wait_idle()
         assert len(started) == 1
+
+
+async def test_a_mount_behind_a_private_directory_reaches_pooled_boxes(
+    workspace: Path, tmp_path: Path
+) -> None:
+    """A shared path under a directory only root may enter (a preset's toolchain in
+    /root/.pyenv, say) is idmapped for a pooled box as for a fresh one: the box's owner uid,
+    which runs bwrap, could not reach it by its host path."""
+    private = tmp_path / "private"
+    tool = private / "tool"
+    tool.mkdir(parents=True)
+    (tool / "version").write_text("1.2.3\n")
+    private.chmod(0o700)
+    policy = Policy.from_dict(
+        {"filesystem": {"mounts": [{"host": str(tool), "guest": "/data/tool", "mode": "ro"}]}}
+    )
+    assert needs_fresh_box(policy) is None
+    async with SandboxPool(policy, size=1) as pool:
+        r = await pool.run("cat /data/tool/version", workspace=workspace)
+        assert (r.exit_code, r.stdout) == (0, "1.2.3\n"), r.stderr
+    assert not _pool_mounts()

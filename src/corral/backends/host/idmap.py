@@ -309,8 +309,6 @@ def share_paths(
     Falls back to mapping the box user to the workspace owner where idmapped mounts are not
     available (the reason becomes a warning of the box)."""
     reason = unsupported_reason()
-    if spec.workspace_prepared and reason is None:
-        return SharedPaths(workspace=spec.workspace, uid=user, gid=user)
     if reason is not None:
         uid, gid = owner_ids(spec.workspace, reason)
         return SharedPaths(spec.workspace, uid=uid, gid=gid, warning=reason)
@@ -318,7 +316,10 @@ def share_paths(
     home = home or os.path.expanduser("~")
     binds = IdmappedBinds(spec.sandbox_id, box_root, (str(spec.workspace),), user)
     try:
-        shared = SharedPaths(binds.add(spec.workspace), uid=user, gid=user, binds=binds)
+        # A warm pool's box: its workspace is a staging directory the pool mounts an
+        # idmapped workspace on when claimed; the other shared paths are idmapped now.
+        workspace = spec.workspace if spec.workspace_prepared else binds.add(spec.workspace)
+        shared = SharedPaths(workspace, uid=user, gid=user, binds=binds)
         for raw in fs.allow_write:
             path = expand(raw, home)
             if os.path.isdir(path):
