@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 from corral._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:
+    from corral.client.remote import Remote
     from corral.errors import (
         BackendError,
         BackendUnavailable,
+        BoxNotFound,
         CommandFailed,
         CommandNotFound,
         DangerousWorkspace,
@@ -43,11 +45,15 @@ if TYPE_CHECKING:
         SandboxBroken,
         SandboxClosed,
         SandboxError,
+        ServerBusy,
+        ServerError,
+        ServerUnavailable,
         SessionBusy,
         SessionError,
         SessionNotFound,
         SpawnFailed,
         Timeout,
+        Unauthorized,
     )
     from corral.models import CommandResult, FileInfo, ProcessInfo, ProcessStats, WaitResult
     from corral.policy import (
@@ -70,6 +76,7 @@ _LAZY: dict[str, str] = {
     "AttachOutcome": "corral.sessions.terminal",
     "BackendError": "corral.errors",
     "BackendUnavailable": "corral.errors",
+    "BoxNotFound": "corral.errors",
     "CommandFailed": "corral.errors",
     "CommandNotFound": "corral.errors",
     "CommandResult": "corral.models",
@@ -106,12 +113,16 @@ _LAZY: dict[str, str] = {
     "SandboxError": "corral.errors",
     "SandboxPool": "corral.pool",
     "SecurityPolicy": "corral.policy",
+    "ServerBusy": "corral.errors",
+    "ServerError": "corral.errors",
+    "ServerUnavailable": "corral.errors",
     "SessionBusy": "corral.errors",
     "SessionError": "corral.errors",
     "SessionNotFound": "corral.errors",
     "SpawnFailed": "corral.errors",
     "SyncSandbox": "corral.sync",
     "Timeout": "corral.errors",
+    "Unauthorized": "corral.errors",
     "WaitResult": "corral.models",
 }
 """Public name -> the module defining it."""
@@ -120,6 +131,7 @@ __all__ = [
     "AttachOutcome",
     "BackendError",
     "BackendUnavailable",
+    "BoxNotFound",
     "CommandFailed",
     "CommandNotFound",
     "CommandResult",
@@ -156,14 +168,28 @@ __all__ = [
     "SandboxError",
     "SandboxPool",
     "SecurityPolicy",
+    "ServerBusy",
+    "ServerError",
+    "ServerUnavailable",
     "SessionBusy",
     "SessionError",
     "SessionNotFound",
     "SpawnFailed",
     "SyncSandbox",
     "Timeout",
+    "Unauthorized",
     "WaitResult",
+    "connect",
 ]
+
+
+def connect(url: str | None = None, token: str | None = None, *, timeout: float = 300.0) -> Remote:
+    """A client of a running ``corral serve`` whose ``Sandbox``/``SandboxPool`` have this
+    library's API (see :mod:`corral.client.remote`): ``http://HOST:PORT`` or
+    ``unix:/path/serve.sock``; default ``$CORRAL_HOST``, else the user's default socket."""
+    from corral.client.remote import connect as remote_connect
+
+    return remote_connect(url, token, timeout=timeout)
 
 
 __getattr__ = lazy_getattr(globals(), _LAZY)

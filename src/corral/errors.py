@@ -37,7 +37,15 @@ that names the cause and, where there is one, the fix.
     │   ├── CorruptLayer             corrupt_layer
     │   ├── UnsafeLayer              unsafe_layer
     │   └── ImageTooLarge            image_too_large
-    └── Timeout (TimeoutError)       timeout
+    ├── Timeout (TimeoutError)       timeout
+    └── ServerError                  server_error     (corral serve and its clients)
+        ├── BoxNotFound (LookupError) box_not_found
+        ├── Unauthorized             unauthorized     (no or a wrong token, wrong scope)
+        ├── ServerBusy               server_busy      (start cap or start budget hit)
+        └── ServerUnavailable        server_unavailable (not reachable, or restarting)
+
+:data:`RETRYABLE` names the codes that say the infrastructure failed, not the command: a
+harness retries those instead of scoring the attempt.
 
 A non-zero exit status is a result, not an error (see ``CommandResult``), unless the caller
 asked for ``check=True``.
@@ -90,6 +98,12 @@ class ErrorCode(enum.StrEnum):
     RUNTIME_NOT_FOUND = "runtime_not_found"
     INTERNAL_ERROR = "internal_error"
     NO_SESSION = "no_session"
+    # corral serve and its clients (corral.server, corral.client).
+    SERVER_ERROR = "server_error"
+    BOX_NOT_FOUND = "box_not_found"
+    UNAUTHORIZED = "unauthorized"
+    SERVER_BUSY = "server_busy"
+    SERVER_UNAVAILABLE = "server_unavailable"
 
 
 class SandboxError(Exception):
@@ -271,3 +285,70 @@ class ImageTooLarge(ImageError):
 
 class Timeout(SandboxError, TimeoutError):
     code = ErrorCode.TIMEOUT
+
+
+class ServerError(SandboxError):
+    """``corral serve`` or the way to it failed (see the subclasses)."""
+
+    code = ErrorCode.SERVER_ERROR
+
+
+class BoxNotFound(ServerError, LookupError):
+    """No box of that id on the server (never made, deleted, or reaped at its TTL)."""
+
+    code = ErrorCode.BOX_NOT_FOUND
+
+
+class Unauthorized(ServerError, PermissionError):
+    """The server refused the caller: no token, a wrong one, or one without the scope."""
+
+    code = ErrorCode.UNAUTHORIZED
+
+
+class ServerBusy(ServerError):
+    """Too many boxes starting at once, or a start over its time budget: retry later."""
+
+    code = ErrorCode.SERVER_BUSY
+
+
+class ServerUnavailable(ServerError, ConnectionError):
+    """The server cannot be reached, or is shutting down."""
+
+    code = ErrorCode.SERVER_UNAVAILABLE
+
+
+RETRYABLE = frozenset(
+    {
+        ErrorCode.BACKEND_FAILED,
+        ErrorCode.SANDBOX_BROKEN,
+        ErrorCode.PROTOCOL_ERROR,
+        ErrorCode.SERVER_BUSY,
+        ErrorCode.SERVER_UNAVAILABLE,
+        ErrorCode.INTERNAL_ERROR,
+    }
+)
+"""Codes that mean the infrastructure failed (the box died, a start timed out, the server is
+restarting), not the command or its input: the same request may succeed when retried."""
+
+
+def _leaves(cls: type[SandboxError]) -> list[type[SandboxError]]:
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found.extend(_leaves(sub))
+    return found
+
+
+_NEEDS_MORE = (DangerousWorkspace, CommandFailed)  # constructors that take more than a message
+
+
+def from_code(code: str, message: str) -> SandboxError:
+    """The error class of ``code`` (the most specific one), for errors that crossed a wire:
+    a remote client raises what the library would have raised in-process."""
+    try:
+        known = ErrorCode(code)
+    except ValueError:
+        return SandboxError(message, code=ErrorCode.INTERNAL_ERROR)
+    for cls in _leaves(SandboxError):  # the class that brought the code in, ours only
+        if cls.__module__ == __name__ and cls.code is known and cls not in _NEEDS_MORE:
+            return cls(message)
+    return SandboxError(message, code=known)

@@ -26,8 +26,9 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
 from corral.errors import PolicyError
+from corral.server.transport import http_server_config
 from corral.tools import SecretStore
-from corral.tools.mcp import ServerConfig, build_http_app, http_server_config
+from corral.tools.mcp import ServerConfig, build_http_app
 
 pytestmark = pytest.mark.needs_bwrap
 

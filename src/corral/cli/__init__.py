@@ -15,10 +15,10 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from corral import errors
-from corral.cli.options import EXIT_SANDBOX, EXIT_USAGE
+from corral.cli.options import EXIT_SANDBOX, EXIT_USAGE, Parser, UsageError
 
 if TYPE_CHECKING:
     from corral.cli.options import build_policy
@@ -30,7 +30,7 @@ EXIT_PIPE = 141
 # The first imports of the command are argparse-level: each command's module is imported only
 # when that command runs (or for the full help), and each keeps the library out of its own
 # top level, so `corral run` pays for what running a box needs and nothing else.
-MODULES = ("run", "doctor", "interactive", "mcp", "audit", "image")
+MODULES = ("run", "doctor", "interactive", "mcp", "audit", "image", "serve")
 """The modules of ``corral.cli`` that register commands, in the order ``--help`` lists them."""
 COMMANDS = {
     "run": "run",
@@ -41,17 +41,9 @@ COMMANDS = {
     "mcp": "mcp",
     "audit": "audit",
     "image": "image",
+    "serve": "serve",
 }
 """Command -> the module of ``corral.cli`` that registers it."""
-
-
-class UsageError(Exception):
-    """A bad command line: reported on one line (or as JSON), exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def _version() -> str:
@@ -78,7 +70,7 @@ class _Version(argparse.Action):
 def make_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``corral`` parser. Given the command line it will parse, only the named command
     is registered (its module alone is imported); otherwise every command is."""
-    parser = _Parser(prog="corral", description="Run commands and code inside Linux sandboxes.")
+    parser = Parser(prog="corral", description="Run commands and code inside Linux sandboxes.")
     parser.add_argument("--version", action=_Version, help="show corral's version and exit")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     named = COMMANDS.get(argv[0]) if argv else None
@@ -118,6 +110,11 @@ def _fail(message: str, code: str, status: int, as_json: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from corral.client.cli import remote_main
+
+    handled = remote_main(argv)  # through a running `corral serve`, if there is one
+    if handled is not None:
+        return handled
     as_json = _wants_json(argv)
     try:
         try:

@@ -138,20 +138,12 @@ def _say(line: str) -> None:
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
-    from corral.tools.mcp import (
-        LOOPBACK,
-        describe_config,
-        new_token,
-        serve_http,
-        serve_stdio,
-        write_token_file,
-    )
+    from corral.server.transport import LOOPBACK, bind_unix, new_token, write_token_file
+    from corral.tools.mcp import describe_config, serve_http, serve_stdio
 
     config = config_from_args(args)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.unix:
-        from corral.tools.mcp import bind_unix
-
         path = Path(args.unix).absolute()
         token = args.token or os.environ.get("CORRAL_MCP_TOKEN") or None
         sock = bind_unix(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from corral import errors
 from corral.workspaces import refuse_dangerous_workspace, workspace_danger
@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 __all__ = [
     "EXIT_SANDBOX",
     "EXIT_USAGE",
+    "Parser",
+    "UsageError",
     "add_raw_option",
     "add_sandbox_options",
     "build_policy",
@@ -26,6 +28,19 @@ __all__ = [
 
 EXIT_USAGE = 2
 EXIT_SANDBOX = 125
+
+
+class UsageError(Exception):
+    """A bad command line: reported on one line (or as JSON), exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser that raises :class:`UsageError` instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 PRESET_NAMES = ("node", "python", "rust")
 """The names of :data:`corral.tools.presets.PRESETS` (a test keeps them equal), for
 ``--preset``'s choices without importing the policy models to build a parser."""

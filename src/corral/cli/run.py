@@ -15,17 +15,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from corral import errors
 from corral.bounds import MAX_CPU_QUOTA, MIN_CPU_QUOTA, MIN_MEMORY_BYTES, MIN_PIDS, parse_size
 from corral.cli.options import (
+    Parser,
+    UsageError,
     add_raw_option,
     add_sandbox_options,
     build_policy,
@@ -44,9 +48,10 @@ if TYPE_CHECKING:
     import asyncio
 
     from corral.output import TerminalFilter
+    from corral.policy import Policy
     from corral.sandbox import Sandbox
 
-__all__ = ["cmd_run", "register", "with_signals"]
+__all__ = ["RunPlan", "cmd_run", "parse_run_args", "plan_run", "register", "with_signals"]
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -204,9 +209,40 @@ def _mount(text: str) -> dict[str, str]:
 # ---- the command -----------------------------------------------------------------------
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from corral.sandbox import Sandbox
+@dataclass(frozen=True)
+class RunPlan:
+    """What ``corral run``'s flags ask for (also built by ``corral serve`` from a remote
+    ``corral run``'s arguments). ``command`` is empty when an image's Cmd is to run."""
 
+    policy: Policy
+    workspace: str
+    command: list[str]
+    env: dict[str, str]
+
+
+@functools.cache
+def _run_parser() -> Parser:
+    parser = Parser(prog="corral", add_help=False)
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+    register(cast("SubParsers", sub))
+    return parser
+
+
+def parse_run_args(argv: list[str]) -> argparse.Namespace:
+    """``corral run``'s flags parsed from ``argv`` (what follows ``run``), for ``corral
+    serve``: bad flags are a corral error (``invalid_input``), never an exit."""
+    try:
+        return _run_parser().parse_args(["run", *argv])
+    except UsageError as exc:
+        raise errors.SandboxError(str(exc), code=errors.ErrorCode.INVALID_INPUT) from None
+    except SystemExit:  # run's own --help
+        raise errors.SandboxError(
+            "corral run's arguments were not understood", code=errors.ErrorCode.INVALID_INPUT
+        ) from None
+
+
+def plan_run(args: argparse.Namespace) -> RunPlan:
+    """The policy, workspace, command and variables of ``corral run``'s parsed flags."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -223,7 +259,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.output_bytes is not None:
         limits = policy.limits.model_copy(update={"output_bytes": args.output_bytes})
         policy = policy.model_copy(update={"limits": limits})
-    env = dict(args.env)
+    return RunPlan(policy, workspace, command, dict(args.env))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from corral.sandbox import Sandbox
+
+    plan = plan_run(args)
+    policy, workspace, command, env = plan.policy, plan.workspace, plan.command, plan.env
 
     async def go() -> int:
         async with Sandbox(

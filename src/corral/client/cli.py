@@ -1,0 +1,369 @@
+"""The CLI's commands through ``corral serve`` (stdlib only: nothing heavy is imported).
+
+- ``corral run`` goes through a reachable server (see :func:`corral.client.fast.locate`):
+  the server parses the same flags and runs the command in a box of a warm pool.
+- Boxes that outlive one call, as with docker: ``corral create`` (prints an id),
+  ``corral exec ID -- CMD``, ``corral ps [ID]``, ``corral cp SRC DST`` (one side
+  ``ID:PATH``), ``corral logs ID PID [-f]``, ``corral rm ID...``. These need a server.
+
+Host paths in the flags (``--workspace``, ``--policy``, ``-v HOST:BOX``) are made absolute
+here, against this shell's directory, before they reach the server; ``-e NAME`` takes
+``NAME``'s value from this environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
+
+from corral.client import frames
+from corral.client.fast import Conn, ServerError, chunks, locate, q
+
+__all__ = ["SERVER_COMMANDS", "remote_main"]
+
+SERVER_COMMANDS = ("create", "exec", "ps", "cp", "logs", "rm")
+EXIT_USAGE, EXIT_SANDBOX = 2, 125
+
+
+class _Usage(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _Usage(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def remote_main(argv: Sequence[str]) -> int | None:
+    """Handle ``argv`` through a server, or None when the in-process CLI should."""
+    if not argv:
+        return None
+    command = argv[0]
+    if command == "run":
+        if any(a in ("-h", "--help") for a in _flags(argv[1:])):
+            return None
+        try:
+            conn = locate()
+        except ServerError as exc:
+            return _say_error(exc)
+        if conn is None:
+            return None
+        explicit = bool(os.environ.get("CORRAL_HOST", "").strip())
+        try:
+            return _run(conn, list(argv[1:]))
+        except ServerError as exc:
+            if exc.code == "server_unavailable" and not explicit and exc.status == 0:
+                return None  # a stale default socket: run in-process
+            return _say_error(exc)
+        except BrokenPipeError:
+            return 141
+    if command not in SERVER_COMMANDS:
+        return None
+    try:
+        args = _parser().parse_args(list(argv))
+    except _Usage as exc:
+        print(f"corral: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    def go() -> int:
+        conn = locate()
+        if conn is None:
+            raise ServerError(
+                "server_unavailable",
+                f"corral {command} needs a running server: start `corral serve` (or set "
+                "CORRAL_HOST to where one listens)",
+            )
+        result: int = args.func(conn, args)
+        return result
+
+    return _guarded(go)
+
+
+def _guarded(call: Any) -> int:
+    try:
+        return int(call())
+    except ServerError as exc:
+        return _say_error(exc)
+    except BrokenPipeError:
+        return 141
+
+
+def _say_error(exc: ServerError) -> int:
+    print(f"corral: [{exc.code}] {exc.message}", file=sys.stderr)
+    usage = exc.code in ("invalid_input", "invalid_policy")
+    return EXIT_USAGE if usage else EXIT_SANDBOX
+
+
+def _flags(args: Sequence[str]) -> Iterator[str]:
+    for arg in args:
+        if arg == "--":
+            return
+        yield arg
+
+
+# ---- paths and variables are this shell's ----------------------------------------------------
+_PATH_FLAGS = ("--workspace", "--policy")
+_MOUNT_FLAGS = ("-v", "--mount")
+_ENV_FLAGS = ("-e", "--env")
+
+
+def localize(argv: list[str]) -> list[str]:
+    """``corral run``'s flags with host paths absolute and ``-e NAME`` given its value."""
+    out: list[str] = []
+    has_workspace = False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            out.extend(argv[i:])
+            break
+        name, eq, value = arg.partition("=")
+        if name in (*_PATH_FLAGS, *_MOUNT_FLAGS, *_ENV_FLAGS) and (eq or i + 1 < len(argv)):
+            if not eq:
+                i += 1
+                value = argv[i]
+            has_workspace = has_workspace or name == "--workspace"
+            out += [name, _localized(name, value)]
+        elif arg.startswith("-v") and len(arg) > 2 and not arg.startswith("--"):
+            out += ["-v", _localized("-v", arg[2:])]
+        elif arg.startswith("-e") and len(arg) > 2 and not arg.startswith("--"):
+            out += ["-e", _localized("-e", arg[2:])]
+        else:
+            out.append(arg)
+        i += 1
+    if not has_workspace:
+        out = ["--workspace", os.getcwd(), *out]
+    return out
+
+
+def _localized(flag: str, value: str) -> str:
+    if flag in _PATH_FLAGS:
+        return os.path.abspath(os.path.expanduser(value))
+    if flag in _MOUNT_FLAGS:
+        host, sep, rest = value.partition(":")
+        return os.path.abspath(os.path.expanduser(host)) + sep + rest if sep else value
+    name, eq, _ = value.partition("=")
+    return value if eq else f"{name}={os.environ.get(name, '')}"
+
+
+# ---- output frames to this terminal ----------------------------------------------------------
+def _writer(fd: int, raw: bool) -> Any:
+    """A function writing box bytes to ``fd``: byte for byte, except to a terminal (without
+    --raw), where what could drive the terminal is dropped as in-process."""
+    if raw or not os.isatty(fd):
+        return lambda data: _write_all(fd, data)
+    from corral.output import TerminalFilter
+
+    shown = TerminalFilter()
+    return lambda data: _write_all(fd, shown.feed(data))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _play(response: Any, raw: bool) -> int:
+    """Copy a frames response to stdout/stderr; the command's exit status (or 125)."""
+    out, err = _writer(1, raw), _writer(2, raw)
+    try:
+        for kind, data in frames.FrameReader(response):
+            if kind == frames.STDOUT:
+                out(data)
+            elif kind == frames.STDERR:
+                err(data)
+            elif kind == frames.NOTE:
+                print(data.decode("utf-8", "replace"), file=sys.stderr, flush=True)
+            elif kind == frames.END:
+                end = json.loads(data)
+                return int(end.get("status", end.get("exit_code", 0)))
+            elif kind == frames.ERROR:
+                error = json.loads(data)["error"]
+                raise ServerError(error["code"], error["message"], 200, error.get("retryable"))
+    except (EOFError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError):
+            raise
+        raise ServerError(
+            "server_unavailable", f"the server's stream broke off: {exc}", 200, retryable=True
+        ) from None
+    raise ServerError(
+        "server_unavailable", "the server ended the stream early", 200, retryable=True
+    )
+
+
+# ---- corral run --------------------------------------------------------------------------------
+def _run(conn: Conn, argv: list[str]) -> int:
+    args = localize(argv)
+    flags = list(_flags(args))
+    stdin = "--stdin" in flags
+    raw = "--raw" in flags
+    spec = json.dumps({"argv": args, "stdin": stdin})
+    body = chunks(0) if stdin else None
+    response = conn.request("POST", "/v1/cli/run", raw=body, headers={"X-Corral-Run": spec})
+    return _play(response, raw)
+
+
+# ---- commands that need a server -------------------------------------------------------------
+def _parser() -> _Parser:
+    parser = _Parser(prog="corral")
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    create = sub.add_parser("create", help="make a box on the server; prints its id")
+    create.add_argument("--label", action="append", default=[], metavar="K=V")
+    create.add_argument("--ttl", type=float, metavar="SECS", help="close it after SECS")
+    create.add_argument("--idle-timeout", type=float, metavar="SECS")
+    create.add_argument("flags", nargs=argparse.REMAINDER, help="corral run's sandbox flags")
+    create.set_defaults(func=_create)
+    ex = sub.add_parser("exec", help="run a command in a box: corral exec ID -- CMD")
+    ex.add_argument("box")
+    ex.add_argument("-w", "--workdir")
+    ex.add_argument("-e", "--env", action="append", default=[], metavar="K=V")
+    ex.add_argument("--timeout", type=float)
+    ex.add_argument("-i", "--stdin", action="store_true", help="pass stdin to the command")
+    ex.add_argument("--raw", action="store_true")
+    ex.add_argument("command", nargs=argparse.REMAINDER)
+    ex.set_defaults(func=_exec)
+    ps = sub.add_parser("ps", help="the server's boxes, or a box's processes")
+    ps.add_argument("box", nargs="?")
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(func=_ps)
+    cp = sub.add_parser("cp", help="copy a file in or out: corral cp SRC ID:PATH, ID:PATH DST")
+    cp.add_argument("src")
+    cp.add_argument("dst")
+    cp.set_defaults(func=_cp)
+    logs = sub.add_parser("logs", help="a process's output")
+    logs.add_argument("box")
+    logs.add_argument("pid", type=int)
+    logs.add_argument("-f", "--follow", action="store_true")
+    logs.set_defaults(func=_logs)
+    rm = sub.add_parser("rm", help="close boxes")
+    rm.add_argument("boxes", nargs="+")
+    rm.set_defaults(func=_rm)
+    return parser
+
+
+def _create(conn: Conn, args: argparse.Namespace) -> int:
+    flags = [f for f in args.flags if f != "--"]
+    labels = dict(item.partition("=")[::2] for item in args.label)
+    body: dict[str, Any] = {"cli_argv": localize(flags), "labels": labels}
+    if args.ttl is not None:
+        body["ttl_secs"] = args.ttl
+    if args.idle_timeout is not None:
+        body["idle_timeout_secs"] = args.idle_timeout
+    box = conn.json("POST", "/v1/boxes", body)
+    for warning in box.get("warnings", []):
+        print(f"corral: warning: {warning}", file=sys.stderr)
+    print(box["id"])
+    return 0
+
+
+def _exec(conn: Conn, args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ServerError("invalid_input", "give a command after --, e.g. corral exec ID -- ls")
+    query = "&".join(f"cmd={q(c)}" for c in command)
+    for item in args.env:
+        query += f"&env={q(_localized('-e', item))}"
+    if args.workdir:
+        query += f"&cwd={q(args.workdir)}"
+    if args.timeout is not None:
+        query += f"&timeout={args.timeout}"
+    if args.stdin:
+        query += "&stdin=true"
+    body = chunks(0) if args.stdin else None
+    response = conn.request("POST", f"/v1/boxes/{q(args.box)}/exec?{query}", raw=body)
+    return _play(response, args.raw)
+
+
+def _ps(conn: Conn, args: argparse.Namespace) -> int:
+    if args.box:
+        rows = conn.json("GET", f"/v1/boxes/{q(args.box)}/processes")
+        if args.json:
+            print(json.dumps(rows))
+            return 0
+        print(f"{'PID':>7}  {'STATUS':<9} {'EXIT':>4}  COMMAND")
+        for p in rows:
+            code = "" if p["exit_code"] is None else str(p["exit_code"])
+            print(f"{p['pid']:>7}  {p['status']:<9} {code:>4}  {p['command']}")
+        return 0
+    boxes = conn.json("GET", "/v1/boxes")
+    if args.json:
+        print(json.dumps(boxes))
+        return 0
+    print(f"{'ID':<17} {'STATE':<8} {'BACKEND':<8} {'NETWORK':<9} {'PROCS':>5}  LABELS")
+    for b in boxes:
+        labels = ",".join(f"{k}={v}" for k, v in b["labels"].items())
+        print(
+            f"{b['id']:<17} {b['state']:<8} {b['backend']:<8} {b['network']:<9} "
+            f"{b['processes']:>5}  {labels}"
+        )
+    return 0
+
+
+def _split_ref(ref: str) -> tuple[str, str] | None:
+    box, sep, path = ref.partition(":")
+    if sep and box.startswith("box-") and "/" not in box:
+        return box, path
+    return None
+
+
+def _cp(conn: Conn, args: argparse.Namespace) -> int:
+    src, dst = _split_ref(args.src), _split_ref(args.dst)
+    if (src is None) == (dst is None):
+        raise ServerError(
+            "invalid_input", "one side of corral cp must be ID:PATH and the other a host path"
+        )
+    if dst is not None:  # in
+        box, path = dst
+        with open(args.src, "rb") as f:
+            response = conn.request(
+                "PUT",
+                f"/v1/boxes/{q(box)}/files/content?path={q(path)}",
+                raw=chunks(f.fileno(), 1 << 20),
+            )
+            response.read()
+        return 0
+    assert src is not None
+    box, path = src
+    response = conn.request("GET", f"/v1/boxes/{q(box)}/files/content?path={q(path)}")
+    if args.dst == "-":
+        while data := response.read(1 << 20):
+            _write_all(1, data)
+        return 0
+    target = args.dst
+    if os.path.isdir(target):
+        target = os.path.join(target, os.path.basename(path.rstrip("/")) or "file")
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        while data := response.read(1 << 20):
+            _write_all(fd, data)
+    finally:
+        os.close(fd)
+    return 0
+
+
+def _logs(conn: Conn, args: argparse.Namespace) -> int:
+    base = f"/v1/boxes/{q(args.box)}/processes/{args.pid}"
+    if args.follow:
+        return _play(conn.request("GET", f"{base}/follow"), raw=False)
+    for stream, fd in (("stdout", 1), ("stderr", 2)):
+        response = conn.request("GET", f"{base}/output?stream={stream}")
+        _write_all(fd, response.read())
+    return 0
+
+
+def _rm(conn: Conn, args: argparse.Namespace) -> int:
+    status = 0
+    for box in args.boxes:
+        try:
+            conn.request("DELETE", f"/v1/boxes/{q(box)}").read()
+        except ServerError as exc:
+            print(f"corral: [{exc.code}] {exc.message}", file=sys.stderr)
+            status = 1
+    return status

@@ -1,0 +1,589 @@
+"""The remote SDK: boxes held by a ``corral serve``, with the in-process API.
+
+::
+
+    import corral
+
+    async with corral.connect("http://127.0.0.1:7420", token=TOKEN) as remote:
+        async with remote.Sandbox(policy) as sb:          # was: corral.Sandbox(policy)
+            result = await sb.run("make test")
+            await sb.files.write("notes.txt", "hi")
+            async for event in sb.exec_stream(["pytest", "-x"]):
+                ...
+
+``RemoteSandbox`` has ``run``, ``spawn`` (a ``RemoteProcess`` with ``wait``, ``output``,
+``signal``, ``write``...), ``exec_stream``, ``files`` (``read``, ``write``, ``list``, ``stat``,
+``exists``, ``mkdir``, ``remove``), ``shell`` (a ``RemoteSession`` with ``write``,
+``expect``, ``read``, ``close``), ``info``, ``processes`` and ``warnings``; results are the
+library's own types and errors its own classes (:func:`corral.errors.from_code`), with
+``retryable`` for failures of the infrastructure. What cannot be synchronous over a network
+is a coroutine here: ``processes()``, ``process(pid)``, ``output()``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import AsyncIterator, Generator, Mapping
+from types import TracebackType
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import httpx
+
+from corral import errors
+from corral.client import frames
+from corral.client.fast import default_socket, runtime_base, token_file_name
+from corral.models import CommandResult, FileInfo, NetworkRefusal, ProcessInfo, WaitResult
+from corral.policy import Policy
+from corral.streaming import ExecEvent, Exited, Stderr, Stdout
+
+__all__ = [
+    "Remote",
+    "RemoteExecStream",
+    "RemoteFiles",
+    "RemotePool",
+    "RemoteProcess",
+    "RemoteSandbox",
+    "RemoteSession",
+    "connect",
+]
+
+Command = str | list[str]
+
+
+def connect(url: str | None = None, token: str | None = None, *, timeout: float = 300.0) -> Remote:
+    """A client of the ``corral serve`` at ``url`` (``http://HOST:PORT`` or
+    ``unix:/path/serve.sock``; default ``$CORRAL_HOST``, else the default socket). The token
+    defaults to ``$CORRAL_TOKEN``, else the token file the server wrote for that address."""
+    return Remote(
+        url or os.environ.get("CORRAL_HOST") or f"unix:{default_socket()}", token, timeout=timeout
+    )
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        err = response.json()["error"]
+        code, message = str(err["code"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = "server_error", f"HTTP {response.status_code}: {response.text[:200]}"
+    raise errors.from_code(code, message)
+
+
+def _result(data: Mapping[str, Any]) -> CommandResult:
+    fields = dict(data)
+    fields["duration"] = float(fields.pop("duration_ms", 0.0)) / 1000
+    fields["network_refusals"] = tuple(
+        NetworkRefusal(**r) for r in fields.get("network_refusals") or ()
+    )
+    return CommandResult(**fields)
+
+
+class Remote:
+    """One server; makes :class:`RemoteSandbox` and :class:`RemotePool` objects."""
+
+    def __init__(self, url: str, token: str | None = None, *, timeout: float = 300.0) -> None:
+        self.url = url
+        transport: httpx.AsyncBaseTransport | None = None
+        if url.startswith("unix:"):
+            transport = httpx.AsyncHTTPTransport(uds=url[5:])
+            base = "http://localhost"
+        else:
+            base = url.rstrip("/")
+            if token is None and not os.environ.get("CORRAL_TOKEN"):
+                token = _token_file(base)
+        token = token or os.environ.get("CORRAL_TOKEN") or None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.AsyncClient(
+            base_url=base, transport=transport, headers=headers, timeout=timeout
+        )
+
+    async def __aenter__(self) -> Remote:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise errors.ServerUnavailable(
+                f"corral serve at {self.url} did not answer ({exc}); is it running?"
+            ) from None
+        _raise_for(response)
+        return response
+
+    async def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self.call(method, path, **kwargs)
+        return response.json() if response.content else None
+
+    def Sandbox(
+        self,
+        policy: Policy | str | os.PathLike[str] | None = None,
+        *,
+        workspace: str | os.PathLike[str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        ttl: float | None = None,
+        idle_timeout: float | None = None,
+        allow_dangerous_workspace: bool = False,
+    ) -> RemoteSandbox:
+        return RemoteSandbox(
+            self,
+            _policy(policy),
+            workspace=None if workspace is None else os.path.abspath(workspace),
+            labels=dict(labels or {}),
+            ttl=ttl,
+            idle_timeout=idle_timeout,
+            allow_dangerous_workspace=allow_dangerous_workspace,
+        )
+
+    def SandboxPool(
+        self, policy: Policy | str | os.PathLike[str] | None = None, *, size: int = 2
+    ) -> RemotePool:
+        return RemotePool(self, _policy(policy))
+
+    async def boxes(self, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        data: list[dict[str, Any]] = await self.json("GET", "/v1/boxes", params=params)
+        return data
+
+    async def info(self) -> dict[str, Any]:
+        data: dict[str, Any] = await self.json("GET", "/v1/info")
+        return data
+
+
+def _token_file(base: str) -> str | None:
+    parts = urlsplit(base)
+    if not parts.hostname:
+        return None
+    path = os.path.join(runtime_base(), token_file_name(parts.hostname, parts.port or 80))
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _policy(policy: Policy | str | os.PathLike[str] | None) -> Policy:
+    if policy is None:
+        return Policy()
+    if isinstance(policy, Policy):
+        return policy
+    return Policy.load(policy)
+
+
+class RemotePool:
+    """One-shot runs in warm boxes the server keeps for this policy."""
+
+    def __init__(self, remote: Remote, policy: Policy) -> None:
+        self.remote = remote
+        self.policy = policy
+
+    async def __aenter__(self) -> RemotePool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    async def run(
+        self,
+        cmd: Command,
+        *,
+        workspace: str | os.PathLike[str] | None = None,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        check: bool = False,
+    ) -> CommandResult:
+        async with self.remote.Sandbox(self.policy, workspace=workspace) as sb:
+            return await sb.run(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, check=check)
+
+    async def sandbox(self, workspace: str | os.PathLike[str] | None = None) -> RemoteSandbox:
+        sb = self.remote.Sandbox(self.policy, workspace=workspace)
+        await sb.start()
+        return sb
+
+
+class RemoteSandbox:
+    """A box on the server (made by :meth:`start`, deleted by :meth:`aclose`)."""
+
+    def __init__(
+        self,
+        remote: Remote,
+        policy: Policy,
+        *,
+        workspace: str | None,
+        labels: dict[str, str],
+        ttl: float | None,
+        idle_timeout: float | None,
+        allow_dangerous_workspace: bool,
+    ) -> None:
+        self.remote = remote
+        self.policy = policy
+        self._create: dict[str, Any] = {
+            "policy": policy.model_dump(mode="json", exclude_unset=True),
+            "workspace": workspace,
+            "labels": labels,
+            "ttl_secs": ttl,
+            "idle_timeout_secs": idle_timeout,
+            "allow_dangerous_workspace": allow_dangerous_workspace,
+        }
+        self.id: str | None = None
+        self.warnings: tuple[str, ...] = ()
+        self.files = RemoteFiles(self)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<RemoteSandbox {self.id or 'not started'} on {self.remote.url}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def path(self) -> str:
+        if self.id is None:
+            raise errors.SandboxClosed("the sandbox is not started")
+        if self._closed:
+            raise errors.SandboxClosed(f"sandbox {self.id} is closed")
+        return f"/v1/boxes/{self.id}"
+
+    async def start(self) -> None:
+        if self.id is not None:
+            return
+        box = await self.remote.json("POST", "/v1/boxes", json=self._create)
+        self.id = str(box["id"])
+        self.warnings = tuple(box.get("warnings", ()))
+
+    async def __aenter__(self) -> RemoteSandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self.id is None or self._closed:
+            return
+        self._closed = True
+        try:
+            await self.remote.call("DELETE", f"/v1/boxes/{self.id}")
+        except errors.BoxNotFound:
+            pass  # reaped already (TTL, idle timeout)
+
+    async def info(self) -> dict[str, Any]:
+        data: dict[str, Any] = await self.remote.json("GET", f"{self.path}/info")
+        return data
+
+    async def describe(self) -> dict[str, Any]:
+        """The server's view of the box: state, labels, TTL, limits, live stats."""
+        data: dict[str, Any] = await self.remote.json("GET", self.path)
+        return data
+
+    async def run(
+        self,
+        cmd: Command,
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        check: bool = False,
+    ) -> CommandResult:
+        body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env}
+        if isinstance(stdin, bytes):
+            body["stdin_base64"] = base64.b64encode(stdin).decode()
+        else:
+            body["stdin"] = stdin
+        result = _result(await self.remote.json("POST", f"{self.path}/run", json=body))
+        if check and not result.ok:
+            raise errors.CommandFailed(f"{cmd!r} exited with status {result.exit_code}", result)
+        return result
+
+    async def spawn(
+        self,
+        cmd: Command,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | Literal["pipe"] | None = None,
+    ) -> RemoteProcess:
+        body: dict[str, Any] = {"cmd": cmd, "cwd": cwd, "env": env, "background": True}
+        if stdin == "pipe":
+            body["stdin_pipe"] = True
+        else:
+            body["stdin"] = stdin
+        info = await self.remote.json("POST", f"{self.path}/run", json=body)
+        return RemoteProcess(self, int(info["pid"]), str(info["command"]))
+
+    async def processes(self) -> list[ProcessInfo]:
+        rows = await self.remote.json("GET", f"{self.path}/processes")
+        return [ProcessInfo(**row) for row in rows]
+
+    async def process(self, pid: int) -> RemoteProcess:
+        info = await self.remote.json("GET", f"{self.path}/processes/{pid}")
+        return RemoteProcess(self, pid, str(info["command"]))
+
+    def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        stdin: Literal["pipe"] | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> RemoteExecStream:
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        params: list[tuple[str, str | int | float | bool | None]] = [("cmd", a) for a in argv]
+        params += [("env", f"{k}={v}") for k, v in (env or {}).items()]
+        if cwd is not None:
+            params.append(("cwd", cwd))
+        if timeout is not None:
+            params.append(("timeout", str(timeout)))
+        if stdin is not None:
+            raise errors.SandboxError(
+                "stdin='pipe' is not available on a remote exec_stream yet: use spawn() and "
+                "RemoteProcess.write()",
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
+        return RemoteExecStream(self, params)
+
+    async def shell(
+        self,
+        shell: str = "/bin/sh",
+        *,
+        env: dict[str, str] | None = None,
+        cols: int = 80,
+        rows: int = 24,
+        cwd: str | None = None,
+    ) -> RemoteSession:
+        body = {"shell": shell, "env": env, "cols": cols, "rows": rows, "cwd": cwd}
+        data = await self.remote.json("POST", f"{self.path}/sessions", json=body)
+        return RemoteSession(self, str(data["id"]))
+
+
+class RemoteProcess:
+    """A background process in a remote box."""
+
+    def __init__(self, sandbox: RemoteSandbox, pid: int, command: str) -> None:
+        self.sandbox = sandbox
+        self.pid = pid
+        self.command = command
+
+    @property
+    def _path(self) -> str:
+        return f"{self.sandbox.path}/processes/{self.pid}"
+
+    async def info(self) -> ProcessInfo:
+        return ProcessInfo(**await self.sandbox.remote.json("GET", self._path))
+
+    async def wait(self, timeout: float | None = None) -> WaitResult:
+        params = {} if timeout is None else {"timeout": timeout}
+        http_timeout = None if timeout is None else timeout + 30
+        data = await self.sandbox.remote.json(
+            "POST", f"{self._path}/wait", params=params, timeout=http_timeout
+        )
+        return WaitResult(**data)
+
+    async def output_bytes(self, stream: Literal["stdout", "stderr"] = "stdout") -> bytes:
+        response = await self.sandbox.remote.call(
+            "GET", f"{self._path}/output", params={"stream": stream}
+        )
+        return response.content
+
+    async def output(self, stream: Literal["stdout", "stderr"] = "stdout") -> str:
+        return (await self.output_bytes(stream)).decode("utf-8", "replace")
+
+    async def signal(self, sig: str | int = "SIGTERM", *, group: bool = True) -> bool:
+        body = {"signal": sig, "group": group}
+        data = await self.sandbox.remote.json("POST", f"{self._path}/signal", json=body)
+        return bool(data["delivered"])
+
+    async def kill(self) -> bool:
+        return await self.signal("SIGKILL")
+
+    async def write(self, data: bytes | str, *, eof: bool = False) -> None:
+        raw = data.encode() if isinstance(data, str) else data
+        params = {"eof": "true"} if eof else {}
+        await self.sandbox.remote.call(
+            "POST",
+            f"{self._path}/stdin",
+            content=raw,
+            params=params,
+            headers={"content-type": "application/octet-stream"},
+        )
+
+    async def close_stdin(self) -> None:
+        await self.write(b"", eof=True)
+
+    async def stats(self) -> dict[str, Any]:
+        data: dict[str, Any] = await self.sandbox.remote.json("GET", f"{self._path}/stats")
+        return data
+
+
+class RemoteExecStream:
+    """``async for event in sb.exec_stream(...)``: ``Stdout``/``Stderr`` bytes, then
+    ``Exited``; or ``stream = await sb.exec_stream(...)`` and iterate that."""
+
+    def __init__(
+        self, sandbox: RemoteSandbox, params: list[tuple[str, str | int | float | bool | None]]
+    ) -> None:
+        self.sandbox = sandbox
+        self.params = params
+        self.exit_code: int | None = None
+        self.timed_out = False
+
+    def __await__(self) -> Generator[Any, None, RemoteExecStream]:
+        async def ready() -> RemoteExecStream:
+            return self
+
+        return ready().__await__()
+
+    def __aiter__(self) -> AsyncIterator[ExecEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[ExecEvent]:
+        remote = self.sandbox.remote
+        request = remote.http.build_request(
+            "POST", f"{self.sandbox.path}/exec", params=self.params, timeout=None
+        )
+        try:
+            response = await remote.http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise errors.ServerUnavailable(f"corral serve did not answer ({exc})") from None
+        try:
+            if response.status_code >= 400:
+                await response.aread()
+                _raise_for(response)
+            buffer = bytearray()
+            async for chunk in response.aiter_raw():
+                buffer += chunk
+                for kind, data in frames.split_frames(buffer):
+                    if kind == frames.STDOUT:
+                        yield Stdout(data)
+                    elif kind == frames.STDERR:
+                        yield Stderr(data)
+                    elif kind == frames.END:
+                        end = json.loads(data)
+                        if "error" in end and end.get("ended") == "not_started":
+                            err = end["error"]
+                            raise errors.from_code(err["code"], err["message"])
+                        self.exit_code = int(end["exit_code"])
+                        self.timed_out = bool(end.get("timed_out"))
+                        yield Exited(self.exit_code)
+                        return
+                    elif kind == frames.ERROR:
+                        err = json.loads(data)["error"]
+                        raise errors.from_code(err["code"], err["message"])
+            raise errors.ServerUnavailable("the server's stream ended before the command did")
+        finally:
+            await response.aclose()
+
+
+class RemoteFiles:
+    """A remote box's files; contents travel as byte streams."""
+
+    def __init__(self, sandbox: RemoteSandbox) -> None:
+        self.sandbox = sandbox
+
+    def _path(self, what: str = "") -> str:
+        return f"{self.sandbox.path}/files{what}"
+
+    async def read(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        params: dict[str, Any] = {"path": path, "offset": offset}
+        if length is not None:
+            params["length"] = length
+        response = await self.sandbox.remote.call("GET", self._path("/content"), params=params)
+        return response.content
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode("utf-8", "replace")
+
+    async def write(self, path: str, data: bytes | str, *, append: bool = False) -> int:
+        raw = data.encode() if isinstance(data, str) else data
+        params = {"path": path, "append": "true" if append else "false"}
+        out = await self.sandbox.remote.json(
+            "PUT",
+            self._path("/content"),
+            params=params,
+            content=raw,
+            headers={"content-type": "application/octet-stream"},
+        )
+        return int(out["bytes"])
+
+    async def list(self, path: str = ".") -> list[FileInfo]:
+        rows = await self.sandbox.remote.json("GET", self._path(), params={"path": path})
+        return [FileInfo(**row) for row in rows]
+
+    async def stat(self, path: str) -> FileInfo | None:
+        try:
+            row = await self.sandbox.remote.json("GET", self._path("/stat"), params={"path": path})
+        except errors.FileNotFound:
+            return None
+        return FileInfo(**row)
+
+    async def exists(self, path: str) -> bool:
+        return await self.stat(path) is not None
+
+    async def mkdir(self, path: str, *, parents: bool = True) -> None:
+        params = {"path": path, "parents": "true" if parents else "false"}
+        await self.sandbox.remote.call("POST", self._path("/mkdir"), params=params)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        params = {"path": path, "recursive": "true" if recursive else "false"}
+        await self.sandbox.remote.call("DELETE", self._path(), params=params)
+
+
+class RemoteSession:
+    """A terminal (PTY) session in a remote box, driven as an agent drives one."""
+
+    def __init__(self, sandbox: RemoteSandbox, session_id: str) -> None:
+        self.sandbox = sandbox
+        self.session_id = session_id
+
+    @property
+    def _path(self) -> str:
+        return f"{self.sandbox.path}/sessions/{self.session_id}"
+
+    async def write(self, data: str) -> None:
+        await self.sandbox.remote.call("POST", f"{self._path}/write", json={"data": data})
+
+    async def expect(self, pattern: str, timeout: float | None = 30.0) -> dict[str, Any]:
+        http_timeout = None if timeout is None else timeout + 30
+        data: dict[str, Any] = await self.sandbox.remote.json(
+            "POST",
+            f"{self._path}/expect",
+            json={"pattern": pattern, "timeout": timeout},
+            timeout=http_timeout,
+        )
+        return data
+
+    async def read(self) -> str:
+        data = await self.sandbox.remote.json("GET", f"{self._path}/output")
+        return str(data["output"])
+
+    async def close(self) -> int | None:
+        data = await self.sandbox.remote.json("DELETE", self._path)
+        code = data.get("exit_code")
+        return None if code is None else int(code)

@@ -1,0 +1,769 @@
+"""The HTTP API of ``corral serve`` (FastAPI on uvicorn; its OpenAPI document is served at
+``/openapi.json`` and checked in as ``docs/openapi.json``).
+
+Boxes are made with ``POST /v1/boxes`` and live until ``DELETE``, their TTL, their idle
+timeout or the server's end. Commands run to completion (``/run``), in the background
+(``/run`` with ``background``: then ``/processes/...``), or streamed (``/exec``: a body of
+frames, see :mod:`corral.client.frames`). File contents and stdin travel as raw byte streams,
+never inside JSON. Terminals attach over a WebSocket. Every error is
+``{"error": {"code", "message", "retryable"}}`` with the library's stable code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Query, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from corral import errors
+from corral.client import frames
+from corral.policy import Policy
+from corral.processes import Process
+from corral.sandbox import Sandbox
+from corral.server.auth import error_body, status_for
+from corral.server.boxes import Boxes, HeldBox
+from corral.server.metrics import Metrics
+
+__all__ = ["build_api"]
+
+logger = logging.getLogger("corral.server")
+CHUNK = 4 << 20
+API_VERSION = "1"
+
+
+# ---- request and response models -------------------------------------------------------------
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BoxCreate(_In):
+    policy: dict[str, Any] | None = Field(
+        None,
+        description="A corral policy as JSON (the TOML file's tables); default policy if absent",
+    )
+    workspace: str | None = Field(
+        None, description="Host directory to share at the policy's workdir; a fresh one if absent"
+    )
+    labels: dict[str, str] = Field(default_factory=dict)
+    ttl_secs: float | None = Field(
+        None, gt=0, description="Close the box this long after it is made"
+    )
+    idle_timeout_secs: float | None = Field(
+        None, gt=0, description="Close the box after this long with no request and nothing running"
+    )
+    allow_dangerous_workspace: bool = False
+    cli_argv: list[str] | None = Field(
+        None,
+        description="Instead of policy/workspace: `corral run`'s sandbox flags (corral create)",
+    )
+
+
+class BoxOut(BaseModel):
+    id: str
+    state: Literal["running", "closed"]
+    labels: dict[str, str]
+    created_at: float
+    ttl_secs: float | None
+    idle_timeout_secs: float | None
+    expires_in_secs: float | None
+    idle_secs: float
+    backend: str
+    network: str
+    warnings: list[str]
+    processes: int
+    sessions: list[str]
+    limits: dict[str, Any]
+    published: list[str]
+    stats: dict[str, Any] | None = None
+
+
+class RunIn(_In):
+    cmd: list[str] | str = Field(description="argv, or a string run by /bin/sh -c")
+    timeout: float | None = Field(None, gt=0)
+    cwd: str | None = None
+    env: dict[str, str] | None = None
+    stdin: str | None = Field(None, description="text fed to the command's stdin, then EOF")
+    stdin_base64: str | None = Field(None, description="bytes for stdin, base64 (not with stdin)")
+    background: bool = Field(False, description="return at once with the process; see /processes")
+    stdin_pipe: bool = Field(
+        False, description="background: keep stdin open for POST .../processes/{pid}/stdin"
+    )
+
+
+class ResultOut(BaseModel):
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_ms: float
+    truncated: bool
+    pid: int
+    oom_killed: bool = False
+    pids_limited: bool = False
+    network_refusals: list[dict[str, Any]] = []
+    timeout: float | None = None
+    ended: str = "exited"
+
+
+class ProcessOut(BaseModel):
+    pid: int
+    command: str
+    status: str
+    exit_code: int | None
+    started_at: float
+    duration: float
+    timed_out: bool = False
+
+
+class SignalIn(_In):
+    signal: str | int = "SIGTERM"
+    group: bool = True
+
+
+class SessionIn(_In):
+    shell: str = "/bin/sh"
+    cols: int = Field(80, ge=10, le=1000)
+    rows: int = Field(24, ge=2, le=1000)
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+
+
+class SessionOut(BaseModel):
+    id: str
+    shell: str
+    pid: int
+    attached: int
+    closed: bool
+    exit_code: int | None
+
+
+class ExpectIn(_In):
+    pattern: str
+    timeout: float | None = Field(30.0, gt=0)
+
+
+class WriteIn(_In):
+    data: str
+
+
+class CliRunIn(_In):
+    argv: list[str] = Field(description="the arguments of `corral run` after `run`")
+    stdin: bool = Field(False, description="the request body is the command's stdin")
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _session_out(sb: Sandbox, session_id: str) -> SessionOut:
+    s = sb.session(session_id)
+    return SessionOut(
+        id=s.session_id,
+        shell=s.shell,
+        pid=s.process.pid,
+        attached=s.attached,
+        closed=s.closed,
+        exit_code=s.exit_code,
+    )
+
+
+def _policy(data: dict[str, Any] | None) -> Policy:
+    return Policy() if data is None else Policy.from_dict(data)
+
+
+def _status_for_cli(code: int, timed_out: bool) -> int:
+    if timed_out:
+        return 124
+    return code if code >= 0 else 128 - code
+
+
+async def _feed(request: Request, write: Any, close: Any) -> None:
+    """Copy the request body to a command's stdin as it arrives, then close its stdin."""
+    with contextlib.suppress(errors.SandboxError):
+        async for chunk in request.stream():
+            if chunk:
+                await write(chunk)
+    with contextlib.suppress(errors.SandboxError):
+        await close()
+
+
+async def _stream_command(
+    sb: Sandbox,
+    request: Request | None,
+    command: list[str] | str,
+    *,
+    cwd: str | None,
+    env: dict[str, str] | None,
+    timeout: float | None,
+    stdin: bool,
+    metrics: Metrics,
+) -> AsyncIterator[bytes]:
+    """Frames of one command's output, then its end (or the error that stopped it)."""
+    from corral.net.cli import refusal_lines
+    from corral.streaming import Exited, Stdout
+
+    oom_before = sb.stats().oom_kills
+    refused_before = len(sb.network_refusals())
+    if timeout is None:
+        timeout = sb.policy.limits.exec_timeout_secs
+    try:
+        stream = await sb.exec_stream(
+            command, stdin="pipe" if stdin else None, cwd=cwd, env=env, timeout=timeout
+        )
+    except errors.SpawnFailed as exc:
+        status = 127 if isinstance(exc, errors.CommandNotFound) else 126
+        yield frames.frame(frames.NOTE, f"corral: {exc.message}".encode())
+        yield frames.json_frame(
+            frames.END,
+            {
+                "exit_code": status,
+                "status": status,
+                "timed_out": False,
+                "ended": "not_started",
+                "error": exc.to_dict()["error"],
+            },
+        )
+        return
+    feeder = (
+        asyncio.ensure_future(_feed(request, stream.write, stream.close_stdin))
+        if stdin and request is not None
+        else None
+    )
+    code = -9
+    try:
+        async with stream:
+            async for event in stream:
+                if isinstance(event, Exited):
+                    code = event.code
+                    continue
+                kind = frames.STDOUT if isinstance(event, Stdout) else frames.STDERR
+                yield frames.frame(kind, event.data)
+    finally:
+        if feeder is not None:
+            feeder.cancel()
+    timed_out = bool(stream.timed_out)
+    oom = sb.stats().oom_kills > oom_before
+    if timed_out:
+        yield frames.frame(frames.NOTE, f"corral: timed out after {timeout or 0:g} s".encode())
+    if oom:
+        yield frames.frame(frames.NOTE, b"corral: the memory limit killed a process (--memory)")
+    for line in refusal_lines(sb.network_refusals()[refused_before:]):
+        yield frames.frame(frames.NOTE, line.encode())
+    ended = (
+        "timed_out"
+        if timed_out
+        else ("oom_killed" if oom else ("signalled" if code < 0 else "exited"))
+    )
+    metrics.ended(ended, timed_out)
+    yield frames.json_frame(
+        frames.END,
+        {
+            "exit_code": code,
+            "status": _status_for_cli(code, timed_out),
+            "timed_out": timed_out,
+            "timeout": timeout,
+            "ended": ended,
+        },
+    )
+
+
+async def _captured(
+    sb: Sandbox,
+    request: Request,
+    args: argparse.Namespace,
+    command: list[str],
+    env: dict[str, str],
+    stdin: bool,
+) -> bytes:
+    """``corral run --json`` through the server: one JSON line, then the end."""
+    data = await request.body() if stdin else None
+    try:
+        result = await sb.run(command, timeout=args.timeout, stdin=data, env=env, cwd=args.workdir)
+    except errors.SpawnFailed as exc:
+        status = 127 if isinstance(exc, errors.CommandNotFound) else 126
+        line = json.dumps({**exc.to_dict(), "exit_code": status}) + "\n"
+        return frames.frame(frames.STDOUT, line.encode()) + frames.json_frame(
+            frames.END, {"exit_code": status, "status": status}
+        )
+    out = frames.frame(frames.STDOUT, (json.dumps(result.to_dict()) + "\n").encode())
+    if result.truncated:
+        cap = sb.policy.limits.output_bytes
+        out += frames.frame(
+            frames.NOTE,
+            f"corral: output truncated: more than {cap} bytes on a stream, the middle was "
+            "cut (raise --output-bytes, or run without --json to stream it all)".encode(),
+        )
+    status = _status_for_cli(result.exit_code, result.timed_out)
+    return out + frames.json_frame(frames.END, {"exit_code": result.exit_code, "status": status})
+
+
+async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An error after the response began becomes an error frame (the status is sent)."""
+    try:
+        async for chunk in gen:
+            yield chunk
+    except errors.SandboxError as exc:
+        yield frames.json_frame(frames.ERROR, error_body(exc.code, exc.message))
+    except Exception as exc:  # the stream must end with a frame, not a cut connection
+        logger.exception("an exec stream failed")
+        yield frames.json_frame(
+            frames.ERROR, error_body(errors.ErrorCode.INTERNAL_ERROR, f"the server failed: {exc}")
+        )
+
+
+def _frames_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        _guarded(gen), media_type=frames.MEDIA_TYPE, headers={"cache-control": "no-store"}
+    )
+
+
+# ---- the app -----------------------------------------------------------------------------------
+RunParser = Callable[[list[str]], argparse.Namespace]
+
+
+def build_api(  # noqa: C901
+    boxes: Boxes, metrics: Metrics, *, info: dict[str, Any], parse_run: RunParser
+) -> FastAPI:
+    """The FastAPI app over ``boxes`` (authentication is the Guard's, in front of it).
+    ``parse_run`` parses ``corral run``'s arguments (the CLI's parser, raising corral errors)."""
+    app = FastAPI(
+        title="corral serve",
+        version=API_VERSION,
+        description="Linux sandboxes for AI agents, over HTTP. Errors: "
+        '{"error": {"code", "message", "retryable"}}.',
+        docs_url=None,
+        redoc_url=None,
+    )
+    started = time.time()
+
+    @app.exception_handler(errors.SandboxError)
+    async def sandbox_error(request: Request, exc: errors.SandboxError) -> JSONResponse:
+        return JSONResponse(error_body(exc.code, exc.message), status_code=status_for(exc.code))
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            for e in exc.errors()[:5]
+        )
+        return JSONResponse(
+            error_body(errors.ErrorCode.INVALID_INPUT, f"bad request: {problems}"), status_code=400
+        )
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Response:
+        response: Response = await call_next(request)
+        metrics.requests.labels(status=f"{response.status_code // 100}xx").inc()
+        return response
+
+    # -- server --------------------------------------------------------------------------------
+    @app.get("/v1/health", tags=["server"])
+    async def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.get("/v1/info", tags=["server"])
+    async def server_info() -> dict[str, Any]:
+        return {**info, "uptime_secs": time.time() - started, "boxes": len(boxes.matching())}
+
+    @app.get("/metrics", tags=["server"], response_class=Response)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    # -- boxes ---------------------------------------------------------------------------------
+    @app.post("/v1/boxes", tags=["boxes"], status_code=201)
+    async def create_box(body: BoxCreate) -> BoxOut:
+        policy, workspace = _policy(body.policy), body.workspace
+        force = body.allow_dangerous_workspace
+        if body.cli_argv is not None:
+            from corral.cli.run import plan_run
+
+            args = parse_run([*body.cli_argv, "--", "true"])
+            plan = plan_run(args)
+            policy, workspace = plan.policy, plan.workspace
+            force = force or bool(getattr(args, "force_workspace", False))
+        held = await boxes.create(
+            policy,
+            workspace=workspace,
+            labels=body.labels,
+            ttl=body.ttl_secs,
+            idle_timeout=body.idle_timeout_secs,
+            allow_dangerous_workspace=force,
+        )
+        return BoxOut(**held.describe())
+
+    @app.get("/v1/boxes", tags=["boxes"])
+    async def list_boxes(
+        label: Annotated[list[str] | None, Query(description="K=V, all must match")] = None,
+    ) -> list[BoxOut]:
+        wanted = dict(item.partition("=")[::2] for item in label or [])
+        return [BoxOut(**h.describe()) for h in boxes.matching(wanted)]
+
+    @app.get("/v1/boxes/{box_id}", tags=["boxes"])
+    async def get_box(box_id: str) -> BoxOut:
+        return BoxOut(**boxes.get(box_id).describe())
+
+    @app.delete("/v1/boxes/{box_id}", tags=["boxes"], status_code=204)
+    async def delete_box(box_id: str) -> Response:
+        await boxes.remove(box_id)
+        return Response(status_code=204)
+
+    @app.get("/v1/boxes/{box_id}/info", tags=["boxes"])
+    async def box_info(box_id: str) -> dict[str, Any]:
+        return await boxes.get(box_id).sandbox.info()
+
+    def box(box_id: str) -> HeldBox:
+        return boxes.get(box_id)
+
+    # -- commands ------------------------------------------------------------------------------
+    @app.post("/v1/boxes/{box_id}/run", tags=["commands"], response_model=None)
+    async def run(box_id: str, body: RunIn) -> ResultOut | ProcessOut:
+        sb = box(box_id).sandbox
+        stdin: str | bytes | None = body.stdin
+        if body.stdin_base64 is not None:
+            try:
+                stdin = base64.b64decode(body.stdin_base64, validate=True)
+            except ValueError:
+                raise errors.SandboxError(
+                    "stdin_base64 is not base64", code=errors.ErrorCode.INVALID_INPUT
+                ) from None
+        if body.background:
+            spawn_stdin: str | bytes | None = "pipe" if body.stdin_pipe else stdin
+            proc = await sb.spawn(body.cmd, cwd=body.cwd, env=body.env, stdin=spawn_stdin)
+            return ProcessOut(**proc.info().to_dict())
+        result = await sb.run(
+            body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env, stdin=stdin
+        )
+        metrics.ended(result.ended, result.timed_out)
+        return ResultOut(**result.to_dict())
+
+    @app.post(
+        "/v1/boxes/{box_id}/exec",
+        tags=["commands"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {frames.MEDIA_TYPE: {}}}},
+    )
+    async def exec_stream(
+        box_id: str,
+        request: Request,
+        cmd: Annotated[list[str], Query(description="argv, one value per argument")],
+        timeout: Annotated[float | None, Query(gt=0)] = None,
+        cwd: str | None = None,
+        env: Annotated[list[str] | None, Query(description="K=V")] = None,
+        stdin: Annotated[bool, Query(description="the request body is stdin")] = False,
+    ) -> StreamingResponse:
+        sb = box(box_id).sandbox
+        variables = dict(item.partition("=")[::2] for item in env or [])
+        gen = _stream_command(
+            sb,
+            request,
+            cmd,
+            cwd=cwd,
+            env=variables or None,
+            timeout=timeout,
+            stdin=stdin,
+            metrics=metrics,
+        )
+        return _frames_response(gen)
+
+    @app.post(
+        "/v1/cli/run",
+        tags=["commands"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {frames.MEDIA_TYPE: {}}}},
+    )
+    async def cli_run(request: Request) -> StreamingResponse:
+        """``corral run ARGV`` in a box of a warm pool (the CLI's path through the server).
+        The JSON body (``CliRunIn``) comes in the ``X-Corral-Run`` header so that the body
+        can be the command's stdin."""
+        raw = request.headers.get("x-corral-run", "")
+        try:
+            spec = CliRunIn.model_validate_json(raw)
+        except ValueError as exc:
+            raise errors.SandboxError(
+                f"bad X-Corral-Run header: {exc}", code=errors.ErrorCode.INVALID_INPUT
+            ) from None
+        args = parse_run(spec.argv)
+        from corral.cli.run import plan_run
+
+        plan = plan_run(args)
+        force = bool(getattr(args, "force_workspace", False))
+
+        async def gen() -> AsyncIterator[bytes]:
+            async with boxes.one_shot(
+                plan.policy, plan.workspace, allow_dangerous_workspace=force
+            ) as sb:
+                for warning in sb.warnings:
+                    yield frames.frame(frames.NOTE, f"corral: warning: {warning}".encode())
+                if args.json:
+                    yield await _captured(sb, request, args, plan.command, plan.env, spec.stdin)
+                    return
+                async for chunk in _stream_command(
+                    sb,
+                    request,
+                    plan.command,
+                    cwd=args.workdir,
+                    env=plan.env,
+                    timeout=args.timeout,
+                    stdin=spec.stdin,
+                    metrics=metrics,
+                ):
+                    yield chunk
+
+        return _frames_response(gen())
+
+    # -- processes -----------------------------------------------------------------------------
+    def process(box_id: str, pid: int) -> Process:
+        return box(box_id).sandbox.process(pid)
+
+    @app.get("/v1/boxes/{box_id}/processes", tags=["processes"])
+    async def list_processes(box_id: str) -> list[ProcessOut]:
+        return [ProcessOut(**p.to_dict()) for p in box(box_id).sandbox.processes()]
+
+    @app.get("/v1/boxes/{box_id}/processes/{pid}", tags=["processes"])
+    async def get_process(box_id: str, pid: int) -> ProcessOut:
+        return ProcessOut(**process(box_id, pid).info().to_dict())
+
+    @app.post("/v1/boxes/{box_id}/processes/{pid}/wait", tags=["processes"])
+    async def wait_process(
+        box_id: str, pid: int, timeout: Annotated[float | None, Query(gt=0)] = None
+    ) -> dict[str, Any]:
+        return (await process(box_id, pid).wait(timeout)).to_dict()
+
+    @app.get(
+        "/v1/boxes/{box_id}/processes/{pid}/output",
+        tags=["processes"],
+        response_class=Response,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    async def process_output(
+        box_id: str, pid: int, stream: Literal["stdout", "stderr"] = "stdout"
+    ) -> Response:
+        proc = process(box_id, pid)
+        headers = {"x-corral-truncated": "1" if proc.truncated else "0"}
+        return Response(
+            proc.output_bytes(stream), media_type="application/octet-stream", headers=headers
+        )
+
+    @app.get(
+        "/v1/boxes/{box_id}/processes/{pid}/follow",
+        tags=["processes"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {frames.MEDIA_TYPE: {}}}},
+    )
+    async def follow_process(box_id: str, pid: int) -> StreamingResponse:
+        """Output captured so far, then live, then the end (``corral logs -f``)."""
+        proc = process(box_id, pid)
+
+        async def gen() -> AsyncIterator[bytes]:
+            queue = proc.subscribe()
+            try:
+                # Taken with the subscription, no await between: the queue holds exactly
+                # what comes after these.
+                so_far = proc.output_bytes("stdout"), proc.output_bytes("stderr")
+                yield frames.frame(frames.STDOUT, so_far[0])
+                yield frames.frame(frames.STDERR, so_far[1])
+                while True:
+                    kind, data = await queue.get()
+                    if kind == "exit":
+                        code = int(data)
+                        yield frames.json_frame(
+                            frames.END, {"exit_code": code, "status": _status_for_cli(code, False)}
+                        )
+                        return
+                    assert isinstance(data, bytes)
+                    yield frames.frame(frames.STDERR if kind == "stderr" else frames.STDOUT, data)
+            finally:
+                proc.unsubscribe(queue)
+
+        return _frames_response(gen())
+
+    @app.post("/v1/boxes/{box_id}/processes/{pid}/signal", tags=["processes"])
+    async def signal_process(box_id: str, pid: int, body: SignalIn) -> dict[str, bool]:
+        return {"delivered": await process(box_id, pid).signal(body.signal, group=body.group)}
+
+    @app.post("/v1/boxes/{box_id}/processes/{pid}/stdin", tags=["processes"])
+    async def write_stdin(
+        box_id: str, pid: int, request: Request, eof: bool = False
+    ) -> dict[str, int]:
+        proc = process(box_id, pid)
+        sent = 0
+        async for chunk in request.stream():
+            if chunk:
+                await proc.write(chunk)
+                sent += len(chunk)
+        if eof:
+            await proc.close_stdin()
+        return {"bytes": sent}
+
+    @app.get("/v1/boxes/{box_id}/processes/{pid}/stats", tags=["processes"])
+    async def process_stats(box_id: str, pid: int) -> dict[str, Any]:
+        return (await process(box_id, pid).stats()).to_dict()
+
+    # -- files ---------------------------------------------------------------------------------
+    @app.get("/v1/boxes/{box_id}/files", tags=["files"])
+    async def list_files(box_id: str, path: str = ".") -> list[dict[str, Any]]:
+        return [f.to_dict() for f in await box(box_id).sandbox.files.list(path)]
+
+    @app.get("/v1/boxes/{box_id}/files/stat", tags=["files"])
+    async def stat_file(box_id: str, path: str) -> dict[str, Any]:
+        found = await box(box_id).sandbox.files.stat(path)
+        if found is None:
+            raise errors.FileNotFound(f"{path}: no such file or directory in the box")
+        return found.to_dict()
+
+    @app.get(
+        "/v1/boxes/{box_id}/files/content",
+        tags=["files"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
+    async def read_file(
+        box_id: str,
+        path: str,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        length: Annotated[int | None, Query(ge=0)] = None,
+    ) -> StreamingResponse:
+        files = box(box_id).sandbox.files
+        first = await files.read(path, offset=offset, length=min(CHUNK, length or CHUNK))
+
+        async def gen() -> AsyncIterator[bytes]:
+            at, left = offset + len(first), None if length is None else length - len(first)
+            yield first
+            piece = first
+            while len(piece) == CHUNK and (left is None or left > 0):
+                want = CHUNK if left is None else min(CHUNK, left)
+                piece = await files.read(path, offset=at, length=want)
+                if not piece:
+                    return
+                at += len(piece)
+                if left is not None:
+                    left -= len(piece)
+                yield piece
+
+        return StreamingResponse(gen(), media_type="application/octet-stream")
+
+    @app.put("/v1/boxes/{box_id}/files/content", tags=["files"])
+    async def write_file(
+        box_id: str, path: str, request: Request, append: bool = False
+    ) -> dict[str, Any]:
+        files = box(box_id).sandbox.files
+        pending = bytearray()
+        written = 0
+        first = True
+        async for chunk in request.stream():
+            pending += chunk
+            if len(pending) >= CHUNK:
+                written += await files.write(path, bytes(pending), append=append or not first)
+                pending.clear()
+                first = False
+        if pending or first:
+            written += await files.write(path, bytes(pending), append=append or not first)
+        return {"path": path, "bytes": written}
+
+    @app.delete("/v1/boxes/{box_id}/files", tags=["files"], status_code=204)
+    async def remove_file(box_id: str, path: str, recursive: bool = False) -> Response:
+        await box(box_id).sandbox.files.remove(path, recursive=recursive)
+        return Response(status_code=204)
+
+    @app.post("/v1/boxes/{box_id}/files/mkdir", tags=["files"], status_code=204)
+    async def make_dir(box_id: str, path: str, parents: bool = True) -> Response:
+        await box(box_id).sandbox.files.mkdir(path, parents=parents)
+        return Response(status_code=204)
+
+    # -- terminals -----------------------------------------------------------------------------
+    @app.post("/v1/boxes/{box_id}/sessions", tags=["terminals"], status_code=201)
+    async def open_session(box_id: str, body: SessionIn) -> SessionOut:
+        sb = box(box_id).sandbox
+        session = await sb.shell(
+            body.shell, env=body.env, cols=body.cols, rows=body.rows, cwd=body.cwd
+        )
+        return _session_out(sb, session.session_id)
+
+    @app.get("/v1/boxes/{box_id}/sessions", tags=["terminals"])
+    async def list_sessions(box_id: str) -> list[SessionOut]:
+        sb = box(box_id).sandbox
+        return [_session_out(sb, s.session_id) for s in sb.sessions()]
+
+    @app.post("/v1/boxes/{box_id}/sessions/{session_id}/write", tags=["terminals"])
+    async def session_write(box_id: str, session_id: str, body: WriteIn) -> dict[str, int]:
+        await box(box_id).sandbox.session(session_id).write(body.data)
+        return {"bytes": len(body.data.encode())}
+
+    @app.post("/v1/boxes/{box_id}/sessions/{session_id}/expect", tags=["terminals"])
+    async def session_expect(box_id: str, session_id: str, body: ExpectIn) -> dict[str, Any]:
+        match = (
+            await box(box_id).sandbox.session(session_id).expect(body.pattern, timeout=body.timeout)
+        )
+        return match.to_dict()
+
+    @app.get("/v1/boxes/{box_id}/sessions/{session_id}/output", tags=["terminals"])
+    async def session_output(box_id: str, session_id: str) -> dict[str, str]:
+        return {"output": box(box_id).sandbox.session(session_id).read()}
+
+    @app.delete("/v1/boxes/{box_id}/sessions/{session_id}", tags=["terminals"])
+    async def close_session(box_id: str, session_id: str) -> dict[str, int | None]:
+        code = await box(box_id).sandbox.session(session_id).close()
+        return {"exit_code": code}
+
+    @app.websocket("/v1/boxes/{box_id}/sessions/{session_id}/attach")
+    async def attach(websocket: WebSocket, box_id: str, session_id: str) -> None:
+        """A person's terminal on an agent's session: binary messages are keystrokes in and
+        screen bytes out; a text message ``{"resize": [cols, rows]}`` resizes. The session
+        goes on when the socket closes (detach)."""
+        try:
+            session = box(box_id).sandbox.session(session_id)
+        except errors.SandboxError as exc:
+            await websocket.close(code=4404, reason=str(exc.code))
+            return
+        await websocket.accept()
+        out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1024)
+
+        def watcher(chunk: bytes | None) -> None:
+            with contextlib.suppress(asyncio.QueueFull):  # a stalled browser drops screens
+                out.put_nowait(chunk)
+
+        recent = session.recent_output()
+        unwatch = session.watch(watcher)
+
+        async def pump_out() -> None:
+            if recent:
+                await websocket.send_bytes(recent)
+            while (chunk := await out.get()) is not None:
+                await websocket.send_bytes(chunk)
+            await websocket.close(code=1000, reason="session ended")
+
+        sender = asyncio.ensure_future(pump_out())
+        try:
+            while True:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("bytes"):
+                    await session.write(message["bytes"])
+                elif message.get("text"):
+                    await _control(session, message["text"])
+        except (WebSocketDisconnect, errors.SandboxError):
+            pass
+        finally:
+            unwatch()
+            sender.cancel()
+
+    return app
+
+
+async def _control(session: Any, text: str) -> None:
+    with contextlib.suppress(ValueError, TypeError, KeyError):
+        msg = json.loads(text)
+        if "resize" in msg:
+            cols, rows = (int(v) for v in msg["resize"])
+            await session.resize(max(10, min(cols, 1000)), max(2, min(rows, 1000)))
+        elif "data" in msg:
+            await session.write(str(msg["data"]))

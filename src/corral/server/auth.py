@@ -1,0 +1,222 @@
+"""Who may call ``corral serve``, checked in front of the API (plain ASGI middleware).
+
+- **Tokens with scopes.** ``Authorization: Bearer TOKEN``; a token is ``read`` (observers:
+  GET requests and ``/metrics``) or ``operate`` (everything). Compared in constant time.
+  Browsers cannot set headers on a WebSocket, so a WebSocket may carry its token as the
+  ``token`` query parameter instead.
+- **A unix socket** serves its owner only: the connection is refused at accept by peer uid
+  (``SO_PEERCRED``, in :mod:`corral.server.transport`), and the owner needs no token.
+- **DNS rebinding.** Over TCP the ``Host`` header must name the address the server listens
+  on (or ``localhost``/``127.0.0.1``/``[::1]`` with its port when that is loopback, or a name
+  given with ``--allow-host``): a page on another site that resolves its own name to
+  127.0.0.1 is refused.
+- **Cross-origin requests.** A request with an ``Origin`` header is served only when that
+  origin is the server's own (``http://`` + the Host it was sent to).
+- **Oversize bodies.** A JSON body over ``max_json_bytes`` is refused with 413 while it
+  arrives; streamed uploads (file contents, a command's stdin) are not JSON and pass.
+
+Every refusal is a JSON error with a stable code (``unauthorized``, ``request_too_large``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import parse_qs
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from corral import errors
+
+__all__ = ["Access", "Guard", "TokenScope", "error_body", "status_for"]
+
+TokenScope = Literal["read", "operate"]
+OPEN_PATHS = frozenset({"/v1/health"})
+MAX_JSON_BYTES = 1 << 20
+
+_STATUS: Mapping[errors.ErrorCode, int] = {
+    errors.ErrorCode.INVALID_POLICY: 400,
+    errors.ErrorCode.INVALID_INPUT: 400,
+    errors.ErrorCode.REQUEST_TOO_LARGE: 413,
+    errors.ErrorCode.FILE_TOO_LARGE: 413,
+    errors.ErrorCode.UNAUTHORIZED: 401,
+    errors.ErrorCode.ACCESS_DENIED: 403,
+    errors.ErrorCode.PERMISSION_DENIED: 403,
+    errors.ErrorCode.PATH_OUTSIDE_SANDBOX: 403,
+    errors.ErrorCode.BOX_NOT_FOUND: 404,
+    errors.ErrorCode.PROCESS_NOT_FOUND: 404,
+    errors.ErrorCode.SESSION_NOT_FOUND: 404,
+    errors.ErrorCode.FILE_NOT_FOUND: 404,
+    errors.ErrorCode.IMAGE_NOT_FOUND: 404,
+    errors.ErrorCode.COMMAND_NOT_FOUND: 422,
+    errors.ErrorCode.NOT_EXECUTABLE: 422,
+    errors.ErrorCode.IS_A_DIRECTORY: 409,
+    errors.ErrorCode.NOT_A_DIRECTORY: 409,
+    errors.ErrorCode.NOT_A_REGULAR_FILE: 409,
+    errors.ErrorCode.SESSION_BUSY: 409,
+    errors.ErrorCode.SANDBOX_CLOSED: 410,
+    errors.ErrorCode.TIMEOUT: 504,
+    errors.ErrorCode.SERVER_BUSY: 503,
+    errors.ErrorCode.SERVER_UNAVAILABLE: 503,
+    errors.ErrorCode.BACKEND_UNAVAILABLE: 503,
+}
+
+
+def status_for(code: errors.ErrorCode) -> int:
+    return _STATUS.get(code, 500)
+
+
+def error_body(code: errors.ErrorCode | str, message: str) -> dict[str, object]:
+    retryable = code in errors.RETRYABLE
+    return {"error": {"code": str(code), "message": message, "retryable": retryable}}
+
+
+@dataclass(frozen=True)
+class Access:
+    """The tokens the server takes, and the Host names it answers to."""
+
+    tokens: Mapping[str, TokenScope] = field(default_factory=dict)
+    unix_owner: bool = False
+    """The server listens on a unix socket only: every connection is its owner's."""
+    hosts: frozenset[str] = frozenset()
+    """Host header values accepted (empty: any, as on a unix socket)."""
+    max_json_bytes: int = MAX_JSON_BYTES
+
+    @staticmethod
+    def host_names(host: str, port: int, extra: Iterable[str] = ()) -> frozenset[str]:
+        names = {f"{host}:{port}", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"}
+        if host in ("127.0.0.1", "localhost", "::1"):
+            names |= {f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"}
+        names |= {h if ":" in h else f"{h}:{port}" for h in extra}
+        return frozenset(names)
+
+    def scope_of(self, token: str | None) -> TokenScope | None:
+        if token is None:
+            return None
+        for known, scope in self.tokens.items():
+            if hmac.compare_digest(token.encode(), known.encode()):
+                return scope
+        return None
+
+
+def _needs(scope: Scope) -> TokenScope:
+    if scope["type"] == "websocket":
+        return "operate"
+    return "read" if scope.get("method") in ("GET", "HEAD") else "operate"
+
+
+class Guard:
+    """The checks above, in front of ``app``; the caller's scope lands in
+    ``scope["state"]["corral_scope"]``."""
+
+    def __init__(self, app: ASGIApp, access: Access) -> None:
+        self.app = app
+        self.access = access
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            status, code, message = refusal
+            await _refuse(scope, receive, send, status, code, message)
+            return
+        if scope["type"] == "http" and self._is_json(headers):
+            receive = self._capped(receive, send)
+        await self.app(scope, receive, send)
+
+    def _refusal(
+        self, scope: Scope, headers: dict[bytes, bytes]
+    ) -> tuple[int, errors.ErrorCode, str] | None:
+        host = headers.get(b"host", b"").decode("latin-1")
+        if self.access.hosts and host not in self.access.hosts:
+            return (
+                421,
+                errors.ErrorCode.UNAUTHORIZED,
+                f"this server does not answer to Host {host!r} (DNS rebinding guard); "
+                "use the address it listens on, or start it with --allow-host NAME",
+            )
+        origin = headers.get(b"origin")
+        if origin is not None and origin.decode("latin-1") != f"http://{host}":
+            return (
+                403,
+                errors.ErrorCode.UNAUTHORIZED,
+                "cross-origin requests are refused: only pages served by this server may call it",
+            )
+        if scope.get("path") in OPEN_PATHS:
+            return None
+        given = self._token(scope, headers)
+        granted: TokenScope | None = "operate" if self.access.unix_owner else None
+        if granted is None:
+            granted = self.access.scope_of(given)
+        if granted is None:
+            what = "a wrong bearer token" if given else "no bearer token"
+            return (
+                401,
+                errors.ErrorCode.UNAUTHORIZED,
+                f"{what}: send Authorization: Bearer TOKEN (corral serve printed where its "
+                "token file is)",
+            )
+        needed = _needs(scope)
+        if needed == "operate" and granted != "operate":
+            return (
+                403,
+                errors.ErrorCode.ACCESS_DENIED,
+                "this token is read-only: it may look (GET), not change or run anything",
+            )
+        scope.setdefault("state", {})["corral_scope"] = granted
+        return None
+
+    @staticmethod
+    def _token(scope: Scope, headers: dict[bytes, bytes]) -> str | None:
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        if given.lower().startswith("bearer "):
+            return given[7:].strip()
+        if scope["type"] == "websocket":
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            values = query.get("token")
+            if values:
+                return str(values[0])
+        return None
+
+    @staticmethod
+    def _is_json(headers: dict[bytes, bytes]) -> bool:
+        return headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/json"
+
+    def _capped(self, receive: Receive, send: Send) -> Receive:
+        limit = self.access.max_json_bytes
+        seen = 0
+
+        async def capped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise errors.RequestTooLarge(
+                        f"a JSON body over {limit} bytes; send file contents and stdin as "
+                        "streams (application/octet-stream), not inside JSON"
+                    )
+            return message
+
+        return capped
+
+
+async def _refuse(
+    scope: Scope, receive: Receive, send: Send, status: int, code: errors.ErrorCode, message: str
+) -> None:
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 4000 + min(status, 999), "reason": code})
+        return
+    body = json.dumps(error_body(code, message)).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        head.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})

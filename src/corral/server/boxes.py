@@ -1,0 +1,349 @@
+"""The boxes ``corral serve`` holds: made on request, closed on delete, at their TTL or when
+idle, and all of them when the server stops.
+
+- **A cap on boxes starting at once** (``max_starting``) and a start-time budget
+  (``start_timeout``): past either, the caller gets ``server_busy`` (retryable), never a hang.
+- **A cap on boxes held** (``max_boxes``).
+- **One-shot runs** (``corral run`` through the server) take a box from a warm pool kept per
+  policy, as :class:`~corral.pool.SandboxPool` does in-process; the least recently used pool
+  is closed past ``max_pools``.
+- **The reaper** closes a box past its TTL (from creation) or its idle timeout (from the last
+  request that touched it, a running process or an attached terminal counting as activity).
+- **No box outlives the server.** Every box process is tied to the server's life (bwrap's
+  monitor dies with its parent thread; qemu and OCI runtimes likewise), and each backend's
+  orphan sweep clears what a killed server left (state directories, cgroups, mounts) on the
+  next start. A restarted server therefore starts empty: boxes are reaped, not re-adopted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from corral import errors
+from corral.policy import Policy
+from corral.pool import SandboxPool
+from corral.sandbox import Sandbox
+from corral.server.metrics import Metrics
+
+__all__ = ["Boxes", "HeldBox", "ServeLimits"]
+
+logger = logging.getLogger("corral.server")
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """The server's own limits (``corral serve`` flags)."""
+
+    max_boxes: int = 64
+    max_starting: int = 4
+    start_timeout: float = 60.0
+    default_ttl: float | None = None
+    default_idle: float | None = None
+    pool_size: int = 2
+    max_pools: int = 4
+    reap_interval: float = 0.5
+
+
+@dataclass
+class HeldBox:
+    id: str
+    sandbox: Sandbox
+    labels: dict[str, str]
+    ttl: float | None
+    idle_timeout: float | None
+    created_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    _born: float = field(default_factory=time.monotonic)
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def busy(self) -> bool:
+        """A process still running or a person attached: activity the idle timer respects."""
+        sb = self.sandbox
+        if sb.closed:
+            return False
+        if any(p.status == "running" for p in sb.processes()):
+            return True
+        return any(s.attached for s in sb.sessions())
+
+    def expired(self, now: float) -> str | None:
+        """Why the reaper should close this box now (``ttl``/``idle``), or None."""
+        if self.ttl is not None and now - self._born >= self.ttl:
+            return "ttl"
+        if self.idle_timeout is not None and now - self.last_active >= self.idle_timeout:
+            if self.busy():
+                self.touch()
+                return None
+            return "idle"
+        if self.sandbox.closed:
+            return "closed"
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        sb = self.sandbox
+        now = time.monotonic()
+        out: dict[str, Any] = {
+            "id": self.id,
+            "state": "closed" if sb.closed else "running",
+            "labels": dict(self.labels),
+            "created_at": self.created_at,
+            "ttl_secs": self.ttl,
+            "idle_timeout_secs": self.idle_timeout,
+            "expires_in_secs": None
+            if self.ttl is None
+            else max(0.0, self.ttl - (now - self._born)),
+            "idle_secs": now - self.last_active,
+            "backend": sb.policy.backend,
+            "network": sb.policy.network.mode,
+            "warnings": list(sb.warnings),
+            "processes": sum(1 for p in sb.processes() if p.status == "running")
+            if not sb.closed
+            else 0,
+            "sessions": [s.session_id for s in sb.sessions()] if not sb.closed else [],
+            "limits": sb.policy.limits.model_dump(mode="json"),
+            "published": [str(p) for p in sb.published] if not sb.closed else [],
+        }
+        if not sb.closed:
+            stats = sb.stats()
+            out["stats"] = {
+                "memory_bytes": stats.memory_bytes,
+                "memory_peak_bytes": stats.memory_peak_bytes,
+                "cpu_seconds": stats.cpu_seconds,
+                "pids": stats.pids,
+                "oom_kills": stats.oom_kills,
+            }
+        return out
+
+
+def new_box_id() -> str:
+    return "box-" + secrets.token_hex(6)
+
+
+class Boxes:
+    """The server's boxes by id, its warm pools, and the reaper."""
+
+    def __init__(self, limits: ServeLimits, metrics: Metrics) -> None:
+        self.limits = limits
+        self.metrics = metrics
+        self._held: dict[str, HeldBox] = {}
+        self._starting = asyncio.Semaphore(limits.max_starting)
+        self._pools: OrderedDict[str, SandboxPool] = OrderedDict()
+        self._pool_lock = asyncio.Lock()
+        self._closing = False
+        self._background: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start_reaper(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="corral-reaper")
+
+    async def aclose(self) -> None:
+        """Close every box and pool (the server is stopping)."""
+        self._closing = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        held, self._held = list(self._held.values()), {}
+        pools, self._pools = list(self._pools.values()), OrderedDict()
+        results = await asyncio.gather(
+            *(h.sandbox.aclose() for h in held),
+            *(p.aclose() for p in pools),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("closing at shutdown: %s", result)
+        self._gauge()
+
+    def _gauge(self) -> None:
+        self.metrics.boxes.labels(state="running").set(len(self._held))
+
+    def _refuse_if_closing(self) -> None:
+        if self._closing:
+            raise errors.ServerUnavailable("the server is shutting down; retry on its successor")
+
+    @contextlib.asynccontextmanager
+    async def _start_slot(self, how: str) -> AsyncIterator[None]:
+        """A place among the boxes starting at once, within the start budget."""
+        try:
+            async with asyncio.timeout(self.limits.start_timeout):
+                await self._starting.acquire()
+        except TimeoutError:
+            self.metrics.start_failures.labels(code="server_busy").inc()
+            raise errors.ServerBusy(
+                f"{self.limits.max_starting} boxes were starting for longer than the "
+                f"{self.limits.start_timeout:g} s start budget; retry later"
+            ) from None
+        began = time.monotonic()
+        try:
+            try:
+                async with asyncio.timeout(self.limits.start_timeout):
+                    yield
+            except TimeoutError:
+                self.metrics.start_failures.labels(code="server_busy").inc()
+                raise errors.ServerBusy(
+                    f"the box did not start within the {self.limits.start_timeout:g} s start "
+                    "budget; the machine may be overloaded: retry later"
+                ) from None
+            except errors.SandboxError as exc:
+                self.metrics.start_failures.labels(code=str(exc.code)).inc()
+                raise
+            self.metrics.starts.labels(how=how).inc()
+            self.metrics.start_seconds.labels(how=how).observe(time.monotonic() - began)
+        finally:
+            self._starting.release()
+
+    # ---- boxes by id ---------------------------------------------------------------------
+    async def create(
+        self,
+        policy: Policy,
+        *,
+        workspace: str | None = None,
+        labels: dict[str, str] | None = None,
+        ttl: float | None = None,
+        idle_timeout: float | None = None,
+        allow_dangerous_workspace: bool = False,
+    ) -> HeldBox:
+        self._refuse_if_closing()
+        if len(self._held) >= self.limits.max_boxes:
+            raise errors.ServerBusy(
+                f"the server holds its maximum of {self.limits.max_boxes} boxes; delete one "
+                "or raise corral serve --max-boxes"
+            )
+        sb = Sandbox(
+            policy, workspace=workspace, allow_dangerous_workspace=allow_dangerous_workspace
+        )
+        async with self._start_slot("cold"):
+            try:
+                await sb.start()
+            except BaseException:
+                await sb.aclose()
+                raise
+        held = HeldBox(
+            id=new_box_id(),
+            sandbox=sb,
+            labels=dict(labels or {}),
+            ttl=ttl if ttl is not None else self.limits.default_ttl,
+            idle_timeout=idle_timeout if idle_timeout is not None else self.limits.default_idle,
+        )
+        if self._closing:  # the server began to stop while this box started
+            await sb.aclose()
+            self._refuse_if_closing()
+        self._held[held.id] = held
+        self._gauge()
+        return held
+
+    def get(self, box_id: str) -> HeldBox:
+        held = self._held.get(box_id)
+        if held is None:
+            raise errors.BoxNotFound(
+                f"no box {box_id!r} on this server (deleted, reaped at its TTL or idle "
+                "timeout, or never made): GET /v1/boxes lists the boxes there are"
+            )
+        held.touch()
+        return held
+
+    def matching(self, labels: dict[str, str] | None = None) -> list[HeldBox]:
+        wanted = labels or {}
+        return [
+            h for h in self._held.values() if all(h.labels.get(k) == v for k, v in wanted.items())
+        ]
+
+    async def remove(self, box_id: str, why: str = "deleted") -> None:
+        held = self._held.pop(box_id, None)
+        if held is None:
+            self.get(box_id)  # raises BoxNotFound
+            return
+        self._gauge()
+        if why != "deleted":
+            self.metrics.reaped.labels(why=why).inc()
+        self._count_box(held.sandbox)
+        await held.sandbox.aclose()
+
+    def _count_box(self, sb: Sandbox) -> None:
+        if sb.closed:
+            return
+        with contextlib.suppress(errors.SandboxError):
+            self.metrics.oom_kills.inc(sb.stats().oom_kills)
+        self.metrics.proxy_refusals.inc(len(sb.network_refusals()))
+
+    # ---- one-shot runs from warm pools ---------------------------------------------------
+    async def _pool(self, policy: Policy) -> SandboxPool:
+        key = policy.model_dump_json()
+        async with self._pool_lock:
+            pool = self._pools.get(key)
+            if pool is not None:
+                self._pools.move_to_end(key)
+                return pool
+            pool = SandboxPool(policy, size=self.limits.pool_size)
+            await pool.start()
+            self._pools[key] = pool
+            while len(self._pools) > self.limits.max_pools:
+                _, old = self._pools.popitem(last=False)
+                self._in_background(old.aclose())
+            return pool
+
+    @contextlib.asynccontextmanager
+    async def one_shot(
+        self, policy: Policy, workspace: str | None, *, allow_dangerous_workspace: bool = False
+    ) -> AsyncIterator[Sandbox]:
+        """A started box for one command, from the policy's warm pool where it can be."""
+        self._refuse_if_closing()
+        if allow_dangerous_workspace:  # pools refuse such workspaces: a box of its own
+            sb = Sandbox(policy, workspace=workspace, allow_dangerous_workspace=True)
+            async with self._start_slot("cold"):
+                try:
+                    await sb.start()
+                except BaseException:
+                    await sb.aclose()
+                    raise
+        else:
+            pool = await self._pool(policy)
+            warm = pool.ready > 0
+            async with self._start_slot("pool" if warm else "cold"):
+                sb = await pool.sandbox(workspace)
+            if warm:
+                self.metrics.pool_hits.inc()
+        try:
+            yield sb
+        finally:
+            self._count_box(sb)
+            # Closed in the background: the caller's answer is complete without waiting for
+            # the teardown (a shutdown still waits for it, see aclose).
+            self._in_background(sb.aclose())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- the reaper ----------------------------------------------------------------------
+    async def reap_once(self) -> list[str]:
+        now = time.monotonic()
+        due = [(h.id, why) for h in list(self._held.values()) if (why := h.expired(now))]
+        for box_id, why in due:
+            with contextlib.suppress(errors.BoxNotFound):
+                await self.remove(box_id, why)
+            logger.info("reaped %s (%s)", box_id, why)
+        return [box_id for box_id, _ in due]
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.limits.reap_interval)
+            try:
+                await self.reap_once()
+            except Exception:  # the reaper must outlive one bad close
+                logger.exception("the reaper failed once")

@@ -1,0 +1,50 @@
+"""Run ``corral serve``: the boxes, the API behind its guard, on uvicorn, until a signal."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from corral.server.api import RunParser, build_api
+from corral.server.auth import Access, Guard
+from corral.server.boxes import Boxes, ServeLimits
+from corral.server.metrics import Metrics
+from corral.server.transport import http_server_config
+
+__all__ = ["ServeConfig", "build_app", "serve"]
+
+logger = logging.getLogger("corral.server")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    access: Access
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def build_app(config: ServeConfig, parse_run: RunParser) -> tuple[ASGIApp, Boxes]:
+    """The guarded app and the boxes it serves (closing them is the caller's)."""
+    metrics = Metrics()
+    boxes = Boxes(config.limits, metrics)
+    api = build_api(boxes, metrics, info={**config.info, "pid": os.getpid()}, parse_run=parse_run)
+    return Guard(api, config.access), boxes
+
+
+async def serve(config: ServeConfig, parse_run: RunParser, *, sock: socket.socket) -> None:
+    """Serve on the bound, listening ``sock`` until SIGINT/SIGTERM (or cancellation); every
+    box is closed before this returns. Clients may connect as soon as ``sock`` listens: the
+    kernel queues them until the server accepts."""
+    app, boxes = build_app(config, parse_run)
+    boxes.start_reaper()
+    server = uvicorn.Server(http_server_config(app, ws="websockets-sansio"))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await boxes.aclose()
