@@ -104,6 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     tokens: dict[str, TokenScope] = {}
+    unix_path: Path | None = None
+    bound: os.stat_result | None = None
     if args.read_token:
         tokens[args.read_token] = "read"
     if args.listen:
@@ -136,7 +138,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         path = Path(args.socket) if args.socket else Path(default_socket())
         if not args.socket:
             runtime_dir()  # makes the private directory of the default socket
-        sock = bind_unix(path.absolute())
+        unix_path = path.absolute()
+        sock = bind_unix(unix_path)
+        bound = os.lstat(unix_path)
         if args.token:
             tokens[args.token] = "operate"
         access = Access(tokens=tokens, unix_owner=not args.token)
@@ -157,7 +161,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        if sock.family == socket.AF_UNIX:
-            with contextlib.suppress(OSError):
-                os.unlink(sock.getsockname())
+        if unix_path is not None:
+            _remove_socket(unix_path, bound)
     return 0
+
+
+def _remove_socket(path: Path, bound: os.stat_result | None) -> None:
+    """Remove the socket this server bound, and nothing else put there since."""
+    with contextlib.suppress(OSError):
+        now = os.lstat(path)
+        if bound is not None and (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
+            path.unlink()

@@ -39,6 +39,7 @@ __all__ = ["build_api"]
 
 logger = logging.getLogger("corral.server")
 CHUNK = 4 << 20
+MAX_STDIN = 256 << 20
 API_VERSION = "1"
 
 
@@ -185,25 +186,39 @@ def _status_for_cli(code: int, timed_out: bool) -> int:
     return code if code >= 0 else 128 - code
 
 
-async def _feed(request: Request, write: Any, close: Any) -> None:
-    """Copy the request body to a command's stdin as it arrives, then close its stdin."""
+async def _body(request: Request, limit: int = MAX_STDIN) -> bytes:
+    """The whole request body (a command's stdin), read before the response starts: once a
+    streamed response begins, the server reads the connection only to notice a disconnect."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise errors.RequestTooLarge(
+                f"stdin over {limit >> 20} MiB; write a file into the box instead "
+                "(PUT .../files/content, corral cp) and redirect from it"
+            )
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _feed(data: bytes, write: Any, close: Any) -> None:
+    """Give a command its stdin, then end it."""
     with contextlib.suppress(errors.SandboxError):
-        async for chunk in request.stream():
-            if chunk:
-                await write(chunk)
+        if data:
+            await write(data)
     with contextlib.suppress(errors.SandboxError):
         await close()
 
 
 async def _stream_command(
     sb: Sandbox,
-    request: Request | None,
     command: list[str] | str,
     *,
     cwd: str | None,
     env: dict[str, str] | None,
     timeout: float | None,
-    stdin: bool,
+    stdin: bytes | None,
     metrics: Metrics,
 ) -> AsyncIterator[bytes]:
     """Frames of one command's output, then its end (or the error that stopped it)."""
@@ -216,7 +231,11 @@ async def _stream_command(
         timeout = sb.policy.limits.exec_timeout_secs
     try:
         stream = await sb.exec_stream(
-            command, stdin="pipe" if stdin else None, cwd=cwd, env=env, timeout=timeout
+            command,
+            stdin="pipe" if stdin is not None else None,
+            cwd=cwd,
+            env=env,
+            timeout=timeout,
         )
     except errors.SpawnFailed as exc:
         status = 127 if isinstance(exc, errors.CommandNotFound) else 126
@@ -233,8 +252,8 @@ async def _stream_command(
         )
         return
     feeder = (
-        asyncio.ensure_future(_feed(request, stream.write, stream.close_stdin))
-        if stdin and request is not None
+        asyncio.ensure_future(_feed(stdin, stream.write, stream.close_stdin))
+        if stdin is not None
         else None
     )
     code = -9
@@ -277,14 +296,12 @@ async def _stream_command(
 
 async def _captured(
     sb: Sandbox,
-    request: Request,
     args: argparse.Namespace,
     command: list[str],
     env: dict[str, str],
-    stdin: bool,
+    data: bytes | None,
 ) -> bytes:
     """``corral run --json`` through the server: one JSON line, then the end."""
-    data = await request.body() if stdin else None
     try:
         result = await sb.run(command, timeout=args.timeout, stdin=data, env=env, cwd=args.workdir)
     except errors.SpawnFailed as exc:
@@ -408,7 +425,7 @@ def build_api(  # noqa: C901
 
     @app.get("/v1/boxes/{box_id}", tags=["boxes"])
     async def get_box(box_id: str) -> BoxOut:
-        return BoxOut(**boxes.get(box_id).describe())
+        return BoxOut(**boxes.get(box_id, touch=False).describe())
 
     @app.delete("/v1/boxes/{box_id}", tags=["boxes"], status_code=204)
     async def delete_box(box_id: str) -> Response:
@@ -461,14 +478,14 @@ def build_api(  # noqa: C901
     ) -> StreamingResponse:
         sb = box(box_id).sandbox
         variables = dict(item.partition("=")[::2] for item in env or [])
+        data = await _body(request) if stdin else None
         gen = _stream_command(
             sb,
-            request,
             cmd,
             cwd=cwd,
             env=variables or None,
             timeout=timeout,
-            stdin=stdin,
+            stdin=data,
             metrics=metrics,
         )
         return _frames_response(gen)
@@ -495,6 +512,7 @@ def build_api(  # noqa: C901
 
         plan = plan_run(args)
         force = bool(getattr(args, "force_workspace", False))
+        data = await _body(request) if spec.stdin else None
 
         async def gen() -> AsyncIterator[bytes]:
             async with boxes.one_shot(
@@ -503,16 +521,15 @@ def build_api(  # noqa: C901
                 for warning in sb.warnings:
                     yield frames.frame(frames.NOTE, f"corral: warning: {warning}".encode())
                 if args.json:
-                    yield await _captured(sb, request, args, plan.command, plan.env, spec.stdin)
+                    yield await _captured(sb, args, plan.command, plan.env, data)
                     return
                 async for chunk in _stream_command(
                     sb,
-                    request,
                     plan.command,
                     cwd=args.workdir,
                     env=plan.env,
                     timeout=args.timeout,
-                    stdin=spec.stdin,
+                    stdin=data,
                     metrics=metrics,
                 ):
                     yield chunk

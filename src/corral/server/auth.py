@@ -127,8 +127,44 @@ class Guard:
             await _refuse(scope, receive, send, status, code, message)
             return
         if scope["type"] == "http" and self._is_json(headers):
-            receive = self._capped(receive, send)
+            replay = await self._whole_json(receive)
+            if replay is None:
+                limit = self.access.max_json_bytes
+                await _refuse(
+                    scope,
+                    receive,
+                    send,
+                    413,
+                    errors.ErrorCode.REQUEST_TOO_LARGE,
+                    f"a JSON body over {limit} bytes; send file contents and stdin as streams "
+                    "(application/octet-stream), not inside JSON",
+                )
+                return
+            receive = replay
         await self.app(scope, receive, send)
+
+    async def _whole_json(self, receive: Receive) -> Receive | None:
+        """Read a JSON body whole (it is small, or refused: None), then hand it on."""
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if len(body) > self.access.max_json_bytes:
+                return None
+            if not message.get("more_body"):
+                break
+        first: Message | None = {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal first
+            if first is not None:
+                message, first = first, None
+                return message
+            return await receive()
+
+        return replay
 
     def _refusal(
         self, scope: Scope, headers: dict[bytes, bytes]
@@ -187,24 +223,6 @@ class Guard:
     @staticmethod
     def _is_json(headers: dict[bytes, bytes]) -> bool:
         return headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/json"
-
-    def _capped(self, receive: Receive, send: Send) -> Receive:
-        limit = self.access.max_json_bytes
-        seen = 0
-
-        async def capped() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise errors.RequestTooLarge(
-                        f"a JSON body over {limit} bytes; send file contents and stdin as "
-                        "streams (application/octet-stream), not inside JSON"
-                    )
-            return message
-
-        return capped
 
 
 async def _refuse(

@@ -246,14 +246,17 @@ class Boxes:
         self._gauge()
         return held
 
-    def get(self, box_id: str) -> HeldBox:
+    def get(self, box_id: str, *, touch: bool = True) -> HeldBox:
+        """The box ``box_id``; ``touch``: this request is activity (the idle timer restarts),
+        as commands, files and terminals are and looking at its state is not."""
         held = self._held.get(box_id)
         if held is None:
             raise errors.BoxNotFound(
                 f"no box {box_id!r} on this server (deleted, reaped at its TTL or idle "
                 "timeout, or never made): GET /v1/boxes lists the boxes there are"
             )
-        held.touch()
+        if touch:
+            held.touch()
         return held
 
     def matching(self, labels: dict[str, str] | None = None) -> list[HeldBox]:

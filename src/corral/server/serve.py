@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +41,31 @@ def build_app(config: ServeConfig, parse_run: RunParser) -> tuple[ASGIApp, Boxes
     return Guard(api, config.access), boxes
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server without its re-raise of SIGTERM/SIGINT after shutting down: that
+    would kill the process before the boxes are closed (``serve``'s ``finally``)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
 async def serve(config: ServeConfig, parse_run: RunParser, *, sock: socket.socket) -> None:
     """Serve on the bound, listening ``sock`` until SIGINT/SIGTERM (or cancellation); every
     box is closed before this returns. Clients may connect as soon as ``sock`` listens: the
     kernel queues them until the server accepts."""
     app, boxes = build_app(config, parse_run)
     boxes.start_reaper()
-    server = uvicorn.Server(http_server_config(app, ws="websockets-sansio"))
+    server = _Server(http_server_config(app, ws="websockets-sansio"))
     try:
         await server.serve(sockets=[sock])
     finally:

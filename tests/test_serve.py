@@ -1,0 +1,381 @@
+"""``corral serve`` for real: a server in a subprocess on a unix socket or 127.0.0.1, driven
+by the CLI, plain HTTP, a WebSocket client and the remote SDK, with real boxes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets.asyncio.client
+
+import corral
+from served import CORRAL, Served, serving, start
+
+pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
+
+DOCS_OPENAPI = Path(__file__).resolve().parents[1] / "docs" / "openapi.json"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    runtime = tmp_path_factory.mktemp("run")
+    with serving(runtime, "--socket", str(runtime / "s.sock")) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def tcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    runtime = tmp_path_factory.mktemp("run")
+    with serving(
+        runtime, "--listen", "127.0.0.1:0", "--read-token", "read-only-token-for-tests"
+    ) as served:
+        yield served
+
+
+def http(served: Served, token: str | None = None) -> httpx.Client:
+    if served.url.startswith("unix:"):
+        return httpx.Client(
+            transport=httpx.HTTPTransport(uds=served.socket), base_url="http://localhost"
+        )
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=served.url, headers=headers)
+
+
+def cli(
+    served: Served, *args: str, cwd: Path, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [*CORRAL, *args], env=served.env, cwd=cwd, input=stdin, capture_output=True, timeout=120
+    )
+
+
+def metric(served: Served, name: str) -> float:
+    with http(served) as client:
+        text = client.get("/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+# ---- corral run through the server ---------------------------------------------------------
+def test_run_goes_through_the_server_byte_for_byte(server: Served, workspace: Path) -> None:
+    blob = os.urandom(1 << 20)
+    (workspace / "blob").write_bytes(blob)
+    starts = metric(server, "corral_box_starts_total")
+    r = cli(server, "run", "--", "cat", "blob", cwd=workspace)
+    assert r.returncode == 0, r.stderr
+    assert hashlib.sha256(r.stdout).digest() == hashlib.sha256(blob).digest()
+    assert metric(server, "corral_box_starts_total") == starts + 1  # the server ran it
+    r = cli(
+        server,
+        "run",
+        "--stdin",
+        "--",
+        "sh",
+        "-c",
+        "cat; echo err >&2; exit 3",
+        cwd=workspace,
+        stdin=b"\x00\xffin",
+    )
+    assert (r.returncode, r.stdout) == (3, b"\x00\xffin")
+    assert r.stderr.endswith(b"err\n")
+
+
+def test_run_through_the_server_keeps_the_cli_statuses(server: Served, workspace: Path) -> None:
+    r = cli(server, "run", "--", "no-such-program", cwd=workspace)
+    assert r.returncode == 127
+    assert b"command not found" in r.stderr
+    r = cli(server, "run", "--timeout", "0.5", "--", "sleep", "30", cwd=workspace)
+    assert r.returncode == 124
+    assert b"timed out after 0.5 s" in r.stderr
+    r = cli(server, "run", "--json", "--", "sh", "-c", "echo hi; exit 4", cwd=workspace)
+    assert r.returncode == 4
+    assert json.loads(r.stdout)["stdout"] == "hi\n"
+    r = cli(server, "run", "--cpus", "-1", "--", "true", cwd=workspace)
+    assert r.returncode == 2
+    assert b"--cpus" in r.stderr
+    assert b"Traceback" not in r.stderr
+    r = cli(server, "run", "--", "true", cwd=Path("/"))
+    assert r.returncode == 2
+    assert b"refusing /" in r.stderr
+
+
+def test_a_server_that_is_not_there_is_named(tmp_path: Path, workspace: Path) -> None:
+    env = {**os.environ, "CORRAL_HOST": f"unix:{tmp_path / 'none.sock'}"}
+    r = subprocess.run(
+        [*CORRAL, "run", "--", "true"], env=env, cwd=workspace, capture_output=True, timeout=60
+    )
+    assert r.returncode == 125
+    assert b"server_unavailable" in r.stderr
+    assert b"corral serve" in r.stderr
+    r = subprocess.run([*CORRAL, "ps"], env=env, cwd=workspace, capture_output=True, timeout=60)
+    assert r.returncode == 125
+
+
+# ---- boxes that outlive a call -------------------------------------------------------------
+def test_create_exec_cp_logs_ps_rm(server: Served, workspace: Path, tmp_path: Path) -> None:
+    r = cli(server, "create", "--label", "job=t1", "--", "--network", "none", cwd=workspace)
+    assert r.returncode == 0, r.stderr
+    box = r.stdout.decode().strip()
+    assert box.startswith("box-")
+    try:
+        payload = os.urandom(300_000)
+        (tmp_path / "in.bin").write_bytes(payload)
+        assert (
+            cli(server, "cp", str(tmp_path / "in.bin"), f"{box}:in.bin", cwd=tmp_path).returncode
+            == 0
+        )
+        r = cli(server, "exec", box, "--", "sha256sum", "in.bin", cwd=tmp_path)
+        assert r.stdout.split()[0].decode() == hashlib.sha256(payload).hexdigest()
+        assert (
+            cli(server, "exec", box, "--", "sh", "-c", "echo x > made.txt", cwd=tmp_path).returncode
+            == 0
+        )
+        assert (workspace / "made.txt").read_text() == "x\n"  # the box's workspace
+        assert (
+            cli(server, "cp", f"{box}:in.bin", str(tmp_path / "out.bin"), cwd=tmp_path).returncode
+            == 0
+        )
+        assert (tmp_path / "out.bin").read_bytes() == payload
+        r = cli(server, "exec", box, "--", "sh", "-c", "exit 7", cwd=tmp_path)
+        assert r.returncode == 7
+        r = cli(server, "ps", "--json", cwd=tmp_path)
+        assert [b["labels"] for b in json.loads(r.stdout) if b["id"] == box] == [{"job": "t1"}]
+        with http(server) as client:
+            started = client.post(
+                f"/v1/boxes/{box}/run", json={"cmd": "echo bg; echo bg-err >&2", "background": True}
+            ).json()
+            client.post(f"/v1/boxes/{box}/processes/{started['pid']}/wait", params={"timeout": 30})
+        r = cli(server, "logs", box, str(started["pid"]), cwd=tmp_path)
+        assert (r.stdout, r.stderr) == (b"bg\n", b"bg-err\n")
+        r = cli(server, "ps", box, cwd=tmp_path)
+        assert str(started["pid"]).encode() in r.stdout
+    finally:
+        assert cli(server, "rm", box, cwd=tmp_path).returncode == 0
+    r = cli(server, "exec", box, "--", "true", cwd=tmp_path)
+    assert r.returncode == 125
+    assert b"box_not_found" in r.stderr
+
+
+# ---- the remote SDK has the library's API ------------------------------------------------
+@pytest.fixture(params=["local", "remote"])
+async def make_box(request: pytest.FixtureRequest, server: Served) -> AsyncIterator[Any]:
+    """The same test body against ``corral.Sandbox`` and ``remote.Sandbox``."""
+    if request.param == "local":
+        yield corral.Sandbox
+        return
+    async with corral.connect(server.url) as remote:
+        yield remote.Sandbox
+
+
+async def test_the_same_code_runs_local_and_remote(make_box: Any, workspace: Path) -> None:
+    async with make_box(workspace=workspace) as sb:
+        r = await sb.run("echo out; echo err >&2; exit 3")
+        assert (r.exit_code, r.stdout, r.stderr, r.ended) == (3, "out\n", "err\n", "exited")
+        r = await sb.run(["cat"], stdin=b"\x00bytes\xff")
+        assert r.stdout.encode("utf-8", "surrogateescape").startswith(b"\x00bytes")
+        r = await sb.run("sleep 30", timeout=0.5)
+        assert (r.timed_out, r.timeout, r.ended) == (True, 0.5, "timed_out")
+        assert await sb.files.write("dir/f.bin", bytes(range(256))) == 256
+        assert await sb.files.read("dir/f.bin") == bytes(range(256))
+        assert (workspace / "dir" / "f.bin").read_bytes() == bytes(range(256))
+        assert [f.name for f in await sb.files.list("dir")] == ["f.bin"]
+        with pytest.raises(corral.FileNotFound):
+            await sb.files.read("missing")
+        proc = await sb.spawn("sleep 0.1; echo done")
+        assert (await proc.wait(30)).exit_code == 0
+        events = [ev async for ev in sb.exec_stream(["sh", "-c", "echo a; exit 5"])]
+        assert [type(e).__name__ for e in events] == ["Stdout", "Exited"]
+        assert events[-1].code == 5
+        stream = await sb.exec_stream(["echo", "awaited"])
+        first, *_ = [e async for e in stream]
+        assert first.data == b"awaited\n"
+
+
+async def test_remote_errors_are_the_library_classes(server: Served) -> None:
+    async with corral.connect(server.url) as remote:
+        with pytest.raises(corral.PolicyError, match="memory_bytes"):
+            await remote.json(
+                "POST", "/v1/boxes", json={"policy": {"limits": {"memory_bytes": "1k"}}}
+            )
+        gone = remote.Sandbox()
+        gone.id = "box-000000000000"
+        with pytest.raises(corral.BoxNotFound):
+            await gone.run("true")
+        assert await remote.boxes() == []  # the refused box was never made
+
+
+# ---- who may call ------------------------------------------------------------------------
+def test_tcp_needs_a_token_of_the_right_scope(tcp_server: Served) -> None:
+    with http(tcp_server) as anonymous:
+        r = anonymous.get("/v1/boxes")
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "unauthorized"
+        assert anonymous.get("/v1/health").status_code == 200
+    with http(tcp_server, "wrong") as wrong:
+        assert wrong.get("/v1/boxes").status_code == 401
+    with http(tcp_server, "read-only-token-for-tests") as reader:
+        assert reader.get("/v1/boxes").status_code == 200
+        r = reader.post("/v1/boxes", json={})
+        assert (r.status_code, r.json()["error"]["code"]) == (403, "access_denied")
+    with http(tcp_server, tcp_server.token) as operator:
+        assert operator.get("/v1/boxes").json() == []
+        r = operator.get("/v1/boxes", headers={"Host": "attacker.example:80"})
+        assert r.status_code == 421  # DNS rebinding: another name for 127.0.0.1
+        r = operator.get("/v1/boxes", headers={"Origin": "http://attacker.example"})
+        assert r.status_code == 403
+        r = operator.post(
+            "/v1/boxes",
+            content=b"{" + b" " * (2 << 20) + b"}",
+            headers={"content-type": "application/json"},
+        )
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
+        r = operator.post("/v1/boxes", json={"ttl_secs": -1})
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_input")
+        r = operator.post("/v1/boxes", json={"policy": {"network": {"mode": "sideways"}}})
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_policy")
+        r = operator.get("/v1/boxes/box-nope/processes")
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "box_not_found")
+        assert operator.get("/v1/boxes").json() == []  # nothing was made by bad input
+    token_file = tcp_server.runtime / "corral"
+    assert any(p.stat().st_mode & 0o777 == 0o600 for p in token_file.glob("serve-*.token"))
+
+
+def test_the_cli_finds_a_tcp_servers_token_file(tcp_server: Served, workspace: Path) -> None:
+    env = {**tcp_server.env}
+    env.pop("CORRAL_TOKEN")  # from the 0600 file the server wrote, as a user would
+    r = subprocess.run(
+        [*CORRAL, "ps", "--json"], env=env, cwd=workspace, capture_output=True, timeout=60
+    )
+    assert (r.returncode, json.loads(r.stdout)) == (0, [])
+
+
+# ---- lifecycle ---------------------------------------------------------------------------
+def _wait_gone(client: httpx.Client, box: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.get(f"/v1/boxes/{box}").status_code != 404:
+        assert time.monotonic() < deadline, f"{box} outlived its lease"
+        time.sleep(0.05)  # polling the API: the reaper runs on the server's clock
+
+
+def test_ttl_and_idle_timeout_reap_boxes(server: Served) -> None:
+    with http(server) as client:
+        ttl = client.post("/v1/boxes", json={"ttl_secs": 1}).json()["id"]
+        idle = client.post("/v1/boxes", json={"idle_timeout_secs": 1}).json()["id"]
+        busy = client.post("/v1/boxes", json={"idle_timeout_secs": 1}).json()["id"]
+        client.post(f"/v1/boxes/{busy}/run", json={"cmd": "sleep 120", "background": True})
+        _wait_gone(client, ttl)
+        _wait_gone(client, idle)
+        assert client.get(f"/v1/boxes/{busy}").status_code == 200  # its process runs
+        client.delete(f"/v1/boxes/{busy}")
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (a zombie waits for init to reap it: gone)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def test_a_killed_server_leaves_no_box_and_restarts_empty(tmp_path: Path) -> None:
+    runtime = tmp_path / "run"
+    sock = str(tmp_path / "s.sock")
+    served = start(runtime, "--socket", sock)
+    with http(served) as client:
+        box = client.post("/v1/boxes", json={}).json()["id"]
+        client.post(f"/v1/boxes/{box}/run", json={"cmd": "sleep 1000", "background": True})
+    boxes = _descendants(served.proc.pid)
+    assert boxes, "the box's processes are the server's descendants"
+    served.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while alive := _alive(boxes):
+        assert time.monotonic() < deadline, f"box processes outlived the server: {alive}"
+        time.sleep(0.05)
+    again = start(runtime, "--socket", sock)
+    try:
+        with http(again) as client:
+            assert client.get("/v1/boxes").json() == []
+            assert client.post("/v1/boxes/x/run", json={"cmd": "true"}).status_code == 404
+    finally:
+        assert again.stop() == 0
+
+
+def test_sigterm_closes_every_box(tmp_path: Path) -> None:
+    served = start(tmp_path / "run", "--socket", str(tmp_path / "s.sock"))
+    with http(served) as client:
+        client.post("/v1/boxes", json={})
+    boxes = _descendants(served.proc.pid)
+    assert served.stop() == 0
+    assert not _alive(boxes)
+    assert not Path(tmp_path / "s.sock").exists()
+
+
+# ---- a person on an agent's terminal ------------------------------------------------------
+async def test_a_person_answers_an_agents_prompt_over_a_websocket(server: Served) -> None:
+    async with corral.connect(server.url) as remote, remote.Sandbox() as sb:
+        session = await sb.shell()
+        await session.write("read -p 'Continue? ' a; echo got-$a\n")
+        assert (await session.expect("Continue\\? $"))["matched"]
+        path = f"/v1/boxes/{sb.id}/sessions/{session.session_id}/attach"
+        async with websockets.asyncio.client.unix_connect(
+            server.socket, f"ws://localhost{path}"
+        ) as ws:
+            screen = await ws.recv()
+            assert b"Continue?" in screen  # the person sees what the agent saw
+            await ws.send(b"yes\r")
+            assert (await session.expect("got-yes"))["matched"]
+        await session.write("echo still-here\n")  # detached: the session goes on
+        assert (await session.expect("still-here"))["matched"]
+
+
+# ---- metrics and the API's document --------------------------------------------------------
+def test_metrics_and_the_checked_in_openapi(server: Served) -> None:
+    with http(server) as client:
+        text = client.get("/metrics").text
+        for name in (
+            "corral_boxes",
+            "corral_box_starts_total",
+            "corral_box_start_seconds",
+            "corral_pool_hits_total",
+            "corral_oom_kills_total",
+            "corral_command_timeouts_total",
+            "corral_proxy_refusals_total",
+        ):
+            assert name in text
+        served_doc = client.get("/openapi.json").json()
+    assert served_doc == json.loads(DOCS_OPENAPI.read_text()), (
+        "docs/openapi.json is stale: python -m corral.server.openapi > docs/openapi.json"
+    )
