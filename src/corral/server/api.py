@@ -520,12 +520,21 @@ def build_api(  # noqa: C901
             ) as sb:
                 for warning in sb.warnings:
                     yield frames.frame(frames.NOTE, f"corral: warning: {warning}".encode())
+                command = plan.command or list(
+                    (sb.image_config.cmd if sb.image_config else None) or ()
+                )
+                if not command:
+                    raise errors.SandboxError(
+                        "give a command after --, e.g. corral run -- make test (the image "
+                        "names no Cmd or Entrypoint)",
+                        code=errors.ErrorCode.INVALID_INPUT,
+                    )
                 if args.json:
-                    yield await _captured(sb, args, plan.command, plan.env, data)
+                    yield await _captured(sb, args, command, plan.env, data)
                     return
                 async for chunk in _stream_command(
                     sb,
-                    plan.command,
+                    command,
                     cwd=args.workdir,
                     env=plan.env,
                     timeout=args.timeout,
