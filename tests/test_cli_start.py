@@ -9,9 +9,47 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from corral.cli.options import PRESET_NAMES
 from corral.tools.presets import PRESETS
 
+RUN_TRUE = """
+import json, sys
+from corral.cli import main
+code = main(["run", *sys.argv[1:], "--", "true"])
+assert code == 0, code
+print(json.dumps(sorted(sys.modules)))
+"""
+NOT_FOR_A_RUN = {
+    # the agent tools and the MCP server
+    "mcp",
+    "corral.tools.toolbox",
+    "corral.tools.catalog",
+    "corral.tools.schemas",
+    "corral.tools.results",
+    "corral.tools.approvals",
+    "corral.cli.mcp",
+    # images, pools, the sync facade
+    "corral.images",
+    "corral.pool",
+    "corral.sync",
+    # sessions but the registry every sandbox has (no shell was opened)
+    "corral.sessions.batch",
+    "corral.sessions.attach",
+    # the network of a box that has one
+    "corral.net.proxy",
+    "corral.net.nat",
+    "corral.net.ports",
+    "corral.net.publish",
+    "corral.net.tunnel",
+    "corral.net.http",
+    # other commands
+    "corral.cli.interactive",
+    "corral.cli.doctor",
+    "corral.cli.audit",
+    "corral.cli.image",
+}
 PARSE_ONLY = """
 import json, sys
 from corral.cli import make_parser
@@ -44,6 +82,19 @@ def test_parsing_a_run_command_line_imports_no_policy_model_and_no_event_loop() 
     argv = ["run", "--memory", "512M", "--cpus", "1", "-e", "A=1", "--network", "none"]
     loaded = loaded_after(PARSE_ONLY, *argv, "--", "true")
     assert {"pydantic", "corral.policy", "corral.sandbox", "asyncio"}.isdisjoint(loaded)
+
+
+@pytest.mark.needs_bwrap
+def test_run_imports_only_what_running_a_box_needs(workspace: Path) -> None:
+    loaded = loaded_after(RUN_TRUE, "--workspace", str(workspace))
+    assert "corral.sandbox" in loaded  # the walk really ran a box
+    assert sorted(NOT_FOR_A_RUN & loaded) == []
+
+
+@pytest.mark.needs_bwrap
+def test_a_run_with_a_network_imports_what_that_network_needs(workspace: Path) -> None:
+    loaded = loaded_after(RUN_TRUE, "--workspace", str(workspace), "-p", "0:8000")
+    assert {"corral.net.publish", "corral.net.proxy"} <= loaded
 
 
 def test_importing_corral_imports_none_of_its_parts() -> None:

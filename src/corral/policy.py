@@ -13,7 +13,6 @@ import json
 import os
 import re
 import stat
-import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -514,6 +513,8 @@ class Policy(_Model):
             except json.JSONDecodeError as exc:
                 raise PolicyError(f"policy file {p} is not valid JSON: {exc}") from None
         else:
+            import tomllib  # only for a policy file
+
             try:
                 data = tomllib.loads(text)
             except tomllib.TOMLDecodeError as exc:

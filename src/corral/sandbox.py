@@ -25,7 +25,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from corral import errors
 from corral.agent import protocol
@@ -40,12 +40,10 @@ from corral.backends.layout import box_env, shared_sources, writable_areas
 from corral.backends.limits import agent_rlimits
 from corral.channel import Channel
 from corral.files import Files
-from corral.images.resolve import BoxUser, ImageConfig
 from corral.models import CommandResult, NetworkRefusal, ProcessInfo
-from corral.net import BoxNetwork, Resolver
+from corral.net import BoxNetwork
 from corral.policy import DEFAULT_WORKDIR, Limits, Policy, PublishedPort, RlimitName
 from corral.processes import Process, ProcessRegistry, end_all, end_in_background
-from corral.sessions import attach
 from corral.sessions.pty import PtySession, SessionRegistry
 from corral.sessions.terminal import (
     DEFAULT_DETACH_KEYS,
@@ -58,6 +56,10 @@ from corral.sessions.terminal import (
 )
 from corral.streaming import ExecStream, PendingExecStream
 from corral.workspaces import refuse_dangerous_workspace
+
+if TYPE_CHECKING:
+    from corral.images.resolve import BoxUser, ImageConfig
+    from corral.net import Resolver
 
 Command = str | Sequence[str]
 StdinArg = bytes | str | Literal["pipe"] | None
@@ -839,6 +841,8 @@ class Sandbox:
         This process starts serving its shared sessions on a private unix socket (0600,
         same user only) and returns its path; unshared sessions open no socket at all.
         """
+        from corral.sessions import attach
+
         return await attach.offer(self._sessions.get(session.session_id))
 
     # ---- the caller's own terminal (the spec's interactive attach) ------------------------

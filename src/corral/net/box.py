@@ -34,7 +34,7 @@ import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corral.audit import AuditLog
 from corral.backends.host import mounts
@@ -42,13 +42,13 @@ from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE
 from corral.errors import BackendError, PolicyError
 from corral.models import NetworkRefusal
 from corral.net.env import GUEST_NET_DIR, NODE_PRELOAD, proxy_port
-from corral.net.nat import DNS_ADDRESS, Nat, kill_pasta
-from corral.net.ports import PortRelay
-from corral.net.proxy import EgressProxy
-from corral.net.publish import PortPublisher, listen_all
-from corral.net.resolver import Resolver, SystemResolver
-from corral.net.rules import AddressScreen, HostAllowlist
 from corral.policy import NetworkPolicy, PublishedPort
+
+# The proxy, relays, publishers and NAT are imported by the box that has a network (a box of
+# network mode none, the default, starts without them).
+if TYPE_CHECKING:
+    from corral.net.proxy import EgressProxy
+    from corral.net.resolver import Resolver
 
 PROXY_SOCKET = "proxy.sock"
 GUEST_SUBDIR = "box"
@@ -102,6 +102,13 @@ class BoxNetwork:
         self.box_root = box_root
         self.box_user_gid = box_user_gid
         self.audit = audit
+        from corral.net.nat import Nat
+        from corral.net.ports import PortRelay
+        from corral.net.proxy import EgressProxy
+        from corral.net.publish import PortPublisher
+        from corral.net.resolver import SystemResolver
+        from corral.net.rules import AddressScreen, HostAllowlist
+
         self.screen = AddressScreen(policy.allow_private)
         self.allowlist = HostAllowlist(policy.allow_hosts)
         self.proxy: EgressProxy | None = None
@@ -147,6 +154,8 @@ class BoxNetwork:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
+        from corral.net.publish import listen_all
+
         await listen_all(self.publishers)  # first: a host port in use fails the start at once
         self.host_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._started = True
@@ -171,6 +180,8 @@ class BoxNetwork:
             await publisher.serve(path)
             self._grant(path)
         if self.nat is not None:
+            from corral.net.nat import DNS_ADDRESS
+
             resolv = self.host_dir / "resolv.conf"
             resolv.write_text(f"nameserver {DNS_ADDRESS}\n")
             resolv.chmod(0o644)
@@ -326,6 +337,8 @@ class BoxNetwork:
 
 def sweep(host_dir: Path) -> None:
     """End what a box whose owner died left running (its pasta), for the orphan sweeps."""
+    from corral.net.nat import kill_pasta
+
     with contextlib.suppress(OSError):
         kill_pasta(host_dir / "pasta.pid")
     for held in ("netns", "userns"):  # namespaces a full-mode OCI box joined by path

@@ -29,12 +29,14 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corral import errors
 from corral.processes import Process, Request, end_all
-from corral.sessions.batch import BatchResult, BatchStep, run_batch
 from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match
+
+if TYPE_CHECKING:
+    from corral.sessions.batch import BatchResult, BatchStep
 
 __all__ = ["PtySession", "SessionRegistry", "to_case"]
 
@@ -313,6 +315,8 @@ class PtySession:
         ``timeout`` applies to each expect step without its own ``timeout_secs``."""
         if self._reading:
             raise errors.SessionBusy(f"session {self.session_id} already has an expect in progress")
+
+        from corral.sessions.batch import run_batch  # its step models: only when batching
 
         return await run_batch(self, steps, timeout)
 

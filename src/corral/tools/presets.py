@@ -20,7 +20,6 @@ vendored or already in a cache (or the policy's ``network`` allows the registry)
 
 from __future__ import annotations
 
-import configparser
 import os
 import re
 from collections.abc import Callable
@@ -161,6 +160,8 @@ def hidden_venv_bases(workspace: str | os.PathLike[str], policy: Policy | None =
             text = cfg.read_text(errors="replace")
         except OSError:
             continue
+        import configparser  # only for a workspace with a venv
+
         parser = configparser.ConfigParser()
         try:
             parser.read_string("[venv]\n" + text)
