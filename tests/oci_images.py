@@ -190,3 +190,61 @@ def tar_dir(src: Path, dest: Path) -> Path:
     """``tar -C src -cf dest .``: an OCI archive from a layout."""
     subprocess.run(["tar", "-C", str(src), "-cf", str(dest), "."], check=True)
     return dest
+
+
+DPKG_TOOLS = ("/usr/bin/dpkg", "/usr/bin/dpkg-deb")
+
+
+def dpkg_root(root: Path) -> Path:
+    """A root with busybox and the host's dpkg (its libraries copied as ldd names them) and
+    an empty package database, no Python: enough to install a .deb as box root. The caller
+    skips when ``DPKG_TOOLS`` are missing."""
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    for applet in (*APPLETS, "grep", "tar", "diff", "ls", "cat"):
+        if not (root / "bin" / applet).exists():
+            (root / "bin" / applet).symlink_to("busybox")
+    (root / "sbin").mkdir()
+    for tool in ("ldconfig", "start-stop-daemon"):  # dpkg wants them on PATH
+        (root / "sbin" / tool).symlink_to("/bin/true")
+    (root / "usr" / "bin").mkdir(parents=True)
+    for tool in DPKG_TOOLS:
+        shutil.copy2(tool, root / "usr" / "bin")
+        ldd = subprocess.run(["ldd", tool], capture_output=True, text=True, check=True).stdout
+        for line in ldd.splitlines():
+            words = line.split()
+            lib = words[2] if "=>" in words and len(words) > 2 else words[0]
+            if lib.startswith("/"):
+                dest = root / lib.lstrip("/")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(os.path.realpath(lib), dest)
+    db = root / "var" / "lib" / "dpkg"
+    for sub in ("info", "updates", "triggers", "alternatives"):
+        (db / sub).mkdir(parents=True)
+    (db / "status").write_text("")
+    (root / "etc" / "dpkg").mkdir(parents=True)
+    os.chmod(root, 0o755)
+    return root
+
+
+def make_deb(folder: Path, name: str = "corral-hello") -> Path:
+    """``folder/NAME.deb``: a package installing ``/usr/bin/NAME``, which prints ``hello
+    from a package``."""
+    pkg = folder.parent / f"{folder.name}-{name}-pkg"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "DEBIAN" / "control").write_text(
+        f"Package: {name}\nVersion: 1.0\nArchitecture: all\n"
+        "Maintainer: corral tests <t@example.invalid>\nDescription: a test package\n"
+    )
+    (pkg / "usr" / "bin").mkdir(parents=True)
+    script = pkg / "usr" / "bin" / name
+    script.write_text("#!/bin/sh\necho hello from a package\n")
+    script.chmod(0o755)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{name}.deb"
+    subprocess.run(
+        ["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(pkg), str(out)],
+        check=True,
+        capture_output=True,
+    )
+    return out

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,16 @@ from corral.cli import main
 from corral.images import resolve_image
 from corral.images.store import ImageStore
 from local_registry import Registry, available, running_registry
-from oci_images import Entry, busybox_root, dir_tar, layer_tar, write_layout
+from oci_images import (
+    DPKG_TOOLS,
+    Entry,
+    busybox_root,
+    dir_tar,
+    dpkg_root,
+    layer_tar,
+    make_deb,
+    write_layout,
+)
 
 pytestmark = pytest.mark.skipif(
     not available() or not Path("/bin/busybox").exists(),
@@ -188,3 +199,41 @@ def test_a_hostile_layer_from_the_registry_leaves_nothing(
     assert "through a symlink" in err["error"]["message"]
     assert not Path("/etc/cron.d/x").exists()
     assert_empty(store)
+
+
+@pytest.mark.needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="images run on the bwrap backend as root")
+def test_pull_run_and_install_as_box_root_from_a_local_registry(
+    registry: Registry, store: ImageStore, tmp_path: Path
+) -> None:
+    """The issue's path end to end through ``corral run``: an image without Python pulled
+    from the registry runs its Cmd; box root installs a package on its writable root; the
+    stored image and the host are unchanged."""
+    if not all(os.path.exists(t) for t in DPKG_TOOLS):
+        pytest.skip("dpkg is not installed")
+    config: dict[str, object] = {
+        "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+        "Cmd": ["sh", "-c", "command -v python3 || echo no-python"],
+    }
+    write_layout(tmp_path / "layout", [dir_tar(dpkg_root(tmp_path / "root"))], config=config)
+    ref = registry.push(tmp_path / "layout", "dpkg:1")
+    deb = make_deb(tmp_path / "ws")
+    env = {**os.environ, "CORRAL_IMAGE_STORE": str(store.root)}
+    argv = [sys.executable, "-m", "corral.cli", "run", "--workspace", str(deb.parent)]
+    cmd = subprocess.run(
+        [*argv, "--image", ref], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert cmd.returncode == 0 and cmd.stdout == "no-python\n", cmd
+    install = "dpkg -i corral-hello.deb > /dev/null && corral-hello"
+    r = subprocess.run(
+        [*argv, "--image", ref, "--user", "root", "--", "sh", "-c", install],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0 and r.stdout == "hello from a package\n", r
+    rootfs = resolve_image(ref).rootfs
+    assert rootfs is not None and not (rootfs / "usr" / "bin" / "corral-hello").exists()
+    assert (rootfs / "var" / "lib" / "dpkg" / "status").read_text() == ""
+    assert not Path("/usr/bin/corral-hello").exists()

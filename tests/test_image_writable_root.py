@@ -135,76 +135,19 @@ async def test_the_upper_is_out_of_reach_and_gone_with_the_box(image: Path, tmp_
     assert not _own_entries()
 
 
-def _dpkg_root(root: Path) -> Path:
-    """A root with busybox and the host's dpkg (its libraries copied by ldd), an empty
-    package database: enough to install a .deb as box root."""
-    import subprocess
-
-    for tool in ("/usr/bin/dpkg", "/usr/bin/dpkg-deb"):
-        if not os.path.exists(tool):
-            pytest.skip("dpkg is not installed")
-    (root / "bin").mkdir(parents=True)
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    for applet in (*APPLETS, "grep", "true", "tar", "diff"):
-        if not (root / "bin" / applet).exists():
-            (root / "bin" / applet).symlink_to("busybox")
-    (root / "sbin").mkdir()
-    for tool in ("ldconfig", "start-stop-daemon"):  # dpkg wants them on PATH
-        (root / "sbin" / tool).symlink_to("/bin/true")
-    (root / "usr" / "bin").mkdir(parents=True)
-    for tool in ("/usr/bin/dpkg", "/usr/bin/dpkg-deb"):
-        shutil.copy2(tool, root / "usr" / "bin")
-        ldd = subprocess.run(["ldd", tool], capture_output=True, text=True, check=True).stdout
-        for line in ldd.splitlines():
-            words = line.split()
-            lib = words[2] if "=>" in words and len(words) > 2 else words[0]
-            if lib.startswith("/"):
-                dest = root / lib.lstrip("/")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(os.path.realpath(lib), dest)
-    db = root / "var" / "lib" / "dpkg"
-    for sub in ("info", "updates", "triggers", "alternatives"):
-        (db / sub).mkdir(parents=True)
-    (db / "status").write_text("")
-    (root / "etc" / "dpkg").mkdir(parents=True)
-    os.chmod(root, 0o755)
-    return root
-
-
-def _deb(tmp: Path) -> Path:
-    import subprocess
-
-    pkg = tmp / "pkg"
-    (pkg / "DEBIAN").mkdir(parents=True)
-    (pkg / "DEBIAN" / "control").write_text(
-        "Package: corral-hello\nVersion: 1.0\nArchitecture: all\n"
-        "Maintainer: corral tests <t@example.invalid>\nDescription: a test package\n"
-    )
-    (pkg / "usr" / "bin").mkdir(parents=True)
-    script = pkg / "usr" / "bin" / "corral-hello"
-    script.write_text("#!/bin/sh\necho hello from a package\n")
-    script.chmod(0o755)
-    out = tmp / "ws" / "corral-hello.deb"
-    out.parent.mkdir()
-    subprocess.run(
-        ["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(pkg), str(out)],
-        check=True,
-        capture_output=True,
-    )
-    return out
-
-
 async def test_box_root_installs_a_package_and_the_host_is_unchanged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The issue's check: a package installed as box root on an image from the store; the
     image, the store and the host's own package database are unchanged."""
-    from oci_images import dir_tar, write_layout
+    from oci_images import DPKG_TOOLS, dir_tar, dpkg_root, make_deb, write_layout
 
+    if not all(os.path.exists(t) for t in DPKG_TOOLS):
+        pytest.skip("dpkg is not installed")
     monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
-    root = _dpkg_root(tmp_path / "rootfs")
+    root = dpkg_root(tmp_path / "rootfs")
     layout = write_layout(tmp_path / "layout", [dir_tar(root)], config={"Env": []}).path
-    deb = _deb(tmp_path)
+    deb = make_deb(tmp_path / "ws")
     policy = Policy(image=str(layout), user="root")
     async with Sandbox(policy, workspace=deb.parent) as sb:
         store_before = snapshot(tmp_path / "store")
