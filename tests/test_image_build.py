@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -160,3 +161,49 @@ def test_a_failing_run_fails_the_build_with_its_output(
     with pytest.raises(errors.ImageError, match=r"line 2: RUN exited with 3:\nabout to fail"):
         build(store, dockerfile, tmp_path, "bad:1")
     assert [r.ref for r in store.list()] == [store.resolve(base).ref]  # type: ignore[union-attr]
+
+
+@needs_root_bwrap[0]
+@needs_root_bwrap[1]
+def test_run_boxes_take_the_builds_network_and_root_size(
+    store: ImageStore, base: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """RUN has no network unless ``corral image build`` says (``--allow-port`` of a server
+    on the host's 127.0.0.1 here), and its writable root is ``--root-size``."""
+    import http.server
+    import threading
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "payload").write_text("fetched\n")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(served), **kwargs)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        ctx = tmp_path / "ctx"
+        ctx.mkdir()
+        fetch = f"RUN busybox wget -q -O /etc/payload http://127.0.0.1:{port}/payload\n"
+        (ctx / "Dockerfile").write_text(f"FROM {base}\n{fetch}")
+        argv = ["image", "build", "-t", "net:1", str(ctx), "--json"]
+        assert main(argv) == 2  # no network by default
+        assert "RUN exited with 1" in capsys.readouterr().out
+        assert main([*argv, "--allow-port", str(port)]) == 0, capsys.readouterr()
+        rootfs = resolve_image("net:1").rootfs
+        assert rootfs is not None and (rootfs / "etc" / "payload").read_text() == "fetched\n"
+    finally:
+        server.shutdown()
+        server.server_close()
+    (ctx / "Dockerfile").write_text(
+        f"FROM {base}\nRUN busybox dd if=/dev/zero of=/big bs=1M count=4\n"
+    )
+    status = main(["image", "build", "-t", "big:1", str(ctx), "--root-size", "2M", "--json"])
+    assert status == 2 and "No space left on device" in capsys.readouterr().out

@@ -30,11 +30,14 @@ __all__ = ["register"]
 
 if TYPE_CHECKING:
     from corral.images.store import ImageRecord, ImageStore
+    from corral.policy import Policy
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def register(sub: SubParsers) -> None:
+    from corral.net.cli import add_network_options
+
     image = sub.add_parser("image", help="pull, list, inspect and remove box images")
     isub = image.add_subparsers(dest="image_cmd", required=True, metavar="ACTION")
 
@@ -65,11 +68,18 @@ def register(sub: SubParsers) -> None:
     inspect.set_defaults(func=cmd_inspect)
 
     build = isub.add_parser(
-        "build", help="build an image from a Dockerfile subset (FROM, COPY, ENV, WORKDIR...)"
+        "build", help="build an image from a Dockerfile subset (FROM, RUN, COPY, ENV, WORKDIR...)"
     )
     build.add_argument("context", metavar="CONTEXT", help="the build context directory")
     build.add_argument("-t", "--tag", required=True, metavar="REF", help="the new image's ref")
     build.add_argument("-f", "--file", metavar="DOCKERFILE", help="default: CONTEXT/Dockerfile")
+    build.add_argument(
+        "--root-size",
+        metavar="SIZE",
+        help="the writable root of each RUN box (filesystem.root_size; default 1G)",
+    )
+    build.add_argument("--memory", metavar="SIZE", help="memory limit of each RUN box")
+    add_network_options(build)  # RUN boxes have no network unless these say
     build.add_argument("--json", action="store_true")
     build.set_defaults(func=cmd_build)
 
@@ -208,12 +218,26 @@ def cmd_build(args: argparse.Namespace) -> int:
         sys.stderr.write(terminal_safe(text, sys.stderr, args))
         sys.stderr.flush()
 
-    record = build(store, text, context, args.tag, log=log)
+    record = build(store, text, context, args.tag, log=log, policy=_run_policy(args))
     if args.json:
         print(json.dumps(_summary(store, record)))
     else:
         print(terminal_safe(f"{record.ref} {record.digest}", sys.stdout, args))
     return 0
+
+
+def _run_policy(args: argparse.Namespace) -> Policy:
+    """The policy of a build's RUN boxes, from ``--root-size``, ``--memory`` and the network
+    options."""
+    from corral.net.cli import apply_network_options
+    from corral.policy import Policy
+
+    data: dict[str, Any] = {}
+    if args.root_size:
+        data["filesystem"] = {"root_size": args.root_size}
+    if args.memory:
+        data["limits"] = {"memory_bytes": args.memory}
+    return apply_network_options(Policy.from_dict(data), args)
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from corral.images.store import ImageRecord, ImageStore, is_path
 if TYPE_CHECKING:
     from corral.images.resolve import BoxUser
     from corral.models import CommandResult
+    from corral.policy import Policy
 
 IGNORED = {"LABEL", "MAINTAINER"}
 Log = Callable[[str], object]
@@ -50,6 +51,8 @@ class _State:
     base: ImageRecord | None = None
     config: dict[str, Any] = field(default_factory=dict)
     layers: list[Path] = field(default_factory=list)
+    policy: Policy | None = None
+    """The policy of ``RUN`` boxes (their network, limits, ``filesystem.root_size``)."""
     runs: int = 0
     temp_refs: list[str] = field(default_factory=list)
     """The images ``RUN`` steps ran on (removed once the build is done)."""
@@ -193,7 +196,9 @@ def _run_layer(
         argv += _command(ins)
         cwd = "/"
     with store.scratch() as ws:
-        result = asyncio.run(_run_in_box(rootfs, user, argv, cwd, config.env, ws, out))
+        result = asyncio.run(
+            _run_in_box(state.policy, rootfs, user, argv, cwd, config.env, ws, out)
+        )
     if log is not None:
         log(result.stdout + result.stderr)
     if result.exit_code != 0:
@@ -202,6 +207,7 @@ def _run_layer(
 
 
 async def _run_in_box(
+    base: Policy | None,
     rootfs: Path,
     user: BoxUser,
     argv: list[str],
@@ -213,7 +219,8 @@ async def _run_in_box(
     from corral.policy import Policy
     from corral.sandbox import Sandbox
 
-    policy = Policy(image=str(rootfs), user=user)
+    data = base.model_dump() if base is not None else {}
+    policy = Policy.from_dict({**data, "image": str(rootfs), "user": user})
     async with Sandbox(policy, workspace=workspace) as sb:
         result = await sb.run(argv, cwd=cwd, env=env)
         if result.exit_code == 0:
@@ -242,16 +249,19 @@ def build(
     *,
     pull: bool = True,
     log: Log | None = None,
+    policy: Policy | None = None,
 ) -> ImageRecord:
     """Build ``dockerfile`` (its text) with ``context`` as the build context, into ``ref``;
-    what ``RUN`` commands print goes to ``log``. Blocking (``RUN`` starts boxes in an
-    event loop of its own): call it from a thread in async code."""
+    what ``RUN`` commands print goes to ``log``; ``RUN`` boxes start with ``policy`` (default:
+    no network, the default limits and ``root_size``), their ``image`` and ``user`` the
+    step's. Blocking (``RUN`` starts boxes in an event loop of its own): call it from a
+    thread in async code."""
     instructions = parse(dockerfile)
     if not instructions or instructions[0].op != "FROM":
         raise _bad(
             instructions[0].line if instructions else 1, "the first instruction must be FROM"
         )
-    state = _State()
+    state = _State(policy=policy)
     try:
         with store.scratch() as tmp:
             return _steps(store, instructions, context, ref, state, tmp, pull, log)
