@@ -186,3 +186,31 @@ async def test_the_hosts_own_root_is_no_plain_image() -> None:
     with pytest.raises(PolicyError, match="host's own root"):
         async with Sandbox(Policy(image="/")):
             pass
+
+
+async def test_box_root_boxes_have_host_ids_of_their_own(tmp_path: Path) -> None:
+    """Box root may take any of its box's ids (setuid: apt's _apt is 42): in a root box they
+    map to a block of host ids no other box has, so the kernel's per-uid counts of one box
+    never reach another's; a box of the unprivileged user keeps the shared range, which its
+    commands cannot take."""
+    from corral.backends.users import HOST_UID_BASE, ID_RANGE, ROOT_BOX_ID_BASE
+
+    def host_of(uid_map: str, box_id: int) -> int:
+        for line in uid_map.splitlines():
+            box, host, count = (int(x) for x in line.split())
+            if box <= box_id < box + count:
+                return host + box_id - box
+        raise AssertionError(uid_map)
+
+    async with (
+        Sandbox(Policy(user="root")) as a,
+        Sandbox(Policy(user="root")) as b,
+        Sandbox(Policy()) as c,
+    ):
+        maps = [(await sb.run("cat /proc/self/uid_map")).stdout for sb in (a, b, c)]
+        ids = [host_of(m, 42) for m in maps]
+        assert ids[0] != ids[1] and ids[2] == HOST_UID_BASE + 42, maps
+        for host in ids[:2]:
+            assert ROOT_BOX_ID_BASE <= host < ROOT_BOX_ID_BASE + 4096 * ID_RANGE
+        r = await a.run("setpriv --reuid=42 --regid=42 --clear-groups id -u")
+        assert r.stdout == "42\n", r

@@ -106,3 +106,21 @@ def test_the_sweep_kills_a_free_slots_processes_and_spares_a_held_ones() -> None
             os.close(held)
         proc.kill()
         proc.wait()
+
+
+def test_a_root_boxs_other_ids_are_a_block_of_its_own_slot() -> None:
+    from corral.backends.users import ROOT_BOX_ID_BASE, own_block
+
+    blocks = [own_block(OWNER_UID_BASE + slot) for slot in range(OWNER_SLOTS)]
+    assert len(set(blocks)) == OWNER_SLOTS and min(blocks) == ROOT_BOX_ID_BASE
+    last = blocks[-1] + ID_RANGE
+    assert last < 3_000_000_000  # below the idmapped mounts' FOREIGN_BASE
+    owner = OWNER_UID_BASE + 3
+    ranges = id_ranges(command_id(owner), owner, own_block(owner))
+    assert ranges[0] == (0, owner, 1) and ranges[1] == (1, own_block(owner) + 1, BOX_UID - 1)
+    assert ranges[-1] == (BOX_UID + 1, own_block(owner) + BOX_UID + 1, ID_RANGE - BOX_UID - 1)
+    assert sum(count for _, _, count in ranges) == ID_RANGE
+    with pytest.raises(BackendError, match="collides"):
+        id_ranges(ROOT_BOX_ID_BASE + 5)  # a workspace owner inside the blocks
+    with pytest.raises(ValueError, match="not a namespace owner"):
+        own_block(HOST_UID_BASE)

@@ -43,6 +43,23 @@ COMMAND_UID_BASE = OWNER_UID_BASE + OWNER_SLOTS
 are ``COMMAND_UID_BASE + N`` (:func:`command_id`)."""
 
 
+ROOT_BOX_ID_BASE = 1_000_000_000
+"""A box whose commands are box root (``policy.user = "root"``) may take any of its ids
+(``setuid``: apt's ``_apt`` is uid 42): its ids 1..65535 but 1000 map to a block of host ids
+of its own, ``ROOT_BOX_ID_BASE + slot * ID_RANGE`` (:func:`own_block`), so that no two boxes
+share a host uid and the kernel's per-uid counts (pipe buffers, epoll watches) of one never
+reach another's. Other boxes share the ``HOST_UID_BASE`` range, which their commands (uid
+1000, no capabilities) cannot take."""
+
+
+def own_block(owner: int) -> int:
+    """The host id box id 0 of the block of the box whose namespace owner is ``owner`` would
+    have (its ids 1..65535 but 1000 are used)."""
+    if not OWNER_UID_BASE <= owner < OWNER_UID_BASE + OWNER_SLOTS:
+        raise ValueError(f"{owner} is not a namespace owner id")
+    return ROOT_BOX_ID_BASE + (owner - OWNER_UID_BASE) * ID_RANGE
+
+
 def command_id(owner: int) -> int:
     """The host uid and gid of box uid 1000 in the box whose namespace owner is ``owner``."""
     if not OWNER_UID_BASE <= owner < OWNER_UID_BASE + OWNER_SLOTS:
@@ -60,24 +77,30 @@ GUEST_HOME = "/home/user"
 """HOME of the box user."""
 
 
-def id_ranges(owner: int, root: int = HOST_UID_BASE) -> list[tuple[int, int, int]]:
+def id_ranges(
+    owner: int, root: int = HOST_UID_BASE, others: int = HOST_UID_BASE
+) -> list[tuple[int, int, int]]:
     """``(box id, host id, count)``: box 0..999 and 1001.. -> host base range, 1000 -> owner;
-    box 0 -> ``root`` instead where the box's root is its namespace owner (bwrap)."""
-    if HOST_UID_BASE <= owner < COMMAND_UID_BASE + OWNER_SLOTS and not _is_command_id(owner):
+    box 0 -> ``root`` instead where the box's root is its namespace owner (bwrap); the ids
+    but 0 and 1000 from ``others`` on instead of ``HOST_UID_BASE`` (:func:`own_block`)."""
+    in_blocks = ROOT_BOX_ID_BASE <= owner < ROOT_BOX_ID_BASE + OWNER_SLOTS * ID_RANGE
+    corral_ids = HOST_UID_BASE <= owner < COMMAND_UID_BASE + OWNER_SLOTS
+    if in_blocks or (corral_ids and not _is_command_id(owner)):
         raise BackendError(f"workspace owner id {owner} collides with corral's id range")
-    head = [(0, HOST_UID_BASE, BOX_UID)]
-    if root != HOST_UID_BASE:
-        head = [(0, root, 1), (1, HOST_UID_BASE + 1, BOX_UID - 1)]
+    head = [(0, others, BOX_UID)]
+    if root != others:
+        head = [(0, root, 1), (1, others + 1, BOX_UID - 1)]
     return [
         *head,
         (BOX_UID, owner, 1),
-        (BOX_UID + 1, HOST_UID_BASE + BOX_UID + 1, ID_RANGE - BOX_UID - 1),
+        (BOX_UID + 1, others + BOX_UID + 1, ID_RANGE - BOX_UID - 1),
     ]
 
 
-def id_map(owner: int, root: int = HOST_UID_BASE) -> str:
+def id_map(owner: int, root: int = HOST_UID_BASE, others: int = HOST_UID_BASE) -> str:
     """uid_map/gid_map text of :func:`id_ranges`."""
-    return "".join(f"{box} {host} {count}\n" for box, host, count in id_ranges(owner, root))
+    ranges = id_ranges(owner, root, others)
+    return "".join(f"{box} {host} {count}\n" for box, host, count in ranges)
 
 
 def passwd_text(uid: int, gid: int) -> str:

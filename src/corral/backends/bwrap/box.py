@@ -83,7 +83,7 @@ from corral.backends.layout import (
     writable_areas,
 )
 from corral.backends.limits import LimitPlan, plan_limits
-from corral.backends.users import id_map, id_ranges
+from corral.backends.users import HOST_UID_BASE, id_map, id_ranges, own_block
 from corral.errors import BackendError, BackendUnavailable, ImageError, PolicyError
 from corral.policy import Policy
 
@@ -280,17 +280,28 @@ def _id_dropper() -> Callable[[int], tuple[str, ...]] | None:
 
 
 def _setup_box_ids(
-    spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int, root: int
+    spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int, root: int, others: int
 ) -> None:
     """Record the owner (for the orphan sweep) and write the box's id maps (box root ->
     ``root``, the namespace's owner).
 
     A handful of small writes to procfs and the state dir: cheaper than a thread hop.
-    """
+
+    ``setgroups`` stays allowed where commands are box root: apt and other tools that drop
+    to a user of their own call it. bwrap starts with no supplementary group, so there is
+    none a process could shed to escape a group's negative permissions, and only the box's
+    own (mapped) groups can be taken."""
     write_owner(spec.state_dir, "bwrap", bwrap_pid=bwrap_pid)
-    Path(f"/proc/{child}/uid_map").write_text(id_map(uid, root))
-    Path(f"/proc/{child}/setgroups").write_text("deny")
-    Path(f"/proc/{child}/gid_map").write_text(id_map(gid, root))
+    Path(f"/proc/{child}/uid_map").write_text(id_map(uid, root, others))
+    setgroups = "allow" if spec.user == "root" else "deny"
+    Path(f"/proc/{child}/setgroups").write_text(setgroups)
+    Path(f"/proc/{child}/gid_map").write_text(id_map(gid, root, others))
+
+
+def _other_ids(spec: BoxSpec, owner: int) -> int:
+    """Where the box's ids but 0 and 1000 start on the host: a block of its own when its
+    commands are box root (:func:`corral.backends.users.own_block`), else the shared range."""
+    return own_block(owner) if spec.user == "root" else HOST_UID_BASE
 
 
 class BwrapBox(CgroupAccounting, BoxBase):
@@ -425,7 +436,8 @@ class BwrapBackend(BackendBase):
             # The devpts mount (in its own thread) needs no id map: it runs meanwhile.
             pts = asyncio.wrap_future(devpts.submit_mount(child, self.devpts))
             try:
-                _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid, owner.uid)
+                others = _other_ids(spec, owner.uid)
+                _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid, owner.uid, others)
             except BaseException:
                 with contextlib.suppress(BaseException):
                     await pts  # never left running past the start
@@ -619,13 +631,14 @@ class BwrapBackend(BackendBase):
             spec.sandbox_id,
             image.rootfs,
             shared.binds.entries,
-            uids=id_ranges(shared.uid, owner.uid),
-            gids=id_ranges(shared.gid, owner.uid),
+            uids=id_ranges(shared.uid, owner.uid, _other_ids(spec, owner.uid)),
+            gids=id_ranges(shared.gid, owner.uid, _other_ids(spec, owner.uid)),
             owner=owner.uid,
             size=policy.filesystem.root_size,
         )
         if root.upper is not None:
-            held.root_layer = RootLayer(root.upper, tuple(id_ranges(shared.uid, owner.uid)))
+            ids = id_ranges(shared.uid, owner.uid, _other_ids(spec, owner.uid))
+            held.root_layer = RootLayer(root.upper, tuple(ids))
         return root, hidden
 
     @staticmethod
