@@ -209,15 +209,7 @@ def dpkg_root(root: Path) -> Path:
         (root / "sbin" / tool).symlink_to("/bin/true")
     (root / "usr" / "bin").mkdir(parents=True)
     for tool in DPKG_TOOLS:
-        shutil.copy2(tool, root / "usr" / "bin")
-        ldd = subprocess.run(["ldd", tool], capture_output=True, text=True, check=True).stdout
-        for line in ldd.splitlines():
-            words = line.split()
-            lib = words[2] if "=>" in words and len(words) > 2 else words[0]
-            if lib.startswith("/"):
-                dest = root / lib.lstrip("/")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(os.path.realpath(lib), dest)
+        _copy_with_libs(root, tool)
     db = root / "var" / "lib" / "dpkg"
     for sub in ("info", "updates", "triggers", "alternatives"):
         (db / sub).mkdir(parents=True)
@@ -248,3 +240,52 @@ def make_deb(folder: Path, name: str = "corral-hello") -> Path:
         capture_output=True,
     )
     return out
+
+
+APT_TOOLS = (
+    *DPKG_TOOLS,
+    "/usr/bin/apt-get",
+    "/usr/bin/dpkg-query",
+    "/usr/bin/dpkg-split",
+    "/usr/bin/tar",
+    "/usr/lib/apt/methods/store",
+    "/usr/lib/apt/methods/file",
+    "/usr/lib/apt/methods/copy",
+)
+
+
+def _copy_with_libs(root: Path, tool: str) -> None:
+    dest = root / tool.lstrip("/")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(tool, dest)
+    ldd = subprocess.run(["ldd", tool], capture_output=True, text=True, check=True).stdout
+    for line in ldd.splitlines():
+        words = line.split()
+        lib = words[2] if "=>" in words and len(words) > 2 else (words[0] if words else "")
+        target = root / lib.lstrip("/")
+        if lib.startswith("/") and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(os.path.realpath(lib), target)
+
+
+def apt_root(root: Path) -> Path:
+    """:func:`dpkg_root` with the host's apt-get (its local-file methods, GNU tar, dpkg's
+    tables) and the ``_apt`` user it drops to: ``apt-get install ./x.deb`` works offline.
+    The caller skips when ``APT_TOOLS`` are missing."""
+    dpkg_root(root)
+    (root / "bin" / "tar").unlink()  # dpkg-deb needs GNU tar's options
+    for tool in APT_TOOLS:
+        _copy_with_libs(root, tool)
+    shutil.copytree("/usr/share/dpkg", root / "usr" / "share" / "dpkg")
+    for sub in ("apt.conf.d", "preferences.d", "sources.list.d", "trusted.gpg.d"):
+        (root / "etc" / "apt" / sub).mkdir(parents=True)
+    (root / "etc" / "apt" / "sources.list").write_text("")
+    for partial in ("var/lib/apt/lists/partial", "var/cache/apt/archives/partial"):
+        (root / partial).mkdir(parents=True)
+        os.chown(root / partial, 42, 0)  # _apt's, as in Debian
+    (root / "var" / "log" / "apt").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\n_apt:x:42:65534::/nonexistent:/bin/false\n"
+    )
+    (root / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    return root

@@ -22,11 +22,11 @@ from corral.images import resolve_image
 from corral.images.store import ImageStore
 from local_registry import Registry, available, running_registry
 from oci_images import (
-    DPKG_TOOLS,
+    APT_TOOLS,
     Entry,
+    apt_root,
     busybox_root,
     dir_tar,
-    dpkg_root,
     layer_tar,
     make_deb,
     write_layout,
@@ -207,15 +207,15 @@ def test_pull_run_and_install_as_box_root_from_a_local_registry(
     registry: Registry, store: ImageStore, tmp_path: Path
 ) -> None:
     """The issue's path end to end through ``corral run``: an image without Python pulled
-    from the registry runs its Cmd; box root installs a package on its writable root; the
-    stored image and the host are unchanged."""
-    if not all(os.path.exists(t) for t in DPKG_TOOLS):
-        pytest.skip("dpkg is not installed")
+    from the registry runs its Cmd; box root installs a package with apt-get on its writable
+    root (apt dropping to _apt as it does); the stored image and the host are unchanged."""
+    if not all(os.path.exists(t) for t in APT_TOOLS):
+        pytest.skip("apt and dpkg are not installed")
     config: dict[str, object] = {
         "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
         "Cmd": ["sh", "-c", "command -v python3 || echo no-python"],
     }
-    write_layout(tmp_path / "layout", [dir_tar(dpkg_root(tmp_path / "root"))], config=config)
+    write_layout(tmp_path / "layout", [dir_tar(apt_root(tmp_path / "root"))], config=config)
     ref = registry.push(tmp_path / "layout", "dpkg:1")
     deb = make_deb(tmp_path / "ws")
     env = {**os.environ, "CORRAL_IMAGE_STORE": str(store.root)}
@@ -224,7 +224,7 @@ def test_pull_run_and_install_as_box_root_from_a_local_registry(
         [*argv, "--image", ref], capture_output=True, text=True, timeout=120, env=env
     )
     assert cmd.returncode == 0 and cmd.stdout == "no-python\n", cmd
-    install = "dpkg -i corral-hello.deb > /dev/null && corral-hello"
+    install = "apt-get install -y ./corral-hello.deb > /dev/null && corral-hello"
     r = subprocess.run(
         [*argv, "--image", ref, "--user", "root", "--", "sh", "-c", install],
         capture_output=True,
