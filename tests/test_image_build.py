@@ -207,3 +207,18 @@ def test_run_boxes_take_the_builds_network_and_root_size(
     )
     status = main(["image", "build", "-t", "big:1", str(ctx), "--root-size", "2M", "--json"])
     assert status == 2 and "No space left on device" in capsys.readouterr().out
+
+
+def test_a_workdir_the_image_lacks_is_made_as_docker_does(
+    store: ImageStore, base: str, tmp_path: Path
+) -> None:
+    """WORKDIR without a RUN or COPY into it: the directories the image lacks become a
+    layer (0755, root's); those it has keep their owner and mode, and a link is left as is."""
+    dockerfile = f"FROM {base}\nWORKDIR /srv/app/data\n"
+    record = build(store, dockerfile, tmp_path, "wd:1")
+    root = store.rootfs(record)
+    assert (root / "srv" / "app" / "data").is_dir() and len(record.layers) == 2
+    assert (root / "srv").stat().st_mode & 0o777 == 0o755
+    etc_mode = (root / "etc").stat().st_mode
+    record = build(store, f"FROM {base}\nWORKDIR /etc\n", tmp_path, "wd:2")
+    assert len(record.layers) == 1 and (store.rootfs(record) / "etc").stat().st_mode == etc_mode

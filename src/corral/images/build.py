@@ -305,4 +305,35 @@ def _steps(
             state.layers.append(layer)
         else:
             raise _bad(ins.line, f"{ins.op} is not in corral's Dockerfile subset")
-    return store.commit(str(parse_ref(ref)), state.base, state.layers, state.config)
+    record = store.commit(str(parse_ref(ref)), state.base, state.layers, state.config)
+    workdir = str(state.config.get("WorkingDir") or "/")
+    missing = _missing_dirs(store.rootfs(record), workdir)
+    if missing:  # Docker makes the WORKDIR: a layer of the directories it lacks
+        layer = tmp / f"layer{len(state.layers)}.tar"
+        with tarfile.open(layer, "w") as tar:
+            for path in missing:
+                info = tarfile.TarInfo(path.lstrip("/"))
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+        state.layers.append(layer)
+        record = store.commit(str(parse_ref(ref)), state.base, state.layers, state.config)
+    return record
+
+
+def _missing_dirs(root: Path, path: str) -> list[str]:
+    """The components of ``path`` (absolute) the root lacks, from the first missing one on;
+    nothing when it is there, or passes through a link or a file of the image (looked up
+    beneath the root without following links: a link is left to the box to follow)."""
+    from corral.backends.host import safepath
+
+    parts = [p for p in path.split("/") if p]
+    for n in range(1, len(parts) + 1):
+        prefix = "/" + "/".join(parts[:n])
+        try:
+            fd = safepath.open_beneath(root, prefix, os.O_PATH | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return ["/" + "/".join(parts[:k]) for k in range(n, len(parts) + 1)]
+        except OSError:
+            return []
+        os.close(fd)
+    return []
