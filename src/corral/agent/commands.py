@@ -57,6 +57,189 @@ def spawn_error(exc: OSError, program: str, cwd: str | None, path: str) -> tuple
     return c.SPAWN_FAILED, f"cannot start {program}: {exc.strerror or exc}"
 
 
+PIPE = -1
+DEVNULL = -3
+"""``stdin``/``stdout``/``stderr`` of :func:`start`: a new pipe, or ``/dev/null`` (as
+``subprocess``'s); any other value is an open fd the child gets (a terminal's slave)."""
+
+
+class Started:
+    """A command :func:`start` started: its pid and the agent's ends of its pipes (raw fds,
+    the caller's to close; None where the child got ``/dev/null`` or a given fd)."""
+
+    __slots__ = ("pid", "stderr", "stdin", "stdout")
+
+    def __init__(self, pid: int, stdin: int | None, stdout: int | None, stderr: int | None):
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+def _fork_exec() -> Any:
+    """``_posixsubprocess.fork_exec`` where its arguments are the ones :func:`start` passes
+    (CPython 3.11 to 3.13, as their ``subprocess`` calls it), else None."""
+    import sys
+
+    if not (3, 11) <= sys.version_info[:2] <= (3, 13):
+        return None
+    try:
+        import _posixsubprocess
+    except ImportError:
+        return None
+    return _posixsubprocess.fork_exec
+
+
+def start(
+    argv: list[str],
+    *,
+    cwd: str | None,
+    env: dict[str, str],
+    uid: int,
+    gid: int,
+    new_session: bool,
+    preexec: Any,
+    stdin: int,
+    stdout: int,
+    stderr: int,
+) -> Started:
+    """``subprocess.Popen(argv, user=uid, group=gid, close_fds=True, ...)`` without
+    importing ``subprocess``: the C call under it, with the same executable search, the
+    same child (signals restored, every other fd closed) and the same ``OSError`` when the
+    child cannot exec (``filename`` the program, or ``cwd`` when it could not go there).
+
+    ``subprocess`` pulls ``signal``, ``enum``, ``threading`` and ``selectors`` into the agent:
+    about 34 M instructions of every box's start-up (more than the interpreter's own), and
+    2 MB more heap that every fork of the agent copies."""
+    fork_exec = _fork_exec()
+    ours: list[int] = []  # the agent's ends, closed here on failure
+    theirs: list[int] = []  # the child's ends, closed here once it has them
+    try:
+        ends: list[int] = []
+        for i, mode in enumerate((stdin, stdout, stderr)):
+            if mode == PIPE:
+                r, w = os.pipe()
+                child, parent = (r, w) if i == 0 else (w, r)
+                ours.append(parent)
+                theirs.append(child)
+                ends.append(parent)
+            elif mode == DEVNULL:
+                child = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+                theirs.append(child)
+                ends.append(-1)
+            else:
+                child = mode
+                ends.append(-1)
+            if i == 0:
+                child_in = child
+            elif i == 1:
+                child_out = child
+            else:
+                child_err = child
+        if fork_exec is None:  # an interpreter whose fork_exec :func:`start` does not know
+            import subprocess
+
+            pid = subprocess.Popen(
+                argv,
+                cwd=cwd,
+                env=env,
+                user=uid,
+                group=gid,
+                start_new_session=new_session,
+                preexec_fn=preexec,
+                close_fds=True,
+                stdin=child_in,
+                stdout=child_out,
+                stderr=child_err,
+            ).pid
+        else:
+            pid = _spawn(
+                fork_exec,
+                argv,
+                cwd,
+                env,
+                uid,
+                gid,
+                new_session,
+                preexec,
+                (child_in, child_out, child_err),
+            )
+    except BaseException:
+        for fd in ours:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    return Started(pid, *(fd if fd >= 0 else None for fd in ends))
+
+
+def _spawn(
+    fork_exec: Any,
+    argv: list[str],
+    cwd: str | None,
+    env: dict[str, str],
+    uid: int,
+    gid: int,
+    new_session: bool,
+    preexec: Any,
+    stdio: tuple[int, int, int],
+) -> int:
+    """The POSIX half of ``Popen._execute_child`` (CPython 3.11): fork, exec, and the error
+    the child reports through a pipe when it could not exec."""
+    env_list = []
+    for k, v in env.items():
+        key = os.fsencode(k)
+        if b"=" in key:
+            raise ValueError("illegal environment variable name")
+        env_list.append(key + b"=" + os.fsencode(v))
+    program = os.fsencode(argv[0])
+    if b"/" in program:
+        executables: tuple[bytes, ...] = (program,)
+    else:  # os.get_exec_path(env), as os._execvpe searches it
+        path = env.get("PATH", os.defpath)
+        executables = tuple(os.path.join(os.fsencode(d), program) for d in path.split(os.pathsep))
+    err_r, err_w = os.pipe()
+    try:
+        try:
+            pid: int = fork_exec(
+                argv, executables,
+                True, (err_w,),  # close_fds, but the error pipe
+                None if cwd is None else os.fsencode(cwd), env_list,
+                stdio[0], -1, -1, stdio[1], -1, stdio[2],  # the agent's ends are CLOEXEC
+                err_r, err_w,
+                True, new_session, -1,  # restore signals (SIGPIPE), setsid, no pgid
+                gid, None, uid, -1,  # groups untouched (the agent has none), no umask
+                preexec, True,  # allow vfork (CPython takes it only where it is safe)
+            )  # fmt: skip
+        finally:
+            os.close(err_w)
+        data = bytearray()
+        while len(data) <= 50000:
+            part = os.read(err_r, 50000)
+            if not part:
+                break
+            data += part
+    finally:
+        os.close(err_r)
+    if not data:
+        return pid
+    try:
+        os.waitpid(pid, 0)  # it wrote why and exited
+    except ChildProcessError:
+        pass
+    try:
+        name, hex_errno, message = bytes(data).split(b":", 2)
+        errno_num = int(hex_errno, 16)
+    except ValueError:
+        raise RuntimeError(f"bad exception data from the child: {bytes(data)!r}") from None
+    if name != b"OSError" or not errno_num:
+        raise RuntimeError(message.decode(errors="replace"))
+    # "noexec": the child failed before its exec, at the chdir (as CPython reads it).
+    filename = cwd if message.startswith(b"noexec") else argv[0]
+    raise OSError(errno_num, os.strerror(errno_num), filename)
+
+
 def set_winsize(fd: int, rows: int, cols: int) -> None:
     import fcntl
     import struct

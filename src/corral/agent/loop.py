@@ -30,7 +30,7 @@ else:  # inside the box there is no corral package: the siblings are found throu
 
     import lean
     import protocol
-    # commands and files (and subprocess) are loaded after "ready": Agent.finish_start.
+    # commands and files are loaded after "ready": Agent.finish_start.
 
 READ_CHUNK = 65536
 BIG_PIPE = 1 << 20
@@ -63,7 +63,6 @@ class Child:
         self.stdin_close_after = False
         self.status: int | None = None
         self.started = time.monotonic()
-        self.popen: Any = None  # the Popen, so reaping can set its returncode
         # Set by a ``terminate`` request: its exit is reported once its group is gone.
         self.ending: commands.Termination | None = None
 
@@ -292,8 +291,6 @@ class Agent:
 
     # ---- processes -----------------------------------------------------------------------
     def op_spawn(self, h: protocol.SpawnRequest, payload: bytes) -> protocol.SpawnReply:
-        import subprocess
-
         argv = [str(a) for a in h["argv"]]
         env = {**self.base_env, **{str(k): str(v) for k, v in dict(h.get("env") or {}).items()}}
         cwd = h.get("cwd") or None
@@ -304,13 +301,10 @@ class Agent:
         if use_pty:
             master, slave = os.openpty()
             commands.set_winsize(slave, int(h.get("rows", 24)), int(h.get("cols", 80)))
-            stdio: dict[str, Any] = {"stdin": slave, "stdout": slave, "stderr": slave}
+            stdio = (slave, slave, slave)
         else:
-            stdio = {
-                "stdin": subprocess.DEVNULL if stdin_mode == "null" else subprocess.PIPE,
-                "stdout": subprocess.PIPE,
-                "stderr": subprocess.PIPE,
-            }
+            stdin = commands.DEVNULL if stdin_mode == "null" else commands.PIPE
+            stdio = (stdin, commands.PIPE, commands.PIPE)
         wanted = {k: v for k, v in rlimits.items() if self.inherited_rlimits.get(k) != v}
         preexec = commands.make_preexec(wanted, use_pty)
         # The child changes directory before it drops to the command user, and the agent
@@ -322,21 +316,26 @@ class Agent:
         try:
             with files.as_user(self.uid, self.gid):
                 try:
-                    proc = subprocess.Popen(
+                    proc = commands.start(
                         argv,
                         cwd=cwd,
                         env=env,
-                        user=self.uid,
-                        group=self.gid,
-                        start_new_session=not use_pty,
-                        preexec_fn=preexec,
-                        close_fds=True,
-                        **stdio,
+                        uid=self.uid,
+                        gid=self.gid,
+                        new_session=not use_pty,
+                        preexec=preexec,
+                        stdin=stdio[0],
+                        stdout=stdio[1],
+                        stderr=stdio[2],
                     )
                 except OSError as exc:  # explained as the command user sees it
                     path = env.get("PATH", "")
                     code, message = commands.spawn_error(exc, argv[0], cwd, path)
                     raise AgentError(code, message) from None
+        except BaseException:
+            if use_pty:
+                os.close(master)
+            raise
         finally:
             if use_pty:
                 os.close(slave)
@@ -345,11 +344,9 @@ class Agent:
             stdin_fd: int | None = master
         else:
             assert proc.stdout is not None and proc.stderr is not None
-            fds = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
-            stdin_fd = proc.stdin.fileno() if proc.stdin is not None else None
-            # Keep the file objects alive via the Popen; we use raw fds from here on.
+            fds = {proc.stdout: "stdout", proc.stderr: "stderr"}
+            stdin_fd = proc.stdin
         child = Child(proc.pid, argv, fds, stdin_fd)
-        child.popen = proc
         for fd in fds:
             os.set_blocking(fd, False)
             self.fd_owner[fd] = child
@@ -532,8 +529,6 @@ class Agent:
             child.status = status
             # Its final figures (reaped descendants included), for stats after the exit.
             child.usage = (usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024)
-            if child.popen is not None:
-                child.popen.returncode = os.waitstatus_to_exitcode(status)
             # What the process wrote before exiting is already in the pipe: deliver it, then
             # stop listening, so a daemonised grandchild holding the pipe cannot stall the exit.
             for fd in list(child.fds):
@@ -624,13 +619,12 @@ class Agent:
     # ---- loop ----------------------------------------------------------------------------
     def finish_start(self) -> None:
         """What requests need but "ready" does not, done right after it and before the first
-        request is read: the host is still setting up meanwhile (about 5 ms of CPU here,
-        most of it importing subprocess), and no request is served without it."""
+        request is read: the host is still setting up meanwhile, and no request is served
+        without it. (The agent never imports ``subprocess``: see :func:`commands.start`.)"""
         global commands, files
         if not TYPE_CHECKING:
             import commands
             import files
-        import subprocess  # noqa: F401
 
         self.files = files.FileOps(self.uid, self.gid)
         if self.home:  # before any command: the user's home where the backend did not make it
