@@ -96,6 +96,7 @@ def _cpu_dir(group: Cgroup) -> Path:
 @_needs("memory")
 def test_memory_bomb_is_oom_killed_inside_the_group(make_group: MakeGroup) -> None:
     group = make_group(CgroupLimits(memory_bytes=64 * MiB))
+    assert group.oom_kills() == 0  # read once before: the counter's descriptor stays open
     # bytes * n fills every page, so the whole 200 MB is really charged.
     with _gated("b = b'x' * (200 << 20)\nprint(len(b))") as proc:
         group.add(proc.pid)
@@ -104,6 +105,7 @@ def test_memory_bomb_is_oom_killed_inside_the_group(make_group: MakeGroup) -> No
         assert proc.wait(timeout=WAIT_S) == -9  # SIGKILL from the OOM killer
     stats = group.stats()
     assert stats.oom_kills >= 1
+    assert group.oom_kills() == stats.oom_kills  # the kept descriptor reads the file anew
     assert stats.memory_peak is not None
     # The cap held: the peak never went past 64 MiB (the kernel counts in pages).
     assert 32 * MiB < stats.memory_peak <= 64 * MiB
@@ -111,8 +113,22 @@ def test_memory_bomb_is_oom_killed_inside_the_group(make_group: MakeGroup) -> No
 
 
 @_needs("pids")
+def test_counter_descriptors_are_closed_when_the_group_is_removed() -> None:
+    group = Cgroup.create(_unique("g"), CgroupLimits(max_pids=20), SUPPORT)
+    try:
+        before = set(os.listdir("/proc/self/fd"))
+        assert group.pids_limit_hits() == 0 and group.oom_kills() == 0
+        assert len(set(os.listdir("/proc/self/fd")) - before) >= 1
+    finally:
+        group.remove()
+    assert not set(os.listdir("/proc/self/fd")) - before
+    assert group.pids_limit_hits() == 0  # gone: nothing to count, no error
+
+
+@_needs("pids")
 def test_fork_bomb_hits_pids_max_and_host_is_fine(make_group: MakeGroup) -> None:
     group = make_group(CgroupLimits(max_pids=20))
+    assert group.pids_limit_hits() == 0
     bomb = (
         "import os, signal\n"
         "n = 0\n"
@@ -141,6 +157,7 @@ def test_fork_bomb_hits_pids_max_and_host_is_fine(make_group: MakeGroup) -> None
         assert 1 <= forks <= 19
         stats = group.stats()
         assert stats.pids_limit_hits >= 1
+        assert group.pids_limit_hits() == stats.pids_limit_hits
         assert stats.pids_current == 20
         group.kill_all()
         assert group.pids() == []

@@ -500,7 +500,7 @@ def _unavailable_or_error(e: OSError, path: Path, what: str) -> BackendError:
 class Cgroup:
     """One sandbox's control group (one directory per v1 hierarchy, or one v2 directory)."""
 
-    __slots__ = ("_dirs", "limits", "name", "support", "unenforced", "version")
+    __slots__ = ("_counters", "_dirs", "limits", "name", "support", "unenforced", "version")
 
     def __init__(
         self,
@@ -522,6 +522,11 @@ class Cgroup:
         # for but are not enforced, plus "swap" when memory is capped but swap is active
         # and cannot be capped (so the process could page out past the limit).
         self.unenforced = unenforced
+        self._counters: dict[str, int] = {}
+        """Counter file -> a descriptor kept open on it (:meth:`_count`)."""
+
+    def __del__(self) -> None:
+        self.close_counters()
 
     # ---- creation
 
@@ -786,16 +791,55 @@ class Cgroup:
     # ---- accounting
 
     def oom_kills(self) -> int:
-        """How many processes the memory limit killed: one file read (``run`` reads it twice)."""
-        if self.version == "v2":
-            return _read_key(self._dirs[""] / "memory.events", "oom_kill") or 0
-        mem = self._dirs.get("memory")
-        return (_read_key(mem / "memory.oom_control", "oom_kill") or 0) if mem else 0
+        """How many processes the memory limit killed (``run`` reads it twice)."""
+        d = self._dirs[""] if self.version == "v2" else self._dirs.get("memory")
+        if d is None:
+            return 0
+        return self._count(
+            d / ("memory.events" if self.version == "v2" else "memory.oom_control"), b"oom_kill"
+        )
 
     def pids_limit_hits(self) -> int:
-        """How many forks the pids limit refused: one file read (``run`` reads it twice)."""
+        """How many forks the pids limit refused (``run`` reads it twice)."""
         d = self._dirs[""] if self.version == "v2" else self._dirs.get("pids")
-        return (_read_key(d / "pids.events", "max") or 0) if d else 0
+        return self._count(d / "pids.events", b"max") if d else 0
+
+    def _count(self, path: Path, key: bytes) -> int:
+        """The integer after ``key`` in the flat-keyed file ``path`` (0 if none), read through
+        a descriptor kept open: a read at offset 0 makes the kernel write the file anew.
+        ``run`` reads two counters before and after every command; an open, read and close
+        through pathlib took ~100 us each here, a ``pread`` takes ~3 us."""
+        name = str(path)
+        fd = self._counters.get(name)
+        if fd is None:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return 0
+            kept = self._counters.setdefault(name, fd)
+            if kept != fd:  # another thread opened it meanwhile
+                os.close(fd)
+                fd = kept
+        try:
+            data = os.pread(fd, 4096, 0)
+        except OSError:
+            return 0
+        for line in data.splitlines():
+            name_b, _, value = line.partition(b" ")
+            if name_b == key:
+                try:
+                    return int(value)
+                except ValueError:
+                    return 0
+        return 0
+
+    def close_counters(self) -> None:
+        """Close the descriptors :meth:`_count` keeps (:meth:`remove` does)."""
+        counters = getattr(self, "_counters", None)
+        while counters:
+            _, fd = counters.popitem()
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def stats(self) -> CgroupStats:
         if self.version == "v2":
@@ -806,7 +850,7 @@ class Cgroup:
                 memory_peak=_read_int(d / "memory.peak"),
                 oom_kills=self.oom_kills(),
                 pids_current=_read_int(d / "pids.current"),
-                pids_limit_hits=_read_key(d / "pids.events", "max") or 0,
+                pids_limit_hits=self.pids_limit_hits(),
                 cpu_usage_ns=None if usage_us is None else usage_us * 1000,
             )
         mem = self._dirs.get("memory")
@@ -817,7 +861,7 @@ class Cgroup:
             memory_peak=_read_int(mem / "memory.max_usage_in_bytes") if mem else None,
             oom_kills=self.oom_kills(),
             pids_current=_read_int(pids / "pids.current") if pids else None,
-            pids_limit_hits=(_read_key(pids / "pids.events", "max") or 0) if pids else 0,
+            pids_limit_hits=self.pids_limit_hits(),
             cpu_usage_ns=_read_int(acct / "cpuacct.usage") if acct else None,
         )
 
@@ -827,6 +871,7 @@ class Cgroup:
         """Kill everything inside, then delete the group's directories. Idempotent.
 
         Blocking: from a coroutine use :meth:`remove_async`."""
+        self.close_counters()
         for pause in self._remove_steps():
             time.sleep(pause)
 
