@@ -6,13 +6,14 @@ microVM runs ``agent.py --vm-init PORT`` instead (:mod:`vminit`). Kept tiny: Pyt
 the script it runs on every start, the modules it imports come from their ``.pyc``.
 """
 
-import os
+import posix  # os's C half: the agent imports os only after "ready" (loop.py)
 import sys
 
 TYPE_CHECKING = False  # not typing's: importing typing costs 0.2 s of a VM's boot under TCG
 
 # -I leaves the script's directory off sys.path: the siblings are found through this.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_here = __file__.rpartition("/")[0] or "."
+sys.path.insert(0, _here if _here.startswith("/") else f"{posix.getcwd()}/{_here}")
 
 
 def main() -> None:

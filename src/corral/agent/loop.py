@@ -12,21 +12,24 @@ start the agent gets every feature.
 
 from __future__ import annotations
 
-import os
 import time
 
 TYPE_CHECKING = False  # not typing's: importing typing costs 0.2 s of a VM's boot under TCG
 
 if TYPE_CHECKING:
+    import os
     import signal
     import socket
     from typing import Any
 
     from corral.agent import commands, files, lean, protocol
 else:  # inside the box there is no corral package: the siblings are found through sys.path
-    # The C modules under signal and socket: their Python layers import enum (lean.py).
+    # The C modules under os, signal and socket: signal's and socket's Python layers import
+    # enum (lean.py); os's imports _collections_abc and posixpath, 4.4 M instructions (a
+    # sixth of the agent's start to "ready"), and only commands and files need it, after.
     import _signal as signal
     import _socket as socket
+    import posix as os
 
     import lean
     import protocol
@@ -102,7 +105,9 @@ def become_root(home: str) -> None:
     user's, box uid 1000, and holds CAP_SETUID/CAP_SETGID only). First, as that user, make
     its home in bwrap's /home (the user's here: box root could not write it); then drop the
     host user's supplementary groups, which commands must not inherit."""
-    if home and not os.path.lexists(home):
+    try:
+        os.lstat(home or "/")
+    except OSError:
         os.mkdir(home, 0o755)
         os.chmod(home, 0o755)  # whatever the umask
     os.setgroups([])
