@@ -200,6 +200,11 @@ async def test_export_root_is_what_the_box_changed_with_its_own_ids(
     async with Sandbox(Policy(image=str(image), filesystem={"root_size": None})) as sb:
         with pytest.raises(Exception, match="no writable root"):
             await sb.export_root(tmp_path / "none.tar")
+        info = await sb.info()
+        assert info["user"] == "user" and info["image"]["writable"] is False, info
+    async with Sandbox(policy, workspace=tmp_path) as sb:
+        info = await sb.info()
+        assert info["user"] == "root" and info["image"]["writable"] is True, info
 
 
 @pytest.mark.parametrize("writable", [True, False])

@@ -954,11 +954,21 @@ class Sandbox:
         """Kernel, hostname, cpus, memory of the box, plus its backend and limits, and its
         published ports (``"published": ["127.0.0.1:41234->8000/tcp"]``) when it has any.
         ``"landlock"``: ``{"abi": 7, "enforced": True, ...}``, or why it is not enforced
-        (``security.landlock``)."""
+        (``security.landlock``). ``"user"``: who commands run as (``user`` or ``root``);
+        ``"image"`` (a box on an image): its ref, digest, whether its root is writable and
+        the default cwd."""
         reply, _ = await self._request("info")
         reply.pop("re", None)
         assert self._box is not None
         info = {**reply, **self._box.describe(), "workspace": str(self.workspace)}
+        info["user"] = self.user
+        if self.policy.image != "host":
+            info["image"] = {
+                "ref": self.policy.image,
+                "digest": self.image_config.digest if self.image_config else None,
+                "writable": self._box.root_layer is not None,
+                "cwd": self.default_cwd,
+            }
         if self.published:
             info["published"] = [str(p) for p in self.published]
         return info
