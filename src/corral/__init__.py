@@ -14,9 +14,9 @@ only for that part.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from corral._lazy import lazy_dir, lazy_getattr
+
+TYPE_CHECKING = False  # importing typing would cost every `corral` command
 
 if TYPE_CHECKING:
     from corral.client.remote import Remote

@@ -5,8 +5,11 @@ module on first access, so importing the package costs nothing until a name is u
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False  # no typing at run time: the CLI's start pays for every import
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 
 def lazy_getattr(namespace: dict[str, Any], names: dict[str, str]) -> Callable[[str], Any]:

@@ -70,7 +70,13 @@ class _Version(argparse.Action):
 def make_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The ``corral`` parser. Given the command line it will parse, only the named command
     is registered (its module alone is imported); otherwise every command is."""
-    parser = Parser(prog="corral", description="Run commands and code inside Linux sandboxes.")
+    parser = Parser(
+        prog="corral",
+        description="Run commands and code inside Linux sandboxes.",
+        epilog="With a running `corral serve` (CORRAL_HOST, or the default socket): corral "
+        "create, exec, ps, cp, logs and rm manage boxes that outlive one call, and corral run "
+        "goes through the server (see docs/serve.md).",
+    )
     parser.add_argument("--version", action=_Version, help="show corral's version and exit")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     named = COMMANDS.get(argv[0]) if argv else None
@@ -109,12 +115,9 @@ def _fail(message: str, code: str, status: int, as_json: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``corral`` command in this process (the console script first tries a running
+    server: :func:`corral.client.cli.main`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    from corral.client.cli import remote_main
-
-    handled = remote_main(argv)  # through a running `corral serve`, if there is one
-    if handled is not None:
-        return handled
     as_json = _wants_json(argv)
     try:
         try:

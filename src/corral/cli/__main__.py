@@ -2,6 +2,6 @@
 
 import sys
 
-from corral.cli import main
+from corral.client.cli import main
 
 sys.exit(main())

@@ -13,17 +13,20 @@ here, against this shell's directory, before they reach the server; ``-e NAME`` 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from typing import Any, NoReturn
 
 from corral.client import frames
 from corral.client.fast import Conn, ServerError, chunks, locate, q
 
-__all__ = ["SERVER_COMMANDS", "remote_main"]
+TYPE_CHECKING = False  # no typing (nor argparse) on `corral run`'s way to the server
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterator, Sequence
+    from typing import Any, NoReturn
+
+__all__ = ["SERVER_COMMANDS", "main", "remote_main"]
 
 SERVER_COMMANDS = ("create", "exec", "ps", "cp", "logs", "rm")
 EXIT_USAGE, EXIT_SANDBOX = 2, 125
@@ -33,9 +36,16 @@ class _Usage(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise _Usage(f"{self.prog}: {message} (see {self.prog} --help)")
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``corral`` command: through a running server when there is one (without
+    importing the library or argparse), else :func:`corral.cli.main` in-process."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    handled = remote_main(args)
+    if handled is not None:
+        return handled
+    from corral.cli import main as local_main
+
+    return local_main(args)
 
 
 def remote_main(argv: Sequence[str]) -> int | None:
@@ -209,9 +219,15 @@ def _run(conn: Conn, argv: list[str]) -> int:
 
 
 # ---- commands that need a server -------------------------------------------------------------
-def _parser() -> _Parser:
-    parser = _Parser(prog="corral")
-    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+def _parser() -> argparse.ArgumentParser:
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> NoReturn:
+            raise _Usage(f"{self.prog}: {message} (see {self.prog} --help)")
+
+    parser = Parser(prog="corral")
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     create = sub.add_parser("create", help="make a box on the server; prints its id")
     create.add_argument("--label", action="append", default=[], metavar="K=V")
     create.add_argument("--ttl", type=float, metavar="SECS", help="close it after SECS")

@@ -1,5 +1,5 @@
-"""The CLI's way to a running ``corral serve``: stdlib only (``http.client`` over a unix
-socket or TCP), so a ``corral run`` through the server imports nothing heavy.
+"""The CLI's way to a running ``corral serve``: stdlib only (plain sockets, a unix socket
+or TCP), so a ``corral run`` through the server imports nothing heavy.
 
 Where the server is: ``$CORRAL_HOST`` (``unix:/path/serve.sock`` or ``http://HOST:PORT``;
 ``local`` means never use a server), else the default socket
@@ -9,23 +9,30 @@ The token: ``$CORRAL_TOKEN``, else the token file ``corral serve`` wrote for tha
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import socket
-import tempfile
-from collections.abc import Iterable, Iterator
-from typing import Any
-from urllib.parse import quote, urlsplit
+
+TYPE_CHECKING = False  # typing costs the CLI's start more than it gives here
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+    from typing import Any
 
 __all__ = [
     "Conn",
+    "Response",
     "ServerError",
     "default_socket",
     "locate",
     "runtime_base",
     "token_file_name",
 ]
+
+# A small HTTP/1.1 client of our own: http.client (with the email and ssl modules it
+# imports) alone cost about 40 ms of the CLI's start, a third of what `corral run` through
+# the server may take. One request per connection (Connection: close), bodies by length or
+# chunked: what corral serve sends and nothing more.
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
 
 
 class ServerError(Exception):
@@ -39,13 +46,109 @@ class ServerError(Exception):
         self.retryable = retryable
 
 
+class Response:
+    """A response read off its socket: ``status``, ``headers`` and ``read(n)``."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+        self._eof = False
+        head = self._line()
+        parts = head.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise OSError(f"not an HTTP response: {head[:80]!r}")
+        self.status = int(parts[1])
+        self.headers: dict[str, str] = {}
+        while line := self._line():
+            name, _, value = line.decode("latin-1").partition(":")
+            self.headers[name.strip().lower()] = value.strip()
+        self._chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        length = self.headers.get("content-length")
+        self._left: int | None = None if self._chunked or length is None else int(length)
+        self._chunk_left = 0
+        self._done = self._left == 0
+
+    def _fill(self) -> bool:
+        if self._eof:
+            return False
+        data = self._sock.recv(1 << 16)
+        if not data:
+            self._eof = True
+            return False
+        self._buf += data
+        return True
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            if len(self._buf) > 1 << 16 or not self._fill():
+                raise OSError("the server's response ended in its head")
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
+        return line
+
+    def _take(self, n: int) -> bytes:
+        if not self._buf:
+            self._fill()
+        data = bytes(self._buf[:n])
+        del self._buf[: len(data)]
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes of the body (all of it for -1); b"" at its end."""
+        if n < 0:
+            parts = []
+            while piece := self.read(1 << 20):
+                parts.append(piece)
+            return b"".join(parts)
+        if self._done or n == 0:
+            return b""
+        if self._chunked:
+            if self._chunk_left == 0:
+                size = int(self._line().split(b";")[0], 16)
+                if size == 0:
+                    while self._line():  # trailers
+                        pass
+                    self._done = True
+                    return b""
+                self._chunk_left = size
+            data = self._take(min(n, self._chunk_left))
+            if not data:
+                raise OSError("the server's response ended mid-chunk")
+            self._chunk_left -= len(data)
+            if self._chunk_left == 0:
+                self._line()
+            return data
+        want = n if self._left is None else min(n, self._left)
+        data = self._take(want)
+        if self._left is not None:
+            if not data:
+                raise OSError("the server's response ended early")
+            self._left -= len(data)
+            self._done = self._left == 0
+        elif not data:
+            self._done = True
+        return data
+
+    def close(self) -> None:
+        self._sock.close()
+
+
 def runtime_base() -> str:
     """Where corral keeps a user's sockets and token files (see ``transport.runtime_dir``)."""
     uid = os.getuid()
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
     if os.path.isdir(base):
         return os.path.join(base, "corral")
-    return os.path.join(tempfile.gettempdir(), f"corral-{uid}")
+    return os.path.join(_tempdir(), f"corral-{uid}")
+
+
+def _tempdir() -> str:
+    """``tempfile.gettempdir()``'s usual answer, without importing tempfile."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        value = os.environ.get(name)
+        if value and os.path.isdir(value):
+            return value
+    return "/tmp"
 
 
 def default_socket() -> str:
@@ -54,22 +157,6 @@ def default_socket() -> str:
 
 def token_file_name(host: str, port: int, scope: str = "operate") -> str:
     return f"serve-{host}-{port}{'' if scope == 'operate' else '-' + scope}.token"
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float | None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 class Conn:
@@ -82,14 +169,8 @@ class Conn:
             self.unix: str | None = target[5:]
             self.host, self.port = "localhost", 0
         else:
-            parts = urlsplit(target if "://" in target else f"http://{target}")
-            if parts.scheme != "http" or not parts.hostname:
-                raise ServerError(
-                    "invalid_input",
-                    f"CORRAL_HOST={target!r}: give unix:/path/to/serve.sock or http://HOST:PORT",
-                )
             self.unix = None
-            self.host, self.port = parts.hostname, parts.port or 7420
+            self.host, self.port = _host_port(target)
         self.token = token if token is not None else self._token()
 
     def _token(self) -> str | None:
@@ -105,10 +186,21 @@ class Conn:
         except OSError:
             return None
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connect(self) -> socket.socket:
         if self.unix is not None:
-            return _UnixConnection(self.unix, self.timeout)
-        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: Any = self.unix
+        else:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            address = (self.host, self.port)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(address)
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     def request(
         self,
@@ -118,31 +210,52 @@ class Conn:
         body: Any = None,
         raw: bytes | Iterable[bytes] | None = None,
         headers: dict[str, str] | None = None,
-    ) -> http.client.HTTPResponse:
+    ) -> Response:
         """Send a request; a JSON ``body`` or a ``raw`` byte body (an iterable is sent
         chunked as it is produced). An error status raises :class:`ServerError`."""
-        head = {"Host": self._host_header()}
+        head = {"Host": self._host_header(), "Connection": "close"}
         if self.token:
             head["Authorization"] = f"Bearer {self.token}"
-        data: Any = None
+        data: bytes | Iterable[bytes] | None = None
         if body is not None:
             data = json.dumps(body).encode()
             head["Content-Type"] = "application/json"
         elif raw is not None:
             data = raw
             head["Content-Type"] = "application/octet-stream"
+        if isinstance(data, bytes | bytearray):
+            head["Content-Length"] = str(len(data))
+        elif data is not None:
+            head["Transfer-Encoding"] = "chunked"
+        else:
+            head["Content-Length"] = "0"
         head.update(headers or {})
-        conn = self._connection()
+        lines = [f"{method} {path} HTTP/1.1", *(f"{k}: {v}" for k, v in head.items()), "", ""]
         try:
-            encode_chunked = data is not None and not isinstance(data, bytes | bytearray)
-            conn.request(method, path, body=data, headers=head, encode_chunked=encode_chunked)
-            response = conn.getresponse()
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+            sock = self._connect()
+        except OSError as exc:
             raise ServerError(
                 "server_unavailable",
-                f"corral serve at {self.target} did not answer ({exc}); start it with "
-                "`corral serve`, or set CORRAL_HOST=local to run without it",
+                f"corral serve at {self.target} did not answer ({exc.strerror or exc}); start "
+                "it with `corral serve`, or set CORRAL_HOST=local to run without it",
+                retryable=True,
+            ) from None
+        try:
+            sock.sendall("\r\n".join(lines).encode("latin-1"))
+            if isinstance(data, bytes | bytearray):
+                sock.sendall(data)
+            elif data is not None:
+                for chunk in data:
+                    if chunk:
+                        sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sock.sendall(b"0\r\n\r\n")
+            response = Response(sock)
+        except OSError as exc:
+            sock.close()
+            raise ServerError(
+                "server_unavailable",
+                f"corral serve at {self.target} broke off the request ({exc})",
+                200,
                 retryable=True,
             ) from None
         if response.status >= 400:
@@ -161,8 +274,9 @@ class Conn:
         return f"{host}:{self.port}"
 
 
-def _error(response: http.client.HTTPResponse) -> ServerError:
+def _error(response: Response) -> ServerError:
     data = response.read()
+    response.close()
     try:
         err = json.loads(data)["error"]
         return ServerError(
@@ -171,6 +285,28 @@ def _error(response: http.client.HTTPResponse) -> ServerError:
     except (ValueError, KeyError, TypeError):
         text = data.decode("utf-8", "replace")[:200]
         return ServerError("server_error", f"HTTP {response.status}: {text}", response.status)
+
+
+def _host_port(target: str) -> tuple[str, int]:
+    """``http://HOST:PORT`` (or ``HOST:PORT``; ``[v6]:PORT``) -> host and port."""
+    bad = ServerError(
+        "invalid_input",
+        f"CORRAL_HOST={target!r}: give unix:/path/to/serve.sock or http://HOST:PORT",
+    )
+    if "://" in target and not target.startswith("http://"):
+        raise bad
+    hostport = target.removeprefix("http://").split("/", 1)[0]
+    if hostport.startswith("["):
+        host, _, port = hostport[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, sep, port = hostport.rpartition(":")
+        if not sep:
+            host, port = hostport, ""
+    port = port or "7420"
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise bad
+    return host, int(port)
 
 
 def locate() -> Conn | None:
@@ -185,15 +321,14 @@ def locate() -> Conn | None:
         st = os.stat(path)
     except OSError:
         return None
-    import stat as _stat
-
-    if not _stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+    if st.st_mode & 0o170000 != 0o140000 or st.st_uid != os.getuid():  # a socket of ours
         return None
     return Conn(f"unix:{path}")
 
 
 def q(value: str) -> str:
-    return quote(value, safe="")
+    """``urllib.parse.quote(value, safe="")``, without importing urllib."""
+    return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in value.encode())
 
 
 def chunks(fd: int, size: int = 1 << 16) -> Iterator[bytes]:

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
-from typing import IO, Any
+
+TYPE_CHECKING = False  # no typing at run time: the CLI's start pays for every import
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import IO, Any
 
 __all__ = [
     "END",
