@@ -38,6 +38,10 @@ HTML comments on the lines right before a fence (one per line) change that:
   ARGUMENTS)`` returns in a fresh box: the same keys and values, where a string ending in
   ``...`` stands for any text starting with what precedes it.
 - ``<!-- doc-test: skip REASON -->``: not run; the test is skipped, showing REASON.
+- ``<!-- doc-test: server -->`` (python or shell): a real ``corral serve`` runs on a unix
+  socket of the test's own for the block, ``CORRAL_HOST`` names it; a shell block then runs
+  whole in ``bash -eo pipefail`` (its variables and ``$(...)`` work as a reader's shell's
+  would) and must exit 0, with ``prints`` markers checked against its output.
 """
 
 from __future__ import annotations
@@ -61,7 +65,9 @@ import pytest
 
 from corral import Policy, SyncSandbox
 from corral.cli import make_parser
+from corral.client.cli import SERVER_COMMANDS, server_parser
 from scripted_model import ScriptedModel
+from served import serving
 
 pytestmark = pytest.mark.needs_bwrap
 
@@ -75,7 +81,7 @@ PYTHON = {"python", "py"}
 SHELL = {"sh", "bash", "shell", "console"}
 CHECKED = PYTHON | SHELL | {"toml", "json", "text"}
 MARKER = re.compile(
-    r"<!--\s*doc-test:\s*(continue|synopsis|skip|attach|prints|toolbox)\b\s*(.*?)\s*-->"
+    r"<!--\s*doc-test:\s*(continue|synopsis|skip|attach|prints|toolbox|server)\b\s*(.*?)\s*-->"
 )
 
 RUN_FOR_REAL = {"run", "doctor", "sessions", "audit"}
@@ -199,7 +205,13 @@ def test_doc_block(block: Block, workdir: Path, model_url: str) -> None:
         f"{block.where}: fence language {block.lang!r} is not checked; use one of "
         f"{sorted(CHECKED)} (``text`` for a figure)"
     )
-    if block.lang in PYTHON:
+    if block.marker == "server":
+        with serving(workdir.parent / "run", "--socket", str(workdir.parent / "s.sock")) as srv:
+            if block.lang in PYTHON:
+                run_python(block, workdir, model_url, server=srv.url)
+            else:
+                run_shell_block(block, workdir, srv.url)
+    elif block.lang in PYTHON:
         run_python(block, workdir, model_url)
     elif block.lang in SHELL:
         for argv, comment in shell_commands(block):
@@ -229,12 +241,33 @@ RUNNER = textwrap.dedent(
 )
 
 
-def run_python(block: Block, workdir: Path, model_url: str) -> None:
+def run_shell_block(block: Block, workdir: Path, server: str) -> None:
+    """A shell block run whole, as a reader pastes it, against the test's server."""
+    r = subprocess.run(
+        ["bash", "-eo", "pipefail", "-c", block.text],
+        cwd=workdir,
+        env=_env(CORRAL_HOST=server),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_TIMEOUT,
+    )
+    print(r.stdout, r.stderr, sep="\n--- stderr\n")
+    assert r.returncode == 0, (
+        f"{block.where}: exit {r.returncode}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
+    )
+    missing = [text for text in block.prints if text not in r.stdout + r.stderr]
+    assert not missing, f"{block.where}: the output lacks {missing}\n--- stdout\n{r.stdout}"
+
+
+def run_python(block: Block, workdir: Path, model_url: str, server: str | None = None) -> None:
     program = "\n".join(part.text for part in block.parts)
     script = workdir.parent / "doc_block.py"
     script.write_text(program, encoding="utf-8")
     # The SDK examples' model is the scripted one; nothing leaves the machine.
     env = _env(OPENAI_BASE_URL=model_url, OPENAI_API_KEY="doc-test", NO_PROXY="127.0.0.1")
+    if server is not None:
+        env["CORRAL_HOST"] = server
     proc = subprocess.Popen(
         [sys.executable, "-c", RUNNER, str(script)],
         cwd=workdir,
@@ -367,20 +400,24 @@ def check_command(block: Block, argv: list[str], comment: str, workdir: Path) ->
 
 
 def _subparsers() -> dict[str, object]:
+    """Every corral command's parser: the in-process CLI's, and the commands that need a
+    server (``create``, ``exec``, ...: :mod:`corral.client.cli`)."""
     import argparse
 
-    parser = make_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    raise AssertionError("corral's parser has no subcommands")
+    found: dict[str, object] = {}
+    for parser in (make_parser(), server_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                found.update(action.choices)
+    assert found, "corral's parser has no subcommands"
+    return found
 
 
 def check_corral(block: Block, args: list[str], comment: str, workdir: Path) -> None:
     if block.marker == "synopsis":
         check_synopsis(block, args)
         return
-    parser = make_parser()
+    parser = server_parser() if args[:1] and args[0] in SERVER_COMMANDS else make_parser()
     try:
         parser.parse_args(args)
     except SystemExit as exc:

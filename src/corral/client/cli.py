@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
     from typing import Any, NoReturn
 
-__all__ = ["SERVER_COMMANDS", "main", "remote_main"]
+__all__ = ["SERVER_COMMANDS", "main", "remote_main", "server_parser"]
 
 SERVER_COMMANDS = ("create", "exec", "ps", "cp", "logs", "rm")
 EXIT_USAGE, EXIT_SANDBOX = 2, 125
@@ -74,7 +74,7 @@ def remote_main(argv: Sequence[str]) -> int | None:
     if command not in SERVER_COMMANDS:
         return None
     try:
-        args = _parser().parse_args(list(argv))
+        args = server_parser().parse_args(list(argv))
     except _Usage as exc:
         print(f"corral: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -219,7 +219,8 @@ def _run(conn: Conn, argv: list[str]) -> int:
 
 
 # ---- commands that need a server -------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
+def server_parser() -> argparse.ArgumentParser:
+    """The parser of the commands that need a server (create, exec, ps, cp, logs, rm)."""
     import argparse
 
     class Parser(argparse.ArgumentParser):
