@@ -203,6 +203,41 @@ async def test_the_same_code_runs_local_and_remote(make_box: Any, workspace: Pat
         assert first.data == b"awaited\n"
 
 
+async def test_processes_and_checks_local_and_remote(make_box: Any, workspace: Path) -> None:
+    async with make_box(workspace=workspace) as sb:
+        r = await sb.run("pwd; echo $GREETING", cwd="/tmp", env={"GREETING": "hi"})
+        assert r.stdout == "/tmp\nhi\n"
+        with pytest.raises(corral.CommandFailed):
+            await sb.run("exit 9", check=True)
+        proc = await sb.spawn(["sleep", "60"])
+        assert await proc.signal("SIGTERM")
+        done = await proc.wait(30)
+        assert (done.status, done.exit_code) == ("exited", -15)
+        with pytest.raises(corral.FileNotFound):
+            await sb.files.remove("nothing-here")
+        await sb.files.mkdir("a/b")
+        assert await sb.files.exists("a/b")
+
+
+@pytest.fixture(params=["local", "remote"])
+async def make_pool(request: pytest.FixtureRequest, server: Served) -> AsyncIterator[Any]:
+    if request.param == "local":
+        async with corral.SandboxPool(size=1) as pool:
+            yield pool
+        return
+    async with corral.connect(server.url) as remote, remote.SandboxPool(size=1) as pool:
+        yield pool
+
+
+async def test_pool_one_shots_local_and_remote(make_pool: Any, workspace: Path) -> None:
+    (workspace / "in.txt").write_text("from the host\n")
+    r = await make_pool.run("cat in.txt; echo out > out.txt", workspace=workspace)
+    assert (r.exit_code, r.stdout) == (0, "from the host\n")
+    assert (workspace / "out.txt").read_text() == "out\n"
+    r = await make_pool.run(["cat"], stdin=b"piped", workspace=workspace)
+    assert r.stdout == "piped"
+
+
 async def test_remote_errors_are_the_library_classes(server: Served) -> None:
     async with corral.connect(server.url) as remote:
         with pytest.raises(corral.PolicyError, match="memory_bytes"):

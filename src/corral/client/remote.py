@@ -82,6 +82,28 @@ def _result(data: Mapping[str, Any]) -> CommandResult:
     return CommandResult(**fields)
 
 
+def _run_body(
+    cmd: Command,
+    *,
+    timeout: float | None,
+    cwd: str | None,
+    env: dict[str, str] | None,
+    stdin: bytes | str | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env}
+    if isinstance(stdin, bytes):
+        body["stdin_base64"] = base64.b64encode(stdin).decode()
+    else:
+        body["stdin"] = stdin
+    return body
+
+
+def _checked(result: CommandResult, cmd: Command, check: bool) -> CommandResult:
+    if check and not result.ok:
+        raise errors.CommandFailed(f"{cmd!r} exited with status {result.exit_code}", result)
+    return result
+
+
 class Remote:
     """One server; makes :class:`RemoteSandbox` and :class:`RemotePool` objects."""
 
@@ -211,8 +233,12 @@ class RemotePool:
         stdin: bytes | str | None = None,
         check: bool = False,
     ) -> CommandResult:
-        async with self.remote.Sandbox(self.policy, workspace=workspace) as sb:
-            return await sb.run(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin, check=check)
+        """One command in a warm box of the server's pool for this policy (a one-shot)."""
+        body = _run_body(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
+        body["policy"] = self.policy.model_dump(mode="json", exclude_unset=True)
+        body["workspace"] = None if workspace is None else _absolute(workspace)
+        result = _result(await self.remote.json("POST", "/v1/pools/run", json=body))
+        return _checked(result, cmd, check)
 
     async def sandbox(self, workspace: str | os.PathLike[str] | None = None) -> RemoteSandbox:
         sb = self.remote.Sandbox(self.policy, workspace=workspace)
@@ -296,6 +322,11 @@ class RemoteSandbox:
         data: dict[str, Any] = await self.remote.json("GET", f"{self.path}/info")
         return data
 
+    async def stats(self) -> dict[str, Any]:
+        """Resource use of the whole box (memory, CPU seconds, pids, OOM kills)."""
+        stats: dict[str, Any] = (await self.describe()).get("stats") or {}
+        return stats
+
     async def describe(self) -> dict[str, Any]:
         """The server's view of the box: state, labels, TTL, limits, live stats."""
         data: dict[str, Any] = await self.remote.json("GET", self.path)
@@ -311,15 +342,9 @@ class RemoteSandbox:
         stdin: bytes | str | None = None,
         check: bool = False,
     ) -> CommandResult:
-        body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env}
-        if isinstance(stdin, bytes):
-            body["stdin_base64"] = base64.b64encode(stdin).decode()
-        else:
-            body["stdin"] = stdin
+        body = _run_body(cmd, timeout=timeout, cwd=cwd, env=env, stdin=stdin)
         result = _result(await self.remote.json("POST", f"{self.path}/run", json=body))
-        if check and not result.ok:
-            raise errors.CommandFailed(f"{cmd!r} exited with status {result.exit_code}", result)
-        return result
+        return _checked(result, cmd, check)
 
     async def spawn(
         self,
@@ -587,3 +612,8 @@ class RemoteSession:
         data = await self.sandbox.remote.json("DELETE", self._path)
         code = data.get("exit_code")
         return None if code is None else int(code)
+
+
+def _absolute(path: str | os.PathLike[str]) -> str:
+    """``path`` against this process's directory (the server has its own)."""
+    return os.path.join(os.getcwd(), os.fspath(path))

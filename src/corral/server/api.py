@@ -102,6 +102,11 @@ class RunIn(_In):
     )
 
 
+class PoolRunIn(RunIn):
+    policy: dict[str, Any] | None = Field(None, description="the pool's policy (as for a box)")
+    workspace: str | None = None
+
+
 class ResultOut(BaseModel):
     exit_code: int
     stdout: str
@@ -184,6 +189,17 @@ def _status_for_cli(code: int, timed_out: bool) -> int:
     if timed_out:
         return 124
     return code if code >= 0 else 128 - code
+
+
+def _stdin_of(body: RunIn) -> str | bytes | None:
+    if body.stdin_base64 is None:
+        return body.stdin
+    try:
+        return base64.b64decode(body.stdin_base64, validate=True)
+    except ValueError:
+        raise errors.SandboxError(
+            "stdin_base64 is not base64", code=errors.ErrorCode.INVALID_INPUT
+        ) from None
 
 
 async def _body(request: Request, limit: int = MAX_STDIN) -> bytes:
@@ -443,14 +459,7 @@ def build_api(  # noqa: C901
     @app.post("/v1/boxes/{box_id}/run", tags=["commands"], response_model=None)
     async def run(box_id: str, body: RunIn) -> ResultOut | ProcessOut:
         sb = box(box_id).sandbox
-        stdin: str | bytes | None = body.stdin
-        if body.stdin_base64 is not None:
-            try:
-                stdin = base64.b64decode(body.stdin_base64, validate=True)
-            except ValueError:
-                raise errors.SandboxError(
-                    "stdin_base64 is not base64", code=errors.ErrorCode.INVALID_INPUT
-                ) from None
+        stdin = _stdin_of(body)
         if body.background:
             spawn_stdin: str | bytes | None = "pipe" if body.stdin_pipe else stdin
             proc = await sb.spawn(body.cmd, cwd=body.cwd, env=body.env, stdin=spawn_stdin)
@@ -458,6 +467,23 @@ def build_api(  # noqa: C901
         result = await sb.run(
             body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env, stdin=stdin
         )
+        metrics.ended(result.ended, result.timed_out)
+        return ResultOut(**result.to_dict())
+
+    @app.post("/v1/pools/run", tags=["commands"])
+    async def pool_run(body: PoolRunIn) -> ResultOut:
+        """One command in a warm box of the policy's pool, closed afterwards (a one-shot,
+        as ``SandboxPool.run``): the fastest way to a fresh box."""
+        if body.background:
+            raise errors.SandboxError(
+                "a pool runs one-shots: make a box (POST /v1/boxes) for background work",
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
+        stdin = _stdin_of(body)
+        async with boxes.one_shot(_policy(body.policy), body.workspace) as sb:
+            result = await sb.run(
+                body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env, stdin=stdin
+            )
         metrics.ended(result.ended, result.timed_out)
         return ResultOut(**result.to_dict())
 
