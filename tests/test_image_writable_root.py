@@ -186,7 +186,8 @@ async def test_export_root_is_what_the_box_changed_with_its_own_ids(
     import tarfile
 
     policy = Policy(image=str(image), user="root")
-    async with Sandbox(policy, workspace=tmp_path) as sb:
+    (tmp_path / "ws").mkdir()
+    async with Sandbox(policy, workspace=tmp_path / "ws") as sb:
         assert await sb.export_root(tmp_path / "empty.tar") == 0  # nothing changed yet
         r = await sb.run(
             "echo x > /etc/new && rm /etc/motd && mkdir /data && chown 1000:1000 /data", cwd="/"
@@ -202,7 +203,7 @@ async def test_export_root_is_what_the_box_changed_with_its_own_ids(
             await sb.export_root(tmp_path / "none.tar")
         info = await sb.info()
         assert info["user"] == "user" and info["image"]["writable"] is False, info
-    async with Sandbox(policy, workspace=tmp_path) as sb:
+    async with Sandbox(policy, workspace=tmp_path / "ws") as sb:
         info = await sb.info()
         assert info["user"] == "root" and info["image"]["writable"] is True, info
 
@@ -229,3 +230,21 @@ async def test_an_image_link_where_corral_mounts_is_refused(
         async with Sandbox(policy, workspace=tmp_path):
             pass
     assert not _own_entries()  # released
+
+
+async def test_export_root_never_writes_where_the_box_can_plant_a_link(
+    image: Path, tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("host file\n")
+    async with Sandbox(Policy(image=str(image), user="root"), workspace=ws) as sb:
+        await sb.run("ln -s /etc/x /workspace/layer.tar")
+        (ws / "planted").symlink_to(victim)
+        with pytest.raises(PolicyError, match="which the box can write"):
+            await sb.export_root(ws / "planted")
+        (tmp_path / "link.tar").symlink_to(victim)
+        with pytest.raises(OSError, match="symbolic links"):
+            await sb.export_root(tmp_path / "link.tar")  # a link as the last component
+    assert victim.read_text() == "host file\n"

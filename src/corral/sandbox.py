@@ -676,7 +676,8 @@ class Sandbox:
         layer: new and changed files, deletions as whiteouts) to ``dest`` as an OCI layer
         tar, with the box's own ids; returns the number of entries. ``ImageStore.commit``
         puts such a layer on top of the image. The box keeps running: what changes while it
-        is read may or may not be in the layer."""
+        is read may or may not be in the layer. ``dest`` may not lie where the box writes
+        (a PolicyError), and is written as a regular file only (mode 0600 when new)."""
         box = self._box
         if box is None:
             raise errors.SandboxClosed("the sandbox is not started")
@@ -687,10 +688,18 @@ class Sandbox:
                 "filesystem.root_size set, on the bwrap backend"
             )
 
+        assert self.workspace is not None
+        areas = writable_areas(self.policy, self.workspace)
+
         def write() -> int:
+            from corral.backends.host.safepath import open_regular
             from corral.images.export import write_layer
 
-            with open(dest, "wb") as out:
+            # Written by this (often root) process: never where the box could plant a link.
+            refuse_inside("export_root's destination", Path(os.path.abspath(dest)), areas)
+
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            with open(open_regular(dest, flags, 0o600), "wb") as out:
                 return write_layer(layer.upper, out, layer.box_id, layer.mount_points)
 
         return await blocking(write)
