@@ -523,7 +523,7 @@ class Cgroup:
         # and cannot be capped (so the process could page out past the limit).
         self.unenforced = unenforced
         self._counters: dict[str, int] = {}
-        """Counter file -> a descriptor kept open on it (:meth:`_count`)."""
+        """Counter ("oom", "pids") -> a descriptor kept open on its file (:meth:`_count`)."""
 
     def __del__(self) -> None:
         self.close_counters()
@@ -792,31 +792,36 @@ class Cgroup:
 
     def oom_kills(self) -> int:
         """How many processes the memory limit killed (``run`` reads it twice)."""
-        d = self._dirs[""] if self.version == "v2" else self._dirs.get("memory")
-        if d is None:
-            return 0
-        return self._count(
-            d / ("memory.events" if self.version == "v2" else "memory.oom_control"), b"oom_kill"
-        )
+        return self._count("oom", b"oom_kill")
 
     def pids_limit_hits(self) -> int:
         """How many forks the pids limit refused (``run`` reads it twice)."""
-        d = self._dirs[""] if self.version == "v2" else self._dirs.get("pids")
-        return self._count(d / "pids.events", b"max") if d else 0
+        return self._count("pids", b"max")
 
-    def _count(self, path: Path, key: bytes) -> int:
-        """The integer after ``key`` in the flat-keyed file ``path`` (0 if none), read through
-        a descriptor kept open: a read at offset 0 makes the kernel write the file anew.
-        ``run`` reads two counters before and after every command; an open, read and close
-        through pathlib took ~100 us each here, a ``pread`` takes ~3 us."""
-        name = str(path)
-        fd = self._counters.get(name)
+    def _counter_file(self, which: str) -> Path | None:
+        if which == "oom":
+            if self.version == "v2":
+                return self._dirs[""] / "memory.events"
+            mem = self._dirs.get("memory")
+            return mem / "memory.oom_control" if mem else None
+        d = self._dirs[""] if self.version == "v2" else self._dirs.get("pids")
+        return d / "pids.events" if d else None
+
+    def _count(self, which: str, key: bytes) -> int:
+        """The integer after ``key`` in the flat-keyed counter file ``which`` names (0 if
+        none), read through a descriptor kept open: a read at offset 0 makes the kernel
+        write the file anew. ``run`` reads two counters before and after every command; an
+        open, read and close through pathlib took ~100 us each here, a ``pread`` ~3 us."""
+        fd = self._counters.get(which)
         if fd is None:
+            path = self._counter_file(which)
+            if path is None:
+                return 0
             try:
-                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 return 0
-            kept = self._counters.setdefault(name, fd)
+            kept = self._counters.setdefault(which, fd)
             if kept != fd:  # another thread opened it meanwhile
                 os.close(fd)
                 fd = kept
@@ -825,8 +830,8 @@ class Cgroup:
         except OSError:
             return 0
         for line in data.splitlines():
-            name_b, _, value = line.partition(b" ")
-            if name_b == key:
+            name, _, value = line.partition(b" ")
+            if name == key:
                 try:
                     return int(value)
                 except ValueError:
