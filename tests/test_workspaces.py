@@ -72,3 +72,35 @@ def test_corral_mcp_refuses_before_serving() -> None:
     )
     err = r.stderr.decode()
     assert r.returncode == 2 and "refusing /etc" in err and "--force-workspace" in err, err
+
+
+def _venv_with_script(workspace: Path) -> Path:
+    """A venv made on the host (no pip: fast), and a script whose #! names the venv's
+    interpreter by the workspace's host path, as pip's entry points do."""
+    subprocess.run(
+        ["/usr/bin/python3", "-m", "venv", "--without-pip", str(workspace / ".venv")], check=True
+    )
+    script = workspace / ".venv" / "bin" / "hello"
+    script.write_text(
+        f"#!{workspace}/.venv/bin/python3\nimport sys\nprint('hello from', sys.prefix)\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+async def test_a_host_made_venv_runs_its_scripts_in_the_box(workspace: Path) -> None:
+    _venv_with_script(workspace)
+    async with Sandbox(workspace=workspace) as sb:
+        r = await sb.run(".venv/bin/hello")
+        assert (r.exit_code, r.stdout) == (0, f"hello from {workspace}/.venv\n"), r.stderr
+        # The host path is a link to the workdir: writes through it land in the workspace.
+        r = await sb.run(f"echo via-alias > {workspace}/made.txt && readlink {workspace}")
+        assert r.stdout == "/workspace\n"
+    assert (workspace / "made.txt").read_text() == "via-alias\n"
+
+
+async def test_the_pool_gives_a_venv_workspace_a_box_that_runs_it(workspace: Path) -> None:
+    _venv_with_script(workspace)
+    async with SandboxPool(size=1) as pool:
+        r = await pool.run(".venv/bin/hello", workspace=workspace)
+    assert r.exit_code == 0, r.stderr

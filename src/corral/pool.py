@@ -28,6 +28,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +62,30 @@ def needs_fresh_box(policy: Policy) -> str | None:
         if guest == policy.workdir or guest.startswith(policy.workdir.rstrip("/") + "/"):
             return f"deny entry {raw!r} lies in the workspace and is applied when a box starts"
     return None
+
+
+def _holds_venv(workspace: Path) -> bool:
+    """Whether ``workspace`` holds a Python venv (``pyvenv.cfg`` at its top or one level
+    down). A venv's scripts name the workspace's host path in their ``#!``, which a fresh
+    box links to the workdir and a warm box, started before the workspace was known, can't.
+    Only names are read (``scandir``, no link followed)."""
+    try:
+        with os.scandir(workspace) as entries:
+            for entry in entries:
+                if entry.name == "pyvenv.cfg" and entry.is_file(follow_symlinks=False):
+                    return True
+                if entry.is_dir(follow_symlinks=False) and _regular(entry.path + "/pyvenv.cfg"):
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _holds_masked(policy: Policy, workspace: Path) -> bool:
@@ -218,7 +243,8 @@ class SandboxPool:
             raise errors.SandboxClosed("the pool is closed")
         ws = _workspace(workspace)
         if self._why_fresh is not None or (
-            ws is not None and (self._foreign(ws) or _holds_masked(self.policy, ws))
+            ws is not None
+            and (self._foreign(ws) or _holds_masked(self.policy, ws) or _holds_venv(ws))
         ):
             return await self._fresh(ws)
         box = self._ready.pop() if self._ready else await self._make()

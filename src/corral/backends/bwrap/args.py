@@ -26,6 +26,7 @@ from corral.backends.layout import (
     CGROUP_DIR,
     GUEST_AGENT_DIR,
     PROC_READ_ONLY,
+    SYSTEM_TOP,
     Bind,
     HostView,
     Symlink,
@@ -91,6 +92,9 @@ class BwrapInputs:
     root_commands: bool = False
     """Commands run as box root (``policy.user = "root"``): the box keeps the capabilities
     :data:`ROOT_CAPS` over its own namespace (and nothing outside it)."""
+    workspace_host_path: str | None = None
+    """Where the workspace is on the host: a symlink there leads to the workdir, so what
+    was made on the host naming that path (a venv's scripts' ``#!``) runs in the box too."""
 
 
 def _parent_dirs(dest: str, made: set[str]) -> list[str]:
@@ -139,6 +143,27 @@ def _root_args(policy: Policy, inp: BwrapInputs, host: HostView, made: set[str])
         args += _parent_dirs(entry.dest, made)  # /var of /var/lib/dpkg
         args += _render(entry)
     return args
+
+
+_ALIAS_TOPS_TAKEN = SYSTEM_TOP | {"proc", "dev", "run", "workspace"}
+
+
+def _workspace_alias(policy: Policy, inp: BwrapInputs, binds: list[Bind]) -> str | None:
+    """The workspace's host path, where a symlink to the workdir can stand in the box's
+    root: not the workdir itself, nor on the system view, nor on, in or above a mount."""
+    path = inp.workspace_host_path
+    if path is None or inp.image_root is not None or not path.startswith("/"):
+        return None
+    path = posixpath.normpath(path)
+    top = path.strip("/").split("/")[0]
+    if path == "/" or top in _ALIAS_TOPS_TAKEN or top == policy.workdir.strip("/").split("/")[0]:
+        return None
+    for dest in [b.dest for b in binds] + [b.dest for b in inp.extra_binds] + ["/tmp", "/home"]:
+        if dest in ("/tmp", "/home") and path.startswith(dest + "/"):
+            continue  # the box's own tmpfs: the link is made in it
+        if path == dest or path.startswith(dest + "/") or dest.startswith(path + "/"):
+            return None
+    return path
 
 
 def _has_file(root: Path, path: str) -> bool:
@@ -232,6 +257,10 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     for bind in binds:
         args += _parent_dirs(bind.dest, made)
         args += _render(bind)
+    alias = _workspace_alias(policy, inp, binds)
+    if alias is not None:
+        args += _parent_dirs(alias, made)
+        args += _render(Symlink(policy.workdir, alias))
     if not inp.image_writable:
         args += ["--remount-ro", "/"]
     args += ["--seccomp", str(inp.fds.seccomp)]

@@ -578,6 +578,7 @@ class BwrapBackend(BackendBase):
             image_writable=image is not None and image.upper is not None,
             hidden=hidden,
             root_commands=spec.user == "root",
+            workspace_host_path=None if spec.workspace_prepared else str(spec.workspace),
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
