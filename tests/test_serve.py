@@ -3,6 +3,7 @@ by the CLI, plain HTTP, a WebSocket client and the remote SDK, with real boxes."
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -414,3 +415,72 @@ def test_metrics_and_the_checked_in_openapi(server: Served) -> None:
     assert served_doc == json.loads(DOCS_OPENAPI.read_text()), (
         "docs/openapi.json is stale: python -m corral.server.openapi > docs/openapi.json"
     )
+
+
+# ---- corral shell, attach and sessions through the server ------------------------------------
+class _Terminal:
+    """A command on a pseudo-terminal of its own, read with bounded waits."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path) -> None:
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd, start_new_session=True
+        )
+        os.close(slave)
+        self.seen = bytearray()
+
+    def expect(self, text: bytes, timeout: float = 60.0) -> None:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} never came: {bytes(self.seen)[-500:]!r}"
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:
+                    chunk = b""
+                assert chunk, f"the terminal closed before {text!r}: {bytes(self.seen)!r}"
+                self.seen += chunk
+
+    def type(self, data: bytes) -> None:
+        os.write(self.master, data)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            os.close(self.master)
+
+
+def test_shell_through_the_server_ends_its_box(server: Served, workspace: Path) -> None:
+    term = _Terminal([*CORRAL, "shell", "--shell", "/bin/sh"], server.env, workspace)
+    term.expect(b"exit ends it")
+    term.type(b"echo sum-$((2+3))\r")
+    term.expect(b"sum-5")
+    with http(server) as client:
+        held = [b["id"] for b in client.get("/v1/boxes").json() if b["labels"].get("via")]
+        assert len(held) == 1  # the shell's box is on the server
+        term.type(b"exit 4\r")
+        assert term.wait() == 4
+        assert client.get(f"/v1/boxes/{held[0]}").status_code == 404  # removed with its shell
+
+
+async def test_attach_through_the_server_and_detach(server: Served, workspace: Path) -> None:
+    async with corral.connect(server.url) as remote, remote.Sandbox() as sb:
+        session = await sb.shell()
+        r = cli(server, "sessions", "--json", cwd=workspace)
+        assert session.session_id in [s["id"] for s in json.loads(r.stdout)]
+        term = _Terminal([*CORRAL, "attach", session.session_id[:8]], server.env, workspace)
+        term.type(b"echo typed-by-a-person\r")
+        assert (await session.expect("typed-by-a-person"))["matched"]
+        term.expect(b"typed-by-a-person")
+        term.type(b"\x1d")  # ctrl-]: detach
+        await asyncio.to_thread(term.expect, b"detached from session")
+        assert await asyncio.to_thread(term.wait) == 0
+        await session.write("echo after-detach\n")
+        assert (await session.expect("after-detach"))["matched"]

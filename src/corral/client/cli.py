@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["SERVER_COMMANDS", "main", "remote_main", "server_parser"]
 
 SERVER_COMMANDS = ("create", "exec", "ps", "cp", "logs", "rm")
+TERMINAL_COMMANDS = ("shell", "attach", "sessions")
+"""Commands of the in-process CLI that go through a server when one is running."""
 EXIT_USAGE, EXIT_SANDBOX = 2, 125
 
 
@@ -52,9 +54,9 @@ def remote_main(argv: Sequence[str]) -> int | None:
     """Handle ``argv`` through a server, or None when the in-process CLI should."""
     if not argv:
         return None
-    command = argv[0]
-    if command == "run":
-        if any(a in ("-h", "--help") for a in _flags(argv[1:])):
+    command, rest = argv[0], list(argv[1:])
+    if command == "run" or command in TERMINAL_COMMANDS:
+        if any(a in ("-h", "--help") for a in _flags(rest)):
             return None
         try:
             conn = locate()
@@ -62,15 +64,9 @@ def remote_main(argv: Sequence[str]) -> int | None:
             return _say_error(exc)
         if conn is None:
             return None
-        explicit = bool(os.environ.get("CORRAL_HOST", "").strip())
-        try:
-            return _run(conn, list(argv[1:]))
-        except ServerError as exc:
-            if exc.code == "server_unavailable" and not explicit and exc.status == 0:
-                return None  # a stale default socket: run in-process
-            return _say_error(exc)
-        except BrokenPipeError:
-            return 141
+        if command == "run":
+            return _run_or_fall_back(conn, rest)
+        return _guarded(lambda: _terminal(conn, command, rest))
     if command not in SERVER_COMMANDS:
         return None
     try:
@@ -91,6 +87,20 @@ def remote_main(argv: Sequence[str]) -> int | None:
         return result
 
     return _guarded(go)
+
+
+def _run_or_fall_back(conn: Conn, argv: list[str]) -> int | None:
+    """``corral run`` through ``conn``; None (run in-process) when the default socket is a
+    stale one: nothing answers there and no CORRAL_HOST asked for it."""
+    explicit = bool(os.environ.get("CORRAL_HOST", "").strip())
+    try:
+        return _run(conn, argv)
+    except ServerError as exc:
+        if exc.code == "server_unavailable" and not explicit and exc.status == 0:
+            return None
+        return _say_error(exc)
+    except BrokenPipeError:
+        return 141
 
 
 def _guarded(call: Any) -> int:
@@ -216,6 +226,54 @@ def _run(conn: Conn, argv: list[str]) -> int:
     body = chunks(0) if stdin else None
     response = conn.request("POST", "/v1/cli/run", raw=body, headers={"X-Corral-Run": spec})
     return _play(response, raw)
+
+
+# ---- terminals: shell, attach, sessions through the server -------------------------------------
+def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    """``flag VALUE`` or ``flag=VALUE`` out of ``argv`` (before ``--``)."""
+    rest: list[str] = []
+    value = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest += argv[i:]
+            break
+        if arg == flag and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return value, rest
+
+
+def _terminal(conn: Conn, command: str, argv: list[str]) -> int:
+    from corral.client import terminal
+
+    keys, argv = _take(argv, "--detach-keys")
+    keys = keys or "ctrl-]"
+    if command == "shell":
+        shell, flags = _take(argv, "--shell")
+        return terminal.shell(conn, localize(flags), shell, keys)
+    if command == "attach":
+        ids = [a for a in argv if not a.startswith("-")]
+        if len(ids) != 1:
+            raise ServerError("invalid_input", "corral attach SESSION_ID (see corral sessions)")
+        return terminal.attach(conn, ids[0], keys)
+    found = terminal.list_sessions(conn)
+    if "--json" in argv:
+        print(json.dumps(found, indent=2))
+        return 0
+    if not found:
+        print("no attachable sessions")
+        return 0
+    print(f"{'SESSION':<38} {'BOX':<17} {'SHELL':<14} ATTACHED")
+    for s in found:
+        print(f"{s['id']:<38} {s['box']:<17} {s['shell']:<14} {s['attached']}")
+    return 0
 
 
 # ---- commands that need a server -------------------------------------------------------------

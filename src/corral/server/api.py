@@ -138,7 +138,7 @@ class SignalIn(_In):
 
 
 class SessionIn(_In):
-    shell: str = "/bin/sh"
+    shell: str | None = Field(None, description="default: bash if the box has it, else sh")
     cols: int = Field(80, ge=10, le=1000)
     rows: int = Field(24, ge=2, le=1000)
     env: dict[str, str] | None = None
@@ -734,9 +734,10 @@ def build_api(  # noqa: C901
     @app.post("/v1/boxes/{box_id}/sessions", tags=["terminals"], status_code=201)
     async def open_session(box_id: str, body: SessionIn) -> SessionOut:
         sb = box(box_id).sandbox
-        session = await sb.shell(
-            body.shell, env=body.env, cols=body.cols, rows=body.rows, cwd=body.cwd
-        )
+        from corral.sessions.terminal import default_shell
+
+        shell = body.shell or await default_shell(sb.run)
+        session = await sb.shell(shell, env=body.env, cols=body.cols, rows=body.rows, cwd=body.cwd)
         return _session_out(sb, session.session_id)
 
     @app.get("/v1/boxes/{box_id}/sessions", tags=["terminals"])
