@@ -484,3 +484,34 @@ async def test_attach_through_the_server_and_detach(server: Served, workspace: P
         assert await asyncio.to_thread(term.wait) == 0
         await session.write("echo after-detach\n")
         assert (await session.expect("after-detach"))["matched"]
+
+
+def test_slow_and_silent_clients_do_not_starve_others(tcp_server: Served) -> None:
+    import socket
+
+    host, port = tcp_server.url.removeprefix("http://").rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port))) for _ in range(50)]
+    try:
+        for sock in silent[:25]:
+            sock.sendall(b"GET /v1/boxes HTTP/1.1\r\nHost: ")  # a head that never ends
+        with http(tcp_server, tcp_server.token) as client:
+            for _ in range(5):
+                assert client.get("/v1/boxes").status_code == 200
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+async def test_a_websocket_that_vanishes_leaves_the_session_working(server: Served) -> None:
+    async with corral.connect(server.url) as remote, remote.Sandbox() as sb:
+        session = await sb.shell()
+        path = f"/v1/boxes/{sb.id}/sessions/{session.session_id}/attach"
+        ws = await websockets.asyncio.client.unix_connect(server.socket, f"ws://localhost{path}")
+        await ws.send(b"echo before-vanishing\r")
+        assert (await session.expect("before-vanishing"))["matched"]
+        ws.transport.abort()  # no close frame: the browser tab crashed
+        await session.write("echo after-vanishing\n")
+        assert (await session.expect("after-vanishing"))["matched"]
+        assert (await sb.run("echo the box too")).stdout == "the box too\n"
+        described = await sb.describe()
+        assert described["state"] == "running"
