@@ -515,3 +515,11 @@ async def test_a_websocket_that_vanishes_leaves_the_session_working(server: Serv
         assert (await sb.run("echo the box too")).stdout == "the box too\n"
         described = await sb.describe()
         assert described["state"] == "running"
+
+
+def test_errors_say_whether_a_retry_may_help() -> None:
+    assert corral.ServerBusy("busy").retryable
+    assert corral.SandboxBroken("the box died").retryable
+    assert not corral.PolicyError("bad field").retryable
+    assert not corral.FileNotFound("no such file").retryable
+    assert corral.errors.from_code("server_unavailable", "restarting").retryable

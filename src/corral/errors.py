@@ -121,6 +121,12 @@ class SandboxError(Exception):
         """The structured form handed to agents: a stable code and a sentence."""
         return {"error": {"code": str(self.code), "message": self.message}}
 
+    @property
+    def retryable(self) -> bool:
+        """The infrastructure failed, not the command or its input (:data:`RETRYABLE`): a
+        harness retries the attempt rather than scoring it."""
+        return self.code in RETRYABLE
+
 
 class PolicyError(SandboxError, ValueError):
     code = ErrorCode.INVALID_POLICY
