@@ -97,6 +97,22 @@ def test_a_run_with_a_network_imports_what_that_network_needs(workspace: Path) -
     assert {"corral.net.publish", "corral.net.proxy"} <= loaded
 
 
+def test_version_registers_no_command() -> None:
+    script = """
+import contextlib, io, json, sys
+from corral.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    main(["--version"])
+assert out.getvalue().startswith("corral "), out.getvalue()
+print(json.dumps(sorted(sys.modules)))
+"""
+    loaded = loaded_after(script)
+    assert {m for m in loaded if m.startswith(("corral.cli.", "corral.client"))} == {
+        "corral.cli.options"
+    }
+
+
 def test_importing_corral_imports_none_of_its_parts() -> None:
     loaded = loaded_after("import corral, json, sys; print(json.dumps(sorted(sys.modules)))")
     assert {"pydantic", "corral.policy", "corral.sandbox", "asyncio"}.isdisjoint(loaded)

@@ -79,8 +79,10 @@ def make_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version, help="show corral's version and exit")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    named = COMMANDS.get(argv[0]) if argv else None
-    for name in (named,) if named else MODULES:
+    first = argv[0] if argv else None
+    named = COMMANDS.get(first) if first else None
+    # `--version` exits as soon as it is parsed: it needs no command at all.
+    for name in () if first == "--version" else (named,) if named else MODULES:
         importlib.import_module(f"corral.cli.{name}").register(sub)
     return parser
 
