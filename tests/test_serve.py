@@ -523,3 +523,22 @@ def test_errors_say_whether_a_retry_may_help() -> None:
     assert not corral.PolicyError("bad field").retryable
     assert not corral.FileNotFound("no such file").retryable
     assert corral.errors.from_code("server_unavailable", "restarting").retryable
+
+
+async def test_exec_stream_with_stdin_open_local_and_remote(make_box: Any) -> None:
+    """Full duplex: an answer comes back while stdin is still open (the WebSocket path)."""
+    upper = "import sys\nfor line in sys.stdin:\n    print(line.upper(), end='', flush=True)\n"
+    async with make_box() as sb:
+        stream = await sb.exec_stream(["python3", "-c", upper], stdin="pipe")
+        events = aiter(stream)
+        await stream.write(b"first\n")
+        got = b""
+        while b"FIRST\n" not in got:
+            event = await asyncio.wait_for(anext(events), 30)
+            got += getattr(event, "data", b"")
+        await stream.write("second\n")
+        await stream.close_stdin()
+        rest = [e async for e in events]
+        assert b"".join(getattr(e, "data", b"") for e in rest) == b"SECOND\n"
+        assert type(rest[-1]).__name__ == "Exited"
+        assert rest[-1].code == 0

@@ -378,7 +378,7 @@ class RemoteSandbox:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         timeout: float | None = None,
-    ) -> RemoteExecStream:
+    ) -> RemoteExecStream | RemotePipedStream:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         params: list[tuple[str, str | int | float | bool | None]] = [("cmd", a) for a in argv]
         params += [("env", f"{k}={v}") for k, v in (env or {}).items()]
@@ -386,12 +386,8 @@ class RemoteSandbox:
             params.append(("cwd", cwd))
         if timeout is not None:
             params.append(("timeout", str(timeout)))
-        if stdin is not None:
-            raise errors.SandboxError(
-                "stdin='pipe' is not available on a remote exec_stream yet: use spawn() and "
-                "RemoteProcess.write()",
-                code=errors.ErrorCode.INVALID_INPUT,
-            )
+        if stdin == "pipe":
+            return RemotePipedStream(self, params)
         return RemoteExecStream(self, params)
 
     async def shell(
@@ -524,6 +520,82 @@ class RemoteExecStream:
             raise errors.ServerUnavailable("the server's stream ended before the command did")
         finally:
             await response.aclose()
+
+
+class RemotePipedStream:
+    """``exec_stream(..., stdin="pipe")`` on a server: the command's stdin stays open over a
+    WebSocket (``/exec/ws``), so what it prints comes back while it is still being fed.
+    ``stream = await sb.exec_stream(cmd, stdin="pipe")``, then ``write``, ``close_stdin``,
+    ``signal`` and ``async for event in stream``."""
+
+    def __init__(
+        self, sandbox: RemoteSandbox, params: list[tuple[str, str | int | float | bool | None]]
+    ) -> None:
+        self.sandbox = sandbox
+        self.params = params
+        self.exit_code: int | None = None
+        self.timed_out = False
+        self._ws: Any = None
+
+    async def _open(self) -> RemotePipedStream:
+        from urllib.parse import urlencode
+
+        from websockets.asyncio.client import connect, unix_connect
+
+        remote = self.sandbox.remote
+        path = f"{self.sandbox.path}/exec/ws?{urlencode(self.params)}"
+        if remote.url.startswith("unix:"):
+            self._ws = await unix_connect(remote.url[5:], f"ws://localhost{path}", max_size=None)
+        else:
+            base = remote.url.rstrip("/").replace("http://", "ws://", 1)
+            auth = remote.http.headers.get("authorization")
+            headers = {"Authorization": auth} if auth else {}
+            self._ws = await connect(base + path, additional_headers=headers, max_size=None)
+        return self
+
+    def __await__(self) -> Generator[Any, None, RemotePipedStream]:
+        return self._open().__await__()
+
+    async def write(self, data: bytes | str) -> None:
+        await self._ws.send(data.encode() if isinstance(data, str) else data)
+
+    async def close_stdin(self) -> None:
+        await self._ws.send(json.dumps({"eof": True}))
+
+    async def signal(self, sig: str | int = "SIGTERM") -> None:
+        await self._ws.send(json.dumps({"signal": sig}))
+
+    def __aiter__(self) -> AsyncIterator[ExecEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[ExecEvent]:
+        from websockets.exceptions import ConnectionClosed
+
+        if self._ws is None:
+            await self._open()
+        try:
+            async for message in self._ws:
+                if not isinstance(message, bytes):
+                    continue
+                for kind, data in frames.split_frames(bytearray(message)):
+                    if kind == frames.STDOUT:
+                        yield Stdout(data)
+                    elif kind == frames.STDERR:
+                        yield Stderr(data)
+                    elif kind == frames.END:
+                        end = json.loads(data)
+                        self.exit_code = int(end["exit_code"])
+                        self.timed_out = bool(end.get("timed_out"))
+                        yield Exited(self.exit_code)
+                        return
+                    elif kind == frames.ERROR:
+                        err = json.loads(data)["error"]
+                        raise errors.from_code(err["code"], err["message"])
+        except ConnectionClosed:
+            pass
+        finally:
+            await self._ws.close()
+        raise errors.ServerUnavailable("the server's stream ended before the command did")
 
 
 class RemoteFiles:

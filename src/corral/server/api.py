@@ -34,6 +34,7 @@ from corral.sandbox import Sandbox
 from corral.server.auth import error_body, status_for
 from corral.server.boxes import Boxes, HeldBox
 from corral.server.metrics import Metrics
+from corral.streaming import Exited, Stdout
 
 __all__ = ["build_api"]
 
@@ -239,7 +240,6 @@ async def _stream_command(
 ) -> AsyncIterator[bytes]:
     """Frames of one command's output, then its end (or the error that stopped it)."""
     from corral.net.cli import refusal_lines
-    from corral.streaming import Exited, Stdout
 
     oom_before = sb.stats().oom_kills
     refused_before = len(sb.network_refusals())
@@ -766,6 +766,51 @@ def build_api(  # noqa: C901
         code = await box(box_id).sandbox.session(session_id).close()
         return {"exit_code": code}
 
+    @app.websocket("/v1/boxes/{box_id}/exec/ws")
+    async def exec_ws(websocket: WebSocket, box_id: str) -> None:
+        """A command with its stdin open, over a WebSocket (``?cmd=`` as for ``/exec``):
+        binary messages out are frames (:mod:`corral.client.frames`, one per message, ending
+        with the end frame); binary messages in are stdin; text ``{"eof": true}`` closes
+        stdin, ``{"signal": "SIGINT"}`` signals the command. The socket closing ends it."""
+        params = websocket.query_params
+        try:
+            sb = box(box_id).sandbox
+            timeout = float(params["timeout"]) if "timeout" in params else None
+            variables = dict(item.partition("=")[::2] for item in params.getlist("env"))
+            stream = await sb.exec_stream(
+                params.getlist("cmd"),
+                stdin="pipe",
+                cwd=params.get("cwd"),
+                env=variables or None,
+                timeout=timeout,
+            )
+        except (errors.SandboxError, ValueError) as exc:
+            code = getattr(exc, "code", errors.ErrorCode.INVALID_INPUT)
+            await websocket.accept()
+            await websocket.send_bytes(
+                frames.json_frame(frames.ERROR, error_body(code, getattr(exc, "message", str(exc))))
+            )
+            await websocket.close(code=1000)
+            return
+        await websocket.accept()
+        feeder = asyncio.ensure_future(_ws_input(websocket, stream))
+        code = -9
+        try:
+            async with stream:
+                async for event in stream:
+                    if isinstance(event, Exited):
+                        code = event.code
+                        continue
+                    kind = frames.STDOUT if isinstance(event, Stdout) else frames.STDERR
+                    await websocket.send_bytes(frames.frame(kind, event.data))
+            end = {"exit_code": code, "timed_out": bool(stream.timed_out)}
+            await websocket.send_bytes(frames.json_frame(frames.END, end))
+            await websocket.close(code=1000)
+        except (WebSocketDisconnect, RuntimeError):
+            pass  # the client left: leaving `async with` ended the command
+        finally:
+            feeder.cancel()
+
     @app.websocket("/v1/boxes/{box_id}/sessions/{session_id}/attach")
     async def attach(websocket: WebSocket, box_id: str, session_id: str) -> None:
         """A person's terminal on an agent's session: binary messages are keystrokes in and
@@ -810,6 +855,24 @@ def build_api(  # noqa: C901
             sender.cancel()
 
     return app
+
+
+async def _ws_input(websocket: WebSocket, stream: Any) -> None:
+    """stdin and control messages of ``/exec/ws`` until the client goes."""
+    with contextlib.suppress(WebSocketDisconnect, errors.SandboxError, RuntimeError):
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("bytes"):
+                await stream.write(message["bytes"])
+            elif message.get("text"):
+                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                    control = json.loads(message["text"])
+                    if control.get("eof"):
+                        await stream.close_stdin()
+                    if "signal" in control:
+                        await stream.signal(control["signal"])
 
 
 async def _control(session: Any, text: str) -> None:
