@@ -214,3 +214,16 @@ async def test_box_root_boxes_have_host_ids_of_their_own(tmp_path: Path) -> None
             assert ROOT_BOX_ID_BASE <= host < ROOT_BOX_ID_BASE + 4096 * ID_RANGE
         r = await a.run("setpriv --reuid=42 --regid=42 --clear-groups id -u")
         assert r.stdout == "42\n", r
+
+
+async def test_a_workingdir_the_image_lacks_is_made_on_a_writable_root(
+    tmp_path: Path, store: Path
+) -> None:
+    ref = _layout(tmp_path, {"Env": ["PATH=/bin"], "WorkingDir": "/srv/task"})
+    async with Sandbox(Policy(image=ref), workspace=tmp_path / "root") as sb:
+        r = await sb.run("pwd; ls -lnd /srv/task")
+        assert r.stdout.startswith("/srv/task\ndrwxr-xr-x") and " 0 " in r.stdout, r
+    read_only = Policy(image=ref, filesystem={"root_size": None})
+    async with Sandbox(read_only, workspace=tmp_path / "root") as sb:
+        with pytest.raises(Exception, match="working directory /srv/task"):
+            await sb.run("pwd")

@@ -85,7 +85,7 @@ from corral.backends.layout import (
 from corral.backends.limits import LimitPlan, plan_limits
 from corral.backends.users import HOST_UID_BASE, id_map, id_ranges, own_block
 from corral.errors import BackendError, BackendUnavailable, ImageError, PolicyError
-from corral.policy import Policy
+from corral.policy import DEFAULT_WORKDIR, Policy
 
 START_TIMEOUT = 10.0
 
@@ -637,6 +637,12 @@ class BwrapBackend(BackendBase):
             owner=owner.uid,
             size=policy.filesystem.root_size,
         )
+        workdir = image.config.workdir
+        if root.upper is not None and workdir and policy.workdir == DEFAULT_WORKDIR:
+            # The image's WorkingDir is the default cwd: made when the image lacks it, box
+            # root's, as Docker makes a WORKDIR (never through one of the image's links).
+            with contextlib.suppress(OSError):
+                safepath.make_dirs(root.root, workdir)
         if root.upper is not None:
             ids = id_ranges(shared.uid, owner.uid, _other_ids(spec, owner.uid))
             held.root_layer = RootLayer(root.upper, tuple(ids))
