@@ -289,6 +289,8 @@ class HeadTailBuffer:
         The text is grown by appending to one string, chunk by chunk (CPython extends a
         string nothing else holds in place), so the peak is the kept bytes plus the text,
         not a joined copy of either."""
+        if not self._chunks and not self.truncated:  # all of it in the head: most commands
+            return self._head.decode("utf-8", "replace")
         head = codecs.getincrementaldecoder("utf-8")(errors="replace")
         text = head.decode(self._head)
         views = [memoryview(c) for c in self._chunks]
