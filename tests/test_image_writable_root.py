@@ -248,3 +248,26 @@ async def test_export_root_never_writes_where_the_box_can_plant_a_link(
         with pytest.raises(OSError, match="symbolic links"):
             await sb.export_root(tmp_path / "link.tar")  # a link as the last component
     assert victim.read_text() == "host file\n"
+
+
+async def test_export_root_leaves_out_the_boxs_mount_points_at_any_depth(
+    image: Path, tmp_path: Path
+) -> None:
+    """A share at ``/srv/app/in`` (the image lacks it: bwrap makes the mount point in the
+    overlay) is a mount point, not a change; what the box wrote beside it is."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "ws").mkdir()
+    policy = Policy(
+        image=str(image),
+        user="root",
+        filesystem={"mounts": [{"host": str(shared), "guest": "/srv/app/in"}]},
+    )
+    async with Sandbox(policy, workspace=tmp_path / "ws") as sb:
+        assert (await sb.run("echo mine > /srv/app/beside", cwd="/")).exit_code == 0
+        await sb.export_root(tmp_path / "layer.tar")
+    import tarfile
+
+    with tarfile.open(tmp_path / "layer.tar") as tar:
+        names = sorted(tar.getnames())
+    assert names == ["srv", "srv/app", "srv/app/beside"], names

@@ -95,8 +95,8 @@ class RootLayer:
     upper: Path
     ids: tuple[tuple[int, int, int], ...]
     mount_points: frozenset[str] = frozenset()
-    """Top-level names the backend made in the root for the box's own mounts (``workspace``
-    where the image had none): mount points, not changes of the box."""
+    """Paths (relative: ``workspace``, ``etc/resolv.conf``) the backend made in the root for
+    the box's own mounts where the image had none: mount points, not changes of the box."""
 
     def box_id(self, host_id: int) -> int:
         """The box's id for ``host_id`` (65534, nobody, for an id the box does not map)."""

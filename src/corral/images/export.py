@@ -62,12 +62,12 @@ def write_layer(
     upper: str | os.PathLike[str],
     out: IO[bytes],
     box_id: Callable[[int], int] | None = None,
-    skip_top: Collection[str] = (),
+    skip: Collection[str] = (),
 ) -> int:
     """Write ``upper`` (an overlay upper directory) to ``out`` as an uncompressed OCI layer
     tar; return the number of entries. ``box_id`` maps the host uids and gids the upper's
-    files have to the ids the layer records (a box's: ``RootLayer.box_id``); ``skip_top``
-    names top-level entries left out (a box's own mount points)."""
+    files have to the ids the layer records (a box's: ``RootLayer.box_id``); ``skip``
+    names entries left out, relative (a box's own mount points)."""
     ids = box_id or (lambda host: host)
     root = os.open(upper, _DIR_FLAGS)
     count = 0
@@ -77,9 +77,9 @@ def write_layer(
         def walk(dir_fd: int, prefix: str) -> None:
             nonlocal count
             for name in sorted(os.listdir(dir_fd)):
-                if not prefix and name in skip_top:
-                    continue
                 path = f"{prefix}{name}"
+                if path in skip:
+                    continue
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 info = tarfile.TarInfo(path)
                 info.mode = stat.S_IMODE(st.st_mode) & 0o1777

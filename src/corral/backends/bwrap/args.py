@@ -282,34 +282,37 @@ _TWO_PATHS = {
 }
 
 
-def mount_tops(argv: list[str]) -> frozenset[str]:
-    """The top-level names of the box's root that bwrap's options mount on or make
-    (``workspace`` of ``--bind X /workspace``): on a writable root, bwrap makes the missing
-    ones in the overlay, and they are the box's mount points, not its changes."""
-    options = argv[: argv.index("--")] if "--" in argv else argv
-    tops = set()
-    for i, arg in enumerate(options):
-        at = i + 1 if arg in _ONE_PATH else i + 2 if arg in _TWO_PATHS else -1
-        if 0 < at < len(options):
-            top = options[at].strip("/").split("/")[0]
-            if top:
-                tops.add(top)
-    return frozenset(tops)
+def placeholders(argv: list[str], image_root: Path) -> frozenset[str]:
+    """The mount destinations of ``argv`` the image at ``image_root`` lacks, relative
+    (``workspace``, ``etc/resolv.conf``): on a writable root bwrap makes them in the overlay,
+    and they are the box's mount points (what is written there goes to what is mounted), not
+    its changes. Looked up beneath the image without following links."""
+    made = set()
+    for dest in _mount_dests(argv, dirs=False):
+        rel = dest.strip("/")
+        try:
+            os.close(safepath.open_beneath(image_root, rel, os.O_PATH | os.O_NOFOLLOW))
+        except OSError:
+            made.add(rel)
+    return frozenset(made)
 
 
 _FRESH = {"--tmpfs", "--proc", "--dev"}
 """Options that mount a new filesystem: what lies below their destination is not the root's."""
 
 
-def _mount_dests(argv: list[str]) -> list[str]:
+def _mount_dests(argv: list[str], *, dirs: bool = True) -> list[str]:
     """The destinations bwrap resolves in the box's root (not those beneath a new
-    filesystem it mounted, such as ``/dev/pts`` in its ``/dev``)."""
+    filesystem it mounted, such as ``/dev/pts`` in its ``/dev``); ``dirs``: those of
+    ``--dir`` too (directories it makes, not mount points)."""
     options = argv[: argv.index("--")] if "--" in argv else argv
     dests: list[str] = []
     fresh: list[str] = []
     for i, arg in enumerate(options):
         at = i + 1 if arg in _ONE_PATH else i + 2 if arg in _TWO_PATHS else -1
         if not 0 < at < len(options) or arg == "--symlink" or options[at] == "/":
+            continue
+        if arg == "--dir" and not dirs:
             continue
         dest = options[at]
         if any(dest.startswith(f.rstrip("/") + "/") for f in fresh):

@@ -594,7 +594,7 @@ class BwrapBackend(BackendBase):
                     "an image's links on the host (make it a directory in the image)"
                 )
         if held.root_layer is not None and image_root is not None:
-            made = bwrap_args.mount_tops(argv) - set(os.listdir(image_root))
+            made = bwrap_args.placeholders(argv, image_root)
             held.root_layer = dataclasses.replace(held.root_layer, mount_points=made)
         argv, options = bwrap_args.hide_options(argv)
         held.args_fd = os.memfd_create("corral-bwrap-args", os.MFD_CLOEXEC)
