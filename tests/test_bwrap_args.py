@@ -376,3 +376,43 @@ def test_binds_in_writable_areas_can_come_from_descriptors() -> None:
         "/usr",
     ]
     assert out[out.index("--") :] == args[args.index("--") :]  # the command is left alone
+
+
+def test_a_writable_image_root_is_the_overlay_bound_whole(tmp_path: Path) -> None:
+    """A writable image root is bound at / (new top-level entries can be made) and not
+    sealed read-only; a read-only one is the image's entries on bwrap's tmpfs, sealed. Box
+    root's commands get the capabilities of ROOT_CAPS, others only CAP_SETUID/CAP_SETGID."""
+    root = tmp_path / "merged"
+    (root / "usr").mkdir(parents=True)
+    (root / "etc").mkdir()
+    (root / "etc" / "passwd").write_text("root:x:0:0::/:/bin/sh\n")
+    (root / "bin").symlink_to("usr/bin")
+    writable = replace(inputs(), image_root=root, image_writable=True, root_commands=True)
+    args = bwrap_argv(Policy(), writable, fake_host())
+    assert triples(args, "--bind")[0] == (str(root), "/")
+    assert "--remount-ro" not in args and "/etc/passwd" not in args  # the image's own passwd
+    assert all(cap in args for cap in bwrap_args.ROOT_CAPS)
+    assert bwrap_args.placeholders(args, root) >= {"workspace", "dev", "proc", "tmp"}
+    assert "usr" not in bwrap_args.placeholders(args, root)
+    read_only = replace(inputs(), image_root=root)
+    args = bwrap_argv(Policy(), read_only, fake_host())
+    assert (str(root / "usr"), "/usr") in triples(args, "--ro-bind")
+    assert ("usr/bin", "/bin") in triples(args, "--symlink")
+    assert args[args.index("--remount-ro") + 1] == "/"
+    assert not any(cap in args for cap in bwrap_args.ROOT_CAPS)
+
+
+def test_an_image_link_on_a_mount_destination_is_found(tmp_path: Path) -> None:
+    root = tmp_path / "merged"
+    root.mkdir()
+    (root / "srv").symlink_to("/etc")
+    policy = Policy(filesystem={"mounts": [{"host": str(tmp_path), "guest": "/srv/in"}]})
+    for writable in (True, False):
+        inp = replace(inputs(), image_root=root, image_writable=writable)
+        args = bwrap_argv(policy, inp, fake_host())
+        found = bwrap_args.image_link_in_the_way(args, root, writable)
+        assert found in ("/srv", "/srv/in"), found  # the parent bwrap makes, or the share
+    (root / "srv").unlink()
+    (root / "srv").mkdir()
+    args = bwrap_argv(policy, replace(inputs(), image_root=root, image_writable=True))
+    assert bwrap_args.image_link_in_the_way(args, root, True) is None
