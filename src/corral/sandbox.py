@@ -327,6 +327,7 @@ class Sandbox:
                 await self._channel.wait_ready(left())
             except errors.BackendError as exc:
                 raise errors.BackendError(await self._not_ready(exc, box)) from None
+            box.check_layout()  # mounts made by path are what the host meant
             if self._network is not None:
                 await self._network.ready()
             if self._workspace_prepared:

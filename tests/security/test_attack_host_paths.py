@@ -17,6 +17,7 @@ import pytest
 
 from corral import NotARegularFile, Policy, PolicyError, Sandbox
 from corral.audit import AuditLog
+from corral.backends import layout
 from corral.errors import FileOpError
 from corral.policy import Mount
 from corral.tools.secrets import SecretStore
@@ -172,6 +173,30 @@ async def test_mask_below_a_renamed_parent_fails_closed(
     )
     fs = box_policy.filesystem.model_copy(update={field: ("private/key",)})
     await _refused(box_policy.model_copy(update={"filesystem": fs}), workspace, field)
+
+
+@pytest.mark.parametrize("field", ["deny_write", "deny_read"])
+async def test_mask_path_swapped_after_the_hosts_check_fails_closed(
+    box_policy: Policy, workspace: Path, field: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two boxes at once on one workspace: box one swaps ``private`` for a link (to the
+    directory it renamed) after box two's host-side check passed and before bwrap or the
+    runtime mounts the mask, which they do by path: the mask would land on the link's
+    target, and a swap back would leave ``private/key`` open. The start is refused once the
+    box is built, before it runs anything. (The race is made certain: the host's check
+    runs before the swap, here by being skipped.)"""
+    if box_policy.backend == "microvm" or box_policy.runtime == "runsc":
+        pytest.skip("the VM's init and gVisor's gofer make masks their own way")
+    (workspace / "private").mkdir()
+    (workspace / "private" / "key").write_text("secret\n")
+    (workspace / "private").rename(workspace / "moved")
+    (workspace / "private").symlink_to("moved")
+    monkeypatch.setattr(layout, "_no_link_below", lambda *args: None)
+    fs = box_policy.filesystem.model_copy(update={field: ("private/key",)})
+    with pytest.raises(PolicyError, match="link") as info:
+        async with Sandbox(box_policy.model_copy(update={"filesystem": fs}), workspace=workspace):
+            pass
+    assert "private" in info.value.message, info.value.message
 
 
 # ---- class 2: files a box leaves -------------------------------------------------------------

@@ -84,6 +84,9 @@ class FakeBox:
     async def diagnose(self) -> str:
         return ""
 
+    def check_layout(self) -> None:
+        pass
+
     async def close(self) -> None:
         self.closed = True
         self._sock.close()

@@ -259,6 +259,9 @@ class BoxBase:
     async def diagnose(self) -> str:
         return ""
 
+    def check_layout(self) -> None:
+        """Nothing to check where the backend checked its mounts while it started."""
+
     async def close(self) -> None:
         """Close the channel, let the backend end the box (:meth:`_teardown`), then remove
         its state directory. Idempotent."""
@@ -394,6 +397,13 @@ class Box(Protocol):
 
     async def diagnose(self) -> str:
         """Why the box failed to start (the runtime's own error output), or ""."""
+        ...
+
+    def check_layout(self) -> None:
+        """Called once the agent is ready, before any request: a PolicyError if a mount the
+        backend made by path is not the object the host meant (a link swapped into a
+        writable area while the box started). Cheap: nothing to do unless a mask or share
+        lies inside a writable area."""
         ...
 
     async def close(self) -> None:

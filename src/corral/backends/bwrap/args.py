@@ -380,6 +380,13 @@ def bind_sources(argv: list[str]) -> list[str]:
     return [options[i + 1] for i, arg in enumerate(options[:-2]) if arg in _BY_FD]
 
 
+def binds(argv: list[str]) -> list[tuple[str, str]]:
+    """``(host source, guest destination)`` of each ``--bind`` and ``--ro-bind`` option of
+    ``argv``, in order (bwrap's options only: nothing after ``--``)."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return [(options[i + 1], options[i + 2]) for i, arg in enumerate(options[:-2]) if arg in _BY_FD]
+
+
 def binds_by_fd(argv: list[str], fds: Mapping[str, int]) -> list[str]:
     """``argv`` with each bind whose source is in ``fds`` made from that open descriptor
     (``--bind-fd FD DEST``): bwrap then mounts the object the host opened, and a path a box

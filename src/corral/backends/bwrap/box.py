@@ -217,6 +217,34 @@ async def _read_info(fd: int, proc: _Bwrap) -> dict[str, Any]:
     return dict(json.loads(data[: data.index(b"}") + 1]))
 
 
+def _pins(
+    binds: list[tuple[str, str]],
+    in_area: Callable[[str], str | None],
+    areas: list[str],
+) -> list[safepath.Pinned]:
+    """The object each bind *at* a path inside a writable area's guest directory (a mask, a
+    nested share) must show once bwrap has built the box. bwrap mounts sources from the fds
+    the host opened, but resolves destinations by path in the new root: a link a box on the
+    same workspace swapped in meanwhile would move a mask off what it hides.
+    :meth:`BwrapBox.check_layout` compares before the box runs anything."""
+    writable = [dest for source, dest in binds if in_area(source) is not None]
+    last = {dest: i for i, (_, dest) in enumerate(binds)}
+    pins: list[safepath.Pinned] = []
+    for i, (source, dest) in enumerate(binds):
+        if last[dest] != i or not any(
+            d != dest and dest.startswith(d.rstrip("/") + "/") for d in writable
+        ):
+            continue
+        try:
+            pins.append(safepath.pin(dest, source, areas))
+        except OSError as exc:
+            raise PolicyError(
+                f"{source} lies in a writable area and cannot be opened without following "
+                f"a link ({exc.strerror}; made by a box?): remove the link"
+            ) from None
+    return pins
+
+
 def _image_dirs(image_root: Path) -> list[str]:
     """The guest paths of an image root's top-level directories (its Landlock ``read``, and
     ``write`` too on a writable root)."""
@@ -240,6 +268,8 @@ class _Held:
     """The upper of the box's writable root on an image (:mod:`.overlay`), if any."""
     bind_fds: list[int] = field(default_factory=list)
     """Bind sources in writable areas, opened safely (``--bind-fd``), closed once bwrap runs."""
+    pins: list[safepath.Pinned] = field(default_factory=list)
+    """What the box must show at each bind inside a writable area (checked once it is up)."""
 
     def close_bind_fds(self) -> None:
         for fd in self.bind_fds:
@@ -318,6 +348,7 @@ class BwrapBox(CgroupAccounting, BoxBase):
         shared: idmap.SharedPaths | None = None,
         owner: ucounts.BoxOwner | None = None,
         root_layer: RootLayer | None = None,
+        pins: tuple[int, list[safepath.Pinned]] = (0, []),
     ) -> None:
         super().__init__(spec, channel, warnings, limits)
         self.root_layer = root_layer
@@ -328,6 +359,16 @@ class BwrapBox(CgroupAccounting, BoxBase):
         if shared is not None:
             self.user_ids = (shared.uid, shared.gid)
         self._owner = owner
+        self._pins = pins
+        """bwrap's child (pid 1 of the box) and what it must show at paths in writable areas."""
+
+    def check_layout(self) -> None:
+        """Refuse the box (PolicyError) if a bind inside a writable area is not the object
+        the host pinned: bwrap resolved its destination by path. The agent is ready, so
+        bwrap has built every mount; it has run nothing yet."""
+        pid, pins = self._pins
+        if pins:
+            safepath.check_pins(pid, pins)
 
     async def diagnose(self) -> str:
         """What bwrap said, when the box died before its agent was ready."""
@@ -488,6 +529,7 @@ class BwrapBackend(BackendBase):
             shared,
             owner,
             held.root_layer,
+            (child, held.pins),
         )
 
     @staticmethod
@@ -663,6 +705,7 @@ class BwrapBackend(BackendBase):
         ]
         fds: dict[str, int] = {}
         in_area = safepath.area_finder(areas)
+        held.pins = _pins(bwrap_args.binds(argv), in_area, areas)
         for source in bwrap_args.bind_sources(argv):
             if source in fds or in_area(source) is None:
                 continue

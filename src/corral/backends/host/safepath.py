@@ -12,6 +12,12 @@ the next box's start and for host code. So:
 * what is bound into a box is bound by that fd (``/proc/<pid>/fd/N`` as the source, or
   bwrap's ``--bind-fd``), so a path swapped between the check and the mount cannot
   redirect it;
+* what a backend mounts *at* a path in a writable area (a mask, a nested share) is mounted
+  by bwrap or the runtime by that path, inside the box's new root: a box running on the same
+  workspace can swap a link into it between the host's check and the mount. :func:`pin`
+  records the object each such mount must show, and :func:`check_pins` compares, once the
+  box's mounts are built and before it runs anything, what the box sees there (resolved
+  beneath the box's root, following no link) and refuses the box on any difference;
 * files corral writes or reads for itself (the audit log, the secrets file) may not lie in a
   writable area at all: :func:`refuse_inside` raises a PolicyError naming the field and the
   fix (a box could otherwise make root append to a file of its choosing, or plant secrets).
@@ -98,6 +104,55 @@ def open_path(
     if rel is None:
         rel = os.path.relpath(os.path.realpath(spelled), real)
     return open_beneath(real, rel, flags, mode)
+
+
+Pinned = tuple[str, int, int]
+"""A guest path and the ``(st_dev, st_ino)`` the box must see there."""
+
+
+def pin(dest: str, source: str, areas: Iterable[str | os.PathLike[str]]) -> Pinned:
+    """What ``dest`` must be once the box is built: the object at ``source`` (opened beneath
+    its writable area following no link when it lies in one; OSError otherwise)."""
+    fd = open_path(source, os.O_PATH, areas)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return (dest, st.st_dev, st.st_ino)
+
+
+def check_pins(pid: int, pins: Iterable[Pinned]) -> None:
+    """A PolicyError unless each pinned guest path, seen from the root of process ``pid``
+    (a process of the box) without following any link, is the object pinned: a mask or
+    share redirected by a link a box swapped in while this box started (bwrap and the
+    runtimes resolve destinations by path) fails the start instead of masking something
+    else and leaving the real path open."""
+    pins = list(pins)
+    if not pins:
+        return
+    root = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for dest, dev, ino in pins:
+            try:
+                fd = _openat2().open(root, dest.strip("/") or ".", os.O_PATH, 0, no_symlinks=True)
+            except OSError as exc:
+                raise errors.PolicyError(
+                    f"{dest}: the box's mount there cannot be reached without following a link "
+                    f"({exc.strerror}; swapped in by another box on the same workspace?); the "
+                    "box was not started"
+                ) from None
+            try:
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                raise errors.PolicyError(
+                    f"{dest}: what the box got there is not what the host opened: its path in a "
+                    "writable area changed while the box started (swapped by another box on "
+                    "the same workspace?); the box was not started"
+                )
+    finally:
+        os.close(root)
 
 
 def fd_source(fd: int) -> str:

@@ -337,8 +337,8 @@ def _open_cgroup(box_id: str, support: cgroups.CgroupSupport) -> cgroups.Cgroup 
     return cgroups.Cgroup(box_id, support.version, dirs, cgroups.CgroupLimits(), support)
 
 
-Pinned = tuple[str, int, int]
-"""A bind's guest path and the (st_dev, st_ino) its source had when the host opened it."""
+Pinned = safepath.Pinned
+"""A bind's guest path and the (st_dev, st_ino) the box must see there."""
 
 
 def _pin_binds(
@@ -346,50 +346,44 @@ def _pin_binds(
 ) -> list[Pinned]:
     """Bind sources that lie in a writable area (the workspace, ``allow_write``, rw mounts,
     their idmapped mount points) are opened beneath that area without following a symlink
-    (a PolicyError if that fails: a link planted by a box) and their identity kept. The
-    runtime mounts by path, so :func:`_check_pins` then compares what the box got: a box
-    running on the same workspace that swapped a path in between makes the start fail."""
+    (a PolicyError if that fails: a link planted by a box) and their identity kept; so is
+    the identity of every bind *at* a path inside such an area's guest directory (a mask, a
+    nested share). The runtime mounts by path, so :func:`_check_pins` then compares what the
+    box got: a box running on the same workspace that swapped a path (or a link into a
+    mask's path) in between makes the start fail."""
     areas = [
         *writable_areas(spec.policy, spec.workspace),
         str(shared.workspace),
         *shared.sources.values(),
     ]
+    in_area = safepath.area_finder(areas)
+    binds = [
+        (i, m["source"], str(m["destination"]))
+        for i, m in enumerate(mounts)
+        if m.get("type") == "bind" and isinstance(m.get("source"), str) and m.get("destination")
+    ]
+    writable = [dest for _, source, dest in binds if in_area(source) is not None]
     last = {m.get("destination"): i for i, m in enumerate(mounts)}
     pins: list[Pinned] = []
-    for i, mount in enumerate(mounts):
-        source, dest = mount.get("source"), mount.get("destination")
-        if mount.get("type") != "bind" or not isinstance(source, str) or not dest:
-            continue
-        if safepath.area_of(source, areas) is None:
+    for i, source, dest in binds:
+        inside = any(d != dest and dest.startswith(d.rstrip("/") + "/") for d in writable)
+        if in_area(source) is None and not inside:
             continue
         try:
-            fd = safepath.open_path(source, os.O_PATH, areas)
+            pinned = safepath.pin(dest, source, areas)
         except OSError as exc:
             raise PolicyError(
                 f"{source} lies in a writable area and cannot be opened without following "
                 f"a link ({exc.strerror}; made by a box?): remove the link"
             ) from None
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
         if last[dest] == i:  # a later mount on the same path (a mask) is what the box sees
-            pins.append((str(dest), st.st_dev, st.st_ino))
+            pins.append(pinned)
     return pins
 
 
 def _check_pins(init_pid: int, pins: list[Pinned]) -> None:
     """Refuse a box whose bind mounts are not the objects :func:`_pin_binds` opened."""
-    for dest, dev, ino in pins:
-        try:
-            st = os.stat(f"/proc/{init_pid}/root{dest}", follow_symlinks=False)
-        except OSError as exc:
-            raise PolicyError(f"{dest}: the box's bind mount cannot be checked ({exc})") from None
-        if (st.st_dev, st.st_ino) != (dev, ino):
-            raise PolicyError(
-                f"{dest}: its host source in a writable area changed while the box started "
-                "(swapped by another box on the same workspace?); the box was not started"
-            )
+    safepath.check_pins(init_pid, pins)
 
 
 def _write_bundle(bundle: Path, result: oci_config.OciBundle) -> None:
