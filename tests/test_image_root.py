@@ -133,3 +133,20 @@ async def test_the_image_staging_directory_is_closed_to_other_users(busybox_root
         assert st.st_mode & 0o777 == 0o700 and st.st_uid != 0, oct(st.st_mode)
         assert (await sb.run("cat /etc/os-release")).stdout == "NAME=corral-test-image\n"
     assert not entry.exists()  # released with the box
+
+
+async def test_a_warm_pool_keeps_boxes_on_an_image(busybox_root: Path, tmp_path: Path) -> None:
+    """Pools are keyed by policy, and so by image: its one-shots run on the image's root,
+    writable roots fresh for each."""
+    from corral import SandboxPool
+
+    before = tree(busybox_root)
+    async with SandboxPool(Policy(image=str(busybox_root), user="root"), size=1) as pool:
+        for _ in range(2):
+            r = await pool.run(
+                "cat /etc/os-release; ls /etc; echo made > /etc/made", workspace=tmp_path
+            )
+            assert r.exit_code == 0, r.stderr
+            assert "NAME=corral-test-image" in r.stdout
+            assert "made" not in r.stdout  # the last one-shot's change is gone
+    assert tree(busybox_root) == before
