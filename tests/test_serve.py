@@ -542,3 +542,30 @@ async def test_exec_stream_with_stdin_open_local_and_remote(make_box: Any) -> No
         assert b"".join(getattr(e, "data", b"") for e in rest) == b"SECOND\n"
         assert type(rest[-1]).__name__ == "Exited"
         assert rest[-1].code == 0
+
+
+def test_start_budget_and_box_cap_refuse_with_a_retryable_error(tmp_path: Path) -> None:
+    with serving(
+        tmp_path / "run", "--socket", str(tmp_path / "s.sock"), "--start-timeout", "0.001"
+    ) as hurried:
+        before = _descendants(hurried.proc.pid)
+        with http(hurried) as client:
+            r = client.post("/v1/boxes", json={})
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == "server_busy"
+            assert r.json()["error"]["retryable"] is True
+            assert client.get("/v1/boxes").json() == []
+        deadline = time.monotonic() + 30
+        while _alive(_descendants(hurried.proc.pid) - before):  # the cut start is torn down
+            assert time.monotonic() < deadline, "a box over its start budget was left running"
+            time.sleep(0.05)
+    with (
+        serving(
+            tmp_path / "run2", "--socket", str(tmp_path / "s2.sock"), "--max-boxes", "1"
+        ) as capped,
+        http(capped) as client,
+    ):
+        assert client.post("/v1/boxes", json={}).status_code == 201
+        r = client.post("/v1/boxes", json={})
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "server_busy")
+        assert "--max-boxes" in r.json()["error"]["message"]
