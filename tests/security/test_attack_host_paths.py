@@ -12,6 +12,7 @@ import asyncio
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -315,3 +316,42 @@ async def test_a_warm_pool_box_masks_the_host_object_in_the_workspace(tmp_path: 
             r = await sb.run(["sh", "-c", "cat /workspace/.ssh/id_ed25519; ls -a /workspace"])
     assert "PRIVATE KEY" not in r.stdout
     assert ".ssh" in r.stdout  # the workspace itself is there, the key is not
+
+
+@pytest.mark.parametrize("size", [None, 1 << 20])
+def test_an_image_staging_entry_is_host_roots_until_its_mount_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int | None
+) -> None:
+    """The staging entry of a box's image root goes to the box's namespace owner uid (bwrap
+    runs as it). Were it that uid's before host root mounts on ``entry/ws``, a process of
+    that uid could swap ``ws`` for a link and have root mount the image (or an overlay) on
+    any host path. Every mount onto it must find it root's, 0700; the box gets it after."""
+    from corral.backends.host import mounts, overlay, staging
+    from corral.backends.users import HOST_UID_BASE, ID_RANGE, OWNER_UID_BASE
+
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    seen: list[tuple[int, int]] = []
+
+    def spy(real: Any, target: int) -> Any:
+        def call(*args: Any) -> Any:
+            st = os.stat(Path(str(args[target])).parent)
+            seen.append((st.st_uid, stat.S_IMODE(st.st_mode)))
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(overlay.mounts, "bind", spy(mounts.bind, 1))
+    monkeypatch.setattr(overlay, "_overlay", spy(overlay._overlay, 0))
+    entries: list[Path] = []
+    owner = OWNER_UID_BASE + 4093
+    ranges = [(0, HOST_UID_BASE, ID_RANGE)]
+    try:
+        root = overlay.mount_image_root(
+            f"cb-staging-{size}", rootfs, entries, uids=ranges, gids=ranges, owner=owner, size=size
+        )
+        assert seen == [(0, 0o700)], seen
+        assert root.root.parent.stat().st_uid == owner  # the box's, once mounted
+    finally:
+        for entry in entries:  # the overlay first
+            staging.release_staging(entry)

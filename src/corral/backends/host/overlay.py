@@ -93,7 +93,9 @@ def mount_image_root(
     it exists (the caller releases them in order: overlay first). Blocking."""
     uid_map = "".join(f"{b} {h} {n}\n" for b, h, n in uids)
     gid_map = "".join(f"{b} {h} {n}\n" for b, h, n in gids)
-    merged = _new(f"{sandbox_id}.image", entries, owner)
+    # Host root's until its mount is made: the box's owner uid (bwrap's) gets the entry only
+    # then, so nothing running as that uid can swap ``ws`` for a link root would mount on.
+    merged = _new(f"{sandbox_id}.image", entries)
     lower = _new(f"{sandbox_id}.lower", entries)
     upper_fs = _new(f"{sandbox_id}.upper", entries) if size is not None else None
     try:
@@ -107,6 +109,7 @@ def mount_image_root(
         if upper_fs is None:
             mounts.bind(str(lower), str(merged))
             mounts.read_only(str(merged))
+            os.chown(merged.parent, owner, 0)
             return ImageRoot(merged, None)
         _tmpfs(upper_fs, f"size={size},mode=0700")
         upper, work = upper_fs / "upper", upper_fs / "work"
@@ -118,6 +121,7 @@ def mount_image_root(
         os.chown(upper, st.st_uid, st.st_gid)  # already mapped by the idmapped lower
         upper.chmod(stat.S_IMODE(st.st_mode) & 0o1777)
         _overlay(merged, lower, upper, work)
+        os.chown(merged.parent, owner, 0)
     except OSError as exc:
         raise BackendError(
             f"policy.image: cannot mount the box's root ({exc.strerror or exc}"
