@@ -341,7 +341,7 @@ def test_an_image_staging_entry_is_host_roots_until_its_mount_is_made(
 
         return call
 
-    monkeypatch.setattr(overlay.mounts, "bind", spy(mounts.bind, 1))
+    monkeypatch.setattr(mounts, "bind", spy(mounts.bind, 1))
     monkeypatch.setattr(overlay, "_overlay", spy(overlay._overlay, 0))
     entries: list[Path] = []
     owner = OWNER_UID_BASE + 4093
