@@ -19,6 +19,7 @@ import pytest
 import websockets.asyncio.client
 
 import corral
+from corral.backends.host.state import state_root
 from served import CORRAL, Served, serving, start
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
@@ -351,7 +352,8 @@ def test_a_killed_server_leaves_no_box_and_restarts_empty(tmp_path: Path) -> Non
     sock = str(tmp_path / "s.sock")
     served = start(runtime, "--socket", sock)
     with http(served) as client:
-        box = client.post("/v1/boxes", json={}).json()["id"]
+        made = client.post("/v1/boxes", json={}).json()
+        box, sandbox_id = made["id"], made["sandbox_id"]
         client.post(f"/v1/boxes/{box}/run", json={"cmd": "sleep 1000", "background": True})
     boxes = _descendants(served.proc.pid)
     assert boxes, "the box's processes are the server's descendants"
@@ -365,6 +367,10 @@ def test_a_killed_server_leaves_no_box_and_restarts_empty(tmp_path: Path) -> Non
         with http(again) as client:
             assert client.get("/v1/boxes").json() == []
             assert client.post("/v1/boxes/x/run", json={"cmd": "true"}).status_code == 404
+            # The first start sweeps what the killed server's box left on the host.
+            client.post("/v1/boxes", json={})
+        assert not (state_root() / "boxes" / sandbox_id).exists()
+        assert sandbox_id not in Path("/proc/self/mountinfo").read_text()
     finally:
         assert again.stop() == 0
 

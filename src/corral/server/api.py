@@ -73,6 +73,7 @@ class BoxCreate(_In):
 
 class BoxOut(BaseModel):
     id: str
+    sandbox_id: str = Field(description="the library's id of the box (state, audit log)")
     state: Literal["running", "closed"]
     labels: dict[str, str]
     created_at: float

@@ -93,6 +93,7 @@ class HeldBox:
         now = time.monotonic()
         out: dict[str, Any] = {
             "id": self.id,
+            "sandbox_id": sb.sandbox_id,
             "state": "closed" if sb.closed else "running",
             "labels": dict(self.labels),
             "created_at": self.created_at,
