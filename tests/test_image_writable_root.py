@@ -271,3 +271,21 @@ async def test_export_root_leaves_out_the_boxs_mount_points_at_any_depth(
     with tarfile.open(tmp_path / "layer.tar") as tar:
         names = sorted(tar.getnames())
     assert names == ["srv", "srv/app", "srv/app/beside"], names
+
+
+async def test_the_root_caps_inodes_too(image: Path, tmp_path: Path) -> None:
+    """Empty files cost no bytes: the writable root's tmpfs caps inodes as well (one per
+    2 KiB of root_size, at least 8192)."""
+    from corral.backends.host.overlay import root_inodes
+
+    assert root_inodes(1 << 20) == 8192 and root_inodes(1 << 30) == 524288
+    (tmp_path / "ws").mkdir()
+    policy = Policy(image=str(image), user="root", filesystem={"root_size": "1M"})
+    async with Sandbox(policy, workspace=tmp_path / "ws") as sb:
+        r = await sb.run(
+            "mkdir /many && cd /many && busybox seq 9000 | busybox xargs touch 2>&1 | "
+            "busybox tail -1; ls | busybox wc -l",
+            cwd="/",
+        )
+        assert "No space left on device" in r.stdout, r
+        assert int(r.stdout.split()[-1]) < 8192, r

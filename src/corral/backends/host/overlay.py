@@ -50,6 +50,13 @@ class ImageRoot:
     """The overlay's upper directory (what the box changed), None for a read-only root."""
 
 
+def root_inodes(size: int) -> int:
+    """The inode cap of a writable root's tmpfs of ``size`` bytes: one per 2 KiB, at least
+    8192 (tmpfs's own default is half the host's RAM pages: a box could otherwise hold
+    millions of empty files' inodes in kernel memory within a small ``root_size``)."""
+    return max(size // 2048, 8192)
+
+
 def _new(name: str, entries: list[Path], owner: int = 0) -> Path:
     entry = staging.new_entry("mnt", name)
     entries.append(entry)  # released with the box, mounted or not
@@ -106,12 +113,12 @@ def mount_image_root(
             idmap.mount_tree(source, str(rootfs), str(lower), ns_fd, attrs)
         finally:
             os.close(source)
-        if upper_fs is None:
+        if upper_fs is None or size is None:
             mounts.bind(str(lower), str(merged))
             mounts.read_only(str(merged))
             os.chown(merged.parent, owner, 0)
             return ImageRoot(merged, None)
-        _tmpfs(upper_fs, f"size={size},mode=0700")
+        _tmpfs(upper_fs, f"size={size},nr_inodes={root_inodes(size)},mode=0700")
         upper, work = upper_fs / "upper", upper_fs / "work"
         upper.mkdir(mode=0o755)
         work.mkdir(mode=0o700)
