@@ -227,3 +227,21 @@ async def test_a_workingdir_the_image_lacks_is_made_on_a_writable_root(
     async with Sandbox(read_only, workspace=tmp_path / "root") as sb:
         with pytest.raises(Exception, match="working directory /srv/task"):
             await sb.run("pwd")
+
+
+async def test_box_root_cannot_reach_the_agents_channel_or_memory() -> None:
+    """Box root shares uid 0 with the guest agent: the agent is not dumpable then, so a root
+    command (no CAP_SYS_PTRACE) can open neither its descriptors (the channel to the host),
+    nor its environ, nor its memory."""
+    async with Sandbox(Policy(user="root")) as sb:
+        agent = (await sb.run("ps -eo pid,comm | grep python3 | head -1", cwd="/")).stdout.split()
+        assert agent, "the agent is not in the box's process list"
+        pid = agent[0]
+        r = await sb.run(
+            f"for f in /proc/{pid}/fd/*; do cat $f < /dev/null; done 2>&1 | sort -u; "
+            f"cat /proc/{pid}/environ 2>&1; head -c 1 /proc/{pid}/mem 2>&1; "
+            f"readlink /proc/{pid}/fd/0 2>&1",
+            cwd="/",
+        )
+        lines = r.stdout.splitlines()
+        assert lines and all("Permission denied" in line for line in lines), r

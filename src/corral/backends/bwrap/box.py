@@ -588,6 +588,10 @@ class BwrapBackend(BackendBase):
             held.shared = shared = idmap.share_paths(spec, user=owner.command_id)
         ids = {"uid": 0, "gid": 0} if spec.user == "root" else {}
         config = {**agent_config(spec, **ids), "fd": channel_fd}
+        if spec.user == "root":
+            # Commands share the agent's uid: only this keeps them out of its /proc/PID/fd
+            # (the channel to the host), environ and memory (they hold no CAP_SYS_PTRACE).
+            config["undumpable"] = True
         net = spec.network
         image, hidden = self._image(spec, held)
         image_root = None if image is None else image.root
