@@ -682,13 +682,9 @@ class BwrapBackend(BackendBase):
             gids=id_ranges(shared.gid, owner.uid, _other_ids(spec, owner.uid)),
             owner=owner.uid,
             size=policy.filesystem.root_size,
+            # The image's WorkingDir is the default cwd: made as Docker makes a WORKDIR.
+            workdir=image.config.workdir if policy.workdir == DEFAULT_WORKDIR else None,
         )
-        workdir = image.config.workdir
-        if root.upper is not None and workdir and policy.workdir == DEFAULT_WORKDIR:
-            # The image's WorkingDir is the default cwd: made when the image lacks it, box
-            # root's, as Docker makes a WORKDIR (never through one of the image's links).
-            with contextlib.suppress(OSError):
-                safepath.make_dirs(root.root, workdir)
         if root.upper is not None:
             ids = id_ranges(shared.uid, owner.uid, _other_ids(spec, owner.uid))
             held.root_layer = RootLayer(root.upper, tuple(ids))

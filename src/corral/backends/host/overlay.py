@@ -28,6 +28,7 @@ walks it then (:mod:`corral.images.export` reads a live upper as hostile, by fds
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import stat
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.backends.host import idmap, mounts, staging
+from corral.backends.host import idmap, mounts, safepath, staging
 from corral.errors import BackendError
 
 _MS_NOSUID_NODEV = mounts.MS_NOSUID | mounts.MS_NODEV
@@ -93,11 +94,13 @@ def mount_image_root(
     gids: Sequence[tuple[int, int, int]],
     owner: int,
     size: int | None,
+    workdir: str | None = None,
 ) -> ImageRoot:
     """Mount the box's root for the image at ``rootfs``: idmapped with the box's id maps
     (``(box id, host id, count)`` ranges), under an overlay with a tmpfs of ``size`` bytes
     above it (None: the image read-only). ``entries`` receives each staging entry as soon as
-    it exists (the caller releases them in order: overlay first). Blocking."""
+    it exists (the caller releases them in order: overlay first). ``workdir``: a directory
+    to make on a writable root when the image lacks it (its ``WorkingDir``). Blocking."""
     uid_map = "".join(f"{b} {h} {n}\n" for b, h, n in uids)
     gid_map = "".join(f"{b} {h} {n}\n" for b, h, n in gids)
     # Host root's until its mount is made: the box's owner uid (bwrap's) gets the entry only
@@ -128,6 +131,10 @@ def mount_image_root(
         os.chown(upper, st.st_uid, st.st_gid)  # already mapped by the idmapped lower
         upper.chmod(stat.S_IMODE(st.st_mode) & 0o1777)
         _overlay(merged, lower, upper, work)
+        if workdir:  # while the entry is host root's alone: nothing can swap the path
+            # made when the image lacks it, box root's, never through one of its links
+            with contextlib.suppress(OSError):
+                safepath.make_dirs(merged, workdir)
         os.chown(merged.parent, owner, 0)
     except OSError as exc:
         raise BackendError(
