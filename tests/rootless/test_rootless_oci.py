@@ -53,7 +53,8 @@ async def test_a_box_runs_rootless_and_says_how(
 ) -> None:
     info = await oci_box.info()
     assert info["backend"] == "oci" and info["runtime"] == runtime
-    assert info["rootless"] == {"ids": "subordinate" if mapped else "single", "limits": "rlimits"}
+    cgroup = "delegated cgroup v2" if os.environ.get("CORRAL_CGROUP_DELEGATE") else "rlimits"
+    assert info["rootless"] == {"ids": "subordinate" if mapped else "single", "limits": cgroup}
     unenforced = " | ".join(info["unenforced"])
     assert "limits.max_pids enforced as RLIMIT_NPROC" in unenforced
     assert "limits.memory_bytes enforced per process only (RLIMIT_AS" in unenforced

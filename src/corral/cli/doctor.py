@@ -251,6 +251,7 @@ def check_oci_runtime(name: str) -> Check:
     """Whether the OCI backend starts boxes with runtime ``name``: a real box runs `true`."""
     import asyncio
 
+    from corral.backends.layout import PTY_MAX
     from corral.backends.oci import box as oci
     from corral.errors import SandboxError
     from corral.policy import Policy
@@ -281,8 +282,9 @@ def check_oci_runtime(name: str) -> Check:
         )
         where += (
             f"; rootless: {name} runs in a user namespace of yours mapping your ids ({ids}), "
-            "the box has no cgroup (limits as rlimits, each in its warnings), a devpts capped "
-            "at 256 PTYs, network none/allowlist/ports (full: use backend bwrap)"
+            "the box's group is one in your delegated cgroup v2 subtree if you have one (the "
+            "'rootless limits' check), limits it cannot enforce are rlimits, a devpts capped "
+            f"at {PTY_MAX} PTYs, network none/allowlist/ports (full: use backend bwrap)"
         )
 
     async def go() -> int:

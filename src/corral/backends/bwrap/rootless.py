@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import posixpath
@@ -59,7 +58,7 @@ from corral.backends.host import cgroups, devpts, idmap, safepath, seccomp, subi
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import make_private_dir, state_root, write_owner
-from corral.backends.host.subids import NO_CGROUP, SINGLE_ID_WARNING
+from corral.backends.host.subids import SINGLE_ID_WARNING
 from corral.backends.host.threads import blocking
 from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
@@ -69,7 +68,7 @@ from corral.backends.layout import (
     HostView,
     unplaceable_mount,
 )
-from corral.backends.limits import Capabilities, LimitPlan, agent_rlimits, plan_limits
+from corral.backends.limits import LimitPlan, agent_rlimits, plan_limits
 from corral.backends.users import BOX_UID, rootless_ranges
 from corral.errors import BackendError, BackendUnavailable, PolicyError
 
@@ -156,23 +155,13 @@ class RootlessBwrapBackend(BackendBase):
         if self.probe.userns_problem is not None:
             raise BackendUnavailable(f"rootless bwrap: {self.probe.userns_problem}")
         self.python = find_python()
-        self.cgroup_support = cgroups.delegated_v2()
-        if self.cgroup_support is None:
-            self.limit_caps = Capabilities("rlimits", controllers=frozenset(), reason=NO_CGROUP)
-        elif not self.cgroup_support.controllers:  # a group for the box, limits as rlimits
-            reason = f"{self.cgroup_support.reason}: none of memory, pids, cpu to enforce them"
-            self.limit_caps = Capabilities("rlimits", controllers=frozenset(), reason=reason)
-        else:  # what the delegated subtree lacks falls back to rlimits
-            found = cgroups.limit_capabilities(self.cgroup_support, own_pids=1)
-            self.limit_caps = dataclasses.replace(
-                found, rlimit_fallback=True, reason=self.cgroup_support.reason
-            )
+        self.cgroup_support, self.limit_caps = cgroups.rootless_limits(own_pids=1)
         self.warnings: tuple[str, ...] = ()
         self.devpts_tools = tuple(shutil.which(t, path=SYSTEM_PATH) for t in ("nsenter", "mount"))
         if None in self.devpts_tools:
             self.warnings += (PTY_UNCAPPED,)
         if not self.probe.mapped:
-            self.warnings = (SINGLE_ID_WARNING.format(why=self.probe.separation_problem),)
+            self.warnings += (SINGLE_ID_WARNING.format(why=self.probe.separation_problem),)
 
     def sweep_orphans(self) -> list[str]:
         from corral.backends.bwrap.box import sweep_orphans

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import math
 import os
@@ -1000,6 +1001,22 @@ def sweep_orphans(
 
 
 # --------------------------------------------------------------------------- delegation
+
+
+def rootless_limits(own_pids: int = 0) -> tuple[CgroupSupport | None, Capabilities]:
+    """How an ordinary user's boxes are limited: a group each in its delegated cgroup v2
+    subtree (:func:`delegated_v2`) with the controllers it offers, and rlimits for what no
+    controller enforces; without a subtree, rlimits alone (``NO_CGROUP``)."""
+    from corral.backends.host.subids import NO_CGROUP
+
+    support = delegated_v2()
+    if support is None:
+        return None, Capabilities("rlimits", controllers=frozenset(), reason=NO_CGROUP)
+    if not support.controllers:  # a group for the box (accounting, kill), limits as rlimits
+        reason = f"{support.reason}: none of memory, pids, cpu to enforce them"
+        return support, Capabilities("rlimits", controllers=frozenset(), reason=reason)
+    found = limit_capabilities(support, own_pids=own_pids)
+    return support, dataclasses.replace(found, rlimit_fallback=True, reason=support.reason)
 
 
 def delegated_v2(

@@ -96,7 +96,7 @@ from corral.backends.layout import (
     unplaceable_mount,
     writable_areas,
 )
-from corral.backends.limits import Capabilities, LimitPlan, agent_rlimits, plan_limits
+from corral.backends.limits import LimitPlan, agent_rlimits, plan_limits
 from corral.backends.oci import config as oci_config
 from corral.backends.oci.rootless import RootlessMode, kill_init, rootless_mode
 from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE, id_map
@@ -402,6 +402,8 @@ def _write_bundle(bundle: Path, result: oci_config.OciBundle) -> None:
 
 class OciBox(CgroupAccounting, BoxBase):
     backend = "oci"
+    rootless: dict[str, str] | None = None
+    """``info()["rootless"]`` of a rootless box: how its ids are mapped, what limits it."""
 
     def __init__(
         self,
@@ -432,9 +434,10 @@ class OciBox(CgroupAccounting, BoxBase):
             return None
 
     def _facts(self) -> dict[str, Any]:
-        facts = {"runtime": self._runtime.name, "runtime_path": self._runtime.path}
-        mode = self._runtime.rootless
-        return facts if mode is None else {**facts, "rootless": mode.facts}
+        facts: dict[str, Any] = {"runtime": self._runtime.name, "runtime_path": self._runtime.path}
+        if self.rootless is not None:
+            facts["rootless"] = dict(self.rootless)
+        return facts
 
     async def diagnose(self) -> str:
         """What the runtime or the agent wrote to stderr before the box failed."""
@@ -524,9 +527,12 @@ class OciBackend(BackendBase):
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.python = find_python()
-        if runtime.rootless is not None:  # no cgroup: the user has none to give
-            self.cgroup_support = cgroups.CgroupSupport("none", frozenset(), "", NO_CGROUP)
-            self.limit_caps = Capabilities("rlimits", controllers=frozenset(), reason=NO_CGROUP)
+        self.delegated: cgroups.CgroupSupport | None = None
+        if runtime.rootless is not None:  # a group in the user's delegated subtree, if any
+            self.delegated, self.limit_caps = cgroups.rootless_limits()
+            self.cgroup_support = self.delegated or cgroups.CgroupSupport(
+                "none", frozenset(), "", NO_CGROUP
+            )
             return
         ucounts.lift_msgqueue_limit()  # the runtime owns every box's user namespace
         self.cgroup_support = cgroups.detect()
@@ -545,29 +551,10 @@ class OciBackend(BackendBase):
         runtime = self.runtime
         await self.prepare()
         await ensure_agent_compiled(AGENT_DIR, self.python)
-        problem = unplaceable_mount(spec.policy)
-        if problem is not None:
-            raise PolicyError(problem)
-        if runtime.rootless is not None and spec.policy.network.mode == "full":
-            raise BackendUnavailable(
-                "network mode 'full' is not available on the oci backend rootless: pasta "
-                "cannot join the network namespace of a box whose runtime made its user "
-                "namespace; use backend 'bwrap' (rootless too), or 'allowlist' or 'ports'"
-            )
-        if runtime.gvisor and spec.policy.network.mode == "full":
-            raise BackendUnavailable(
-                "network mode 'full' is not available with runsc here: this gVisor release "
-                "does not take the interfaces of the network namespace corral prepares; use "
-                "network.mode 'allowlist' or 'ports', or runc/crun for 'full'"
-            )
-        caps = self.limit_caps
-        if runtime.gvisor:  # the sentry's and gofer's own threads live in the box's cgroup
-            caps = dataclasses.replace(
-                caps, own_pids=GVISOR_OWN_PIDS, own_memory_bytes=GVISOR_OWN_MEMORY
-            )
-        limits = plan_limits(spec.policy.limits, caps)
+        limits = self._refuse_or_plan(spec)
         host_end, guest_end = channel_pair()
         cgroup: cgroups.Cgroup | None = None
+        late: list[str] = []  # limits a delegated group could not take after all
         held: list[idmap.SharedPaths | ucounts.BoxOwner] = []
         userns = -1
         pins: list[Pinned] = []  # bind sources in writable areas, checked once mounted
@@ -578,10 +565,9 @@ class OciBackend(BackendBase):
             owner = next((h for h in held if isinstance(h, ucounts.BoxOwner)), None)
             root = owner.uid if owner is not None else HOST_UID_BASE  # box root's host uid
             maps = (id_map(shared.uid, root), id_map(shared.gid, root))
-            if spec.network is not None and runtime.rootless is not None:
-                spec.network.admit(os.getuid(), os.getgid(), namespace_owner=os.getuid())
-            elif spec.network is not None:  # who connects to its sockets; pasta's uid
-                spec.network.admit(root, shared.gid, namespace_owner=root)
+            if spec.network is not None:  # who connects to its sockets; pasta's uid
+                user = (os.getuid(), os.getgid()) if runtime.rootless else (root, shared.gid)
+                spec.network.admit(*user, namespace_owner=user[0])
             # full mode: the box joins a namespace corral made and fenced (by path: the
             # runtime's init is not dumpable, so pasta could not attach to it by pid), and
             # the user namespace that holds it, with the box's maps.
@@ -608,13 +594,10 @@ class OciBackend(BackendBase):
             await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags)
             if pins:  # before the agent hears of anything to run
                 _check_pins(_read_pid(spec.state_dir / "init.pid"), pins)
-            cgroup = _open_cgroup(spec.sandbox_id, self.cgroup_support)
+            cgroup = await self._group_of(spec, limits, late)
         except BaseException:
             host_end.close()
-            if runtime.rootless is not None:
-                await blocking(kill_init, spec.state_dir, spec.sandbox_id)
-            await _delete(runtime, spec.sandbox_id)
-            await blocking(_undo_start, spec, held)
+            await self._undo(spec, cgroup, held)
             raise
         finally:
             guest_end.close()
@@ -622,8 +605,84 @@ class OciBackend(BackendBase):
                 os.close(userns)
         host_end.setblocking(False)
         said = (shared.warning, compat_warning, runtime.rootless and runtime.rootless.warning)
-        warnings = limits.warnings + tuple(w for w in said if w)
-        return OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared, owner)
+        warnings = limits.warnings + tuple(late) + tuple(w for w in said if w)
+        box = OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared, owner)
+        if runtime.rootless is not None:
+            box.rootless = {**runtime.rootless.facts}
+            if cgroup is not None:
+                box.rootless["limits"] = "delegated cgroup v2"
+        return box
+
+    def _refuse_or_plan(self, spec: BoxSpec) -> LimitPlan:
+        """What this runtime cannot run (PolicyError or BackendUnavailable, with the way
+        out), else the box's limits."""
+        runtime = self.runtime
+        problem = unplaceable_mount(spec.policy)
+        if problem is not None:
+            raise PolicyError(problem)
+        if runtime.rootless is not None and spec.policy.network.mode == "full":
+            raise BackendUnavailable(
+                "network mode 'full' is not available on the oci backend rootless: pasta "
+                "cannot join the network namespace of a box whose runtime made its user "
+                "namespace; use backend 'bwrap' (rootless too), or 'allowlist' or 'ports'"
+            )
+        if runtime.gvisor and spec.policy.network.mode == "full":
+            raise BackendUnavailable(
+                "network mode 'full' is not available with runsc here: this gVisor release "
+                "does not take the interfaces of the network namespace corral prepares; use "
+                "network.mode 'allowlist' or 'ports', or runc/crun for 'full'"
+            )
+        caps = self.limit_caps
+        if runtime.gvisor:  # the sentry's and gofer's own threads live in the box's cgroup
+            caps = dataclasses.replace(
+                caps, own_pids=GVISOR_OWN_PIDS, own_memory_bytes=GVISOR_OWN_MEMORY
+            )
+        return plan_limits(spec.policy.limits, caps)
+
+    async def _group_of(
+        self, spec: BoxSpec, limits: LimitPlan, late: list[str]
+    ) -> cgroups.Cgroup | None:
+        """The started box's cgroup: the one the runtime made (root mode), or one made in the
+        user's delegated subtree (rootless, where there is one)."""
+        if self.runtime.rootless is None:
+            return _open_cgroup(spec.sandbox_id, self.cgroup_support)
+        if self.delegated is None:
+            return None
+        return await blocking(self._rootless_group, spec, limits, late)
+
+    async def _undo(
+        self,
+        spec: BoxSpec,
+        cgroup: cgroups.Cgroup | None,
+        held: list[idmap.SharedPaths | ucounts.BoxOwner],
+    ) -> None:
+        """End a box that failed to start, and remove what it left."""
+        if self.runtime.rootless is not None:  # the runtime's namespace of now cannot
+            await blocking(kill_init, spec.state_dir, spec.sandbox_id)
+        await _delete(self.runtime, spec.sandbox_id)
+        if cgroup is not None and self.runtime.rootless is not None:
+            await BoxBase._release_host(cgroup, kill=True)
+        await blocking(_undo_start, spec, held)
+
+    def _rootless_group(self, spec: BoxSpec, limits: LimitPlan, late: list[str]) -> cgroups.Cgroup:
+        """A rootless box's group in the user's delegated subtree, with the box's init (the
+        agent, pid 1 of the box, which has forked nothing yet) moved into it: everything the
+        box runs descends from it. Blocking."""
+        assert self.delegated is not None
+        wanted = cgroups.CgroupLimits(
+            memory_bytes=None if "memory_bytes" in limits.unenforced else limits.memory_max,
+            cpu_quota=None if "cpu_quota" in limits.unenforced else limits.cpu_quota,
+            max_pids=None if "max_pids" in limits.unenforced else limits.pids_max,
+        )
+        group = cgroups.Cgroup.create(spec.sandbox_id, wanted, self.delegated)
+        try:
+            group.add(_read_pid(spec.state_dir / "init.pid"))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                group.remove()
+            raise
+        late += cgroups.late_unenforced(group, limits)
+        return group
 
     def _share(
         self, spec: BoxSpec, held: list[idmap.SharedPaths | ucounts.BoxOwner]

@@ -114,9 +114,9 @@ class OciInputs:
     rootless: tuple[tuple[int, int, int], ...] | None = None
     """A rootless box (corral run by an ordinary user, :mod:`corral.backends.oci.rootless`):
     its ``(box id, runtime's id, count)`` maps, the same for uids and gids. The box then has
-    no cgroup (no ``linux.resources``: its limits are the agent's rlimits), and with a single
-    id mapped (no subordinate ids) box root runs commands itself, so it keeps no capability
-    and its home is box root's."""
+    no cgroup of the runtime's making (no ``linux.resources``: corral makes one in a delegated
+    subtree, or the agent's rlimits bound it), and with a single id mapped (no subordinate
+    ids) box root runs commands itself, so it keeps no capability and its home is box root's."""
     gvisor: bool = False
     """runsc: gVisor's file server runs as the box's root in the box's user namespace, so
     every mount point is made in the root dir (it may not write there), and masks over host

@@ -25,9 +25,13 @@ outer namespace but the box, in a user namespace below it. A later call (``delet
 another outer namespace, which has no power over the box's processes: corral kills the box's
 init itself first, from the host, where the user owns every namespace down to the box's.
 
-Limits: no cgroup (the user has none to give), so the planner's ``rlimits`` fallback as on
-rootless bwrap, each unenforced limit a warning. runsc is refused: its rootless mode runs
-without the user namespace corral's guarantees rest on.
+Limits: the runtime makes no cgroup (it may not). Where the user has a delegated cgroup v2
+subtree (:func:`corral.backends.host.cgroups.rootless_limits`), corral makes the box's group
+there and moves the box's init into it once the runtime is gone, as for rootless bwrap;
+what no controller enforces is the planner's ``rlimits`` fallback, each a warning.
+
+runsc is refused: its rootless mode runs without the user namespace corral's guarantees
+rest on.
 """
 
 from __future__ import annotations
