@@ -27,6 +27,7 @@ from corral.client.fast import Conn, ServerError, q
 from corral.sessions.terminal import (
     DEFAULT_DETACH_KEYS,
     DetachDetector,
+    _write_all,
     parse_detach_keys,
     window_size,
 )
@@ -39,12 +40,6 @@ __all__ = ["Ended", "attach", "find_session", "list_sessions", "shell"]
 class Ended:
     reason: str  # "detached" | "exited" | "lost"
     exit_code: int | None = None
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 async def _open(conn: Conn, path: str) -> ClientConnection:

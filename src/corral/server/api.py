@@ -273,18 +273,14 @@ async def _stream_command(
         if stdin is not None
         else None
     )
-    code = -9
+    exits: list[int] = []
     try:
-        async with stream:
-            async for event in stream:
-                if isinstance(event, Exited):
-                    code = event.code
-                    continue
-                kind = frames.STDOUT if isinstance(event, Stdout) else frames.STDERR
-                yield frames.frame(kind, event.data)
+        async for chunk in _output_frames(stream, exits):
+            yield chunk
     finally:
         if feeder is not None:
             feeder.cancel()
+    code = exits[0] if exits else -9
     timed_out = bool(stream.timed_out)
     oom = sb.stats().oom_kills > oom_before
     if timed_out:
@@ -337,6 +333,18 @@ async def _captured(
         )
     status = _status_for_cli(result.exit_code, result.timed_out)
     return out + frames.json_frame(frames.END, {"exit_code": result.exit_code, "status": status})
+
+
+async def _output_frames(stream: Any, ended: list[int]) -> AsyncIterator[bytes]:
+    """A command's output as frames; its exit status lands in ``ended``. Leaving early
+    (the client went) ends the command (the stream's ``async with``)."""
+    async with stream:
+        async for event in stream:
+            if isinstance(event, Exited):
+                ended.append(event.code)
+                continue
+            kind = frames.STDOUT if isinstance(event, Stdout) else frames.STDERR
+            yield frames.frame(kind, event.data)
 
 
 async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -795,16 +803,11 @@ def build_api(  # noqa: C901
             return
         await websocket.accept()
         feeder = asyncio.ensure_future(_ws_input(websocket, stream))
-        code = -9
+        ended: list[int] = []
         try:
-            async with stream:
-                async for event in stream:
-                    if isinstance(event, Exited):
-                        code = event.code
-                        continue
-                    kind = frames.STDOUT if isinstance(event, Stdout) else frames.STDERR
-                    await websocket.send_bytes(frames.frame(kind, event.data))
-            end = {"exit_code": code, "timed_out": bool(stream.timed_out)}
+            async for chunk in _output_frames(stream, ended):
+                await websocket.send_bytes(chunk)
+            end = {"exit_code": ended[0] if ended else -9, "timed_out": bool(stream.timed_out)}
             await websocket.send_bytes(frames.json_frame(frames.END, end))
             await websocket.close(code=1000)
         except (WebSocketDisconnect, RuntimeError):

@@ -224,15 +224,7 @@ class Boxes:
                 f"the server holds its maximum of {self.limits.max_boxes} boxes; delete one "
                 "or raise corral serve --max-boxes"
             )
-        sb = Sandbox(
-            policy, workspace=workspace, allow_dangerous_workspace=allow_dangerous_workspace
-        )
-        async with self._start_slot("cold"):
-            try:
-                await sb.start()
-            except BaseException:
-                await sb.aclose()
-                raise
+        sb = await self._cold(policy, workspace, allow_dangerous_workspace)
         held = HeldBox(
             id=new_box_id(),
             sandbox=sb,
@@ -246,6 +238,21 @@ class Boxes:
         self._held[held.id] = held
         self._gauge()
         return held
+
+    async def _cold(
+        self, policy: Policy, workspace: str | None, allow_dangerous_workspace: bool
+    ) -> Sandbox:
+        """A box started for this request alone, within the start cap and budget."""
+        sb = Sandbox(
+            policy, workspace=workspace, allow_dangerous_workspace=allow_dangerous_workspace
+        )
+        async with self._start_slot("cold"):
+            try:
+                await sb.start()
+            except BaseException:
+                await sb.aclose()
+                raise
+        return sb
 
     def get(self, box_id: str, *, touch: bool = True) -> HeldBox:
         """The box ``box_id``; ``touch``: this request is activity (the idle timer restarts),
@@ -307,13 +314,7 @@ class Boxes:
         """A started box for one command, from the policy's warm pool where it can be."""
         self._refuse_if_closing()
         if allow_dangerous_workspace:  # pools refuse such workspaces: a box of its own
-            sb = Sandbox(policy, workspace=workspace, allow_dangerous_workspace=True)
-            async with self._start_slot("cold"):
-                try:
-                    await sb.start()
-                except BaseException:
-                    await sb.aclose()
-                    raise
+            sb = await self._cold(policy, workspace, True)
         else:
             pool = await self._pool(policy)
             warm = pool.ready > 0
