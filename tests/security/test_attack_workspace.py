@@ -13,18 +13,21 @@ while a box starts.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from corral import Policy, PolicyError, Sandbox
+from corral import Policy, PolicyError, Sandbox, SandboxError
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.host import safepath
+from corral.backends.host.state import state_root
 from security.conftest import Canary
 from security.helpers import box_py, gvisor
 
@@ -211,3 +214,72 @@ async def test_an_oci_box_whose_mount_is_not_the_opened_object_is_refused(
         _check_pins(pid, [("/workspace/.git", git.st_dev, git.st_ino)])
         with pytest.raises(PolicyError, match="changed while the box started"):
             _check_pins(pid, [("/workspace/.git", other.st_dev, other.st_ino)])
+
+
+async def test_a_source_swapped_after_the_hosts_open_never_reaches_an_oci_box(
+    box_policy: Policy, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``deny_write: [.git]`` binds ``<workspace>/.git`` read-only at ``/workspace/.git``;
+    a box running on the same workspace swaps it for a link to a host directory the box
+    never sees (under /srv) once the host has opened it and before the runtime mounts it
+    (made certain here: the swap runs just before the runtime). runc and crun mount by path:
+    the start is refused (the mount is not the object the host opened). runsc's gofer opens
+    sources by path and the host cannot look into it: it is given a staging mount point
+    bound from the host's fd, so the host directory never reaches the box."""
+    if box_policy.backend != "oci":
+        pytest.skip("bwrap mounts from the host's fd: test_bwrap_mounts_the_object_the_host...")
+    from corral.backends.oci import box as oci_box
+
+    hidden = Path("/home") / f"corral-hidden-{os.getpid()}"
+    hidden.mkdir(parents=True)
+    (hidden / "host-only").write_text("host data\n")
+    hidden.chmod(0o755)
+    (workspace / ".git").mkdir()
+    (workspace / ".git" / "mine").write_text("the workspace's\n")
+    real_step = oci_box._runtime_step
+
+    async def swap_then_run(*args: Any) -> None:
+        (workspace / ".git").rename(workspace / "moved")
+        (workspace / ".git").symlink_to(hidden)
+        await real_step(*args)
+
+    monkeypatch.setattr(oci_box, "_runtime_step", swap_then_run)
+    policy = Policy.from_dict(
+        {**box_policy.model_dump(exclude_unset=True), "filesystem": {"deny_write": [".git"]}}
+    )
+    outcome: str
+    try:
+        async with Sandbox(policy, workspace=workspace) as sb:
+            r = await sb.run(f"cat /workspace/.git/host-only {hidden}/host-only; ls {hidden}")
+            outcome = r.stdout
+    except SandboxError as exc:
+        outcome = f"refused: {exc.message}"
+    finally:
+        shutil.rmtree(hidden)
+    assert "host data" not in outcome, outcome
+    if box_policy.runtime != "runsc":
+        assert outcome.startswith("refused"), outcome  # the pins, or the runtime itself
+
+
+async def test_runsc_mounts_a_writable_areas_source_from_a_staging_point_bound_by_fd(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """What gVisor's gofer opens for ``deny_write: [.git]`` is a root-owned staging mount
+    point bound from the host's descriptor of ``<workspace>/.git``, not the workspace path:
+    once it is made, swapping the workspace's ``.git`` for a link changes nothing there."""
+    if box_policy.runtime != "runsc":
+        pytest.skip("runc and crun are checked by the pins; bwrap mounts from the fd")
+    (workspace / ".git").mkdir()
+    (workspace / ".git" / "mine").write_text("the workspace's\n")
+    policy = Policy.from_dict(
+        {**box_policy.model_dump(exclude_unset=True), "filesystem": {"deny_write": [".git"]}}
+    )
+    async with Sandbox(policy, workspace=workspace) as sb:
+        state_dir = state_root() / "boxes" / sb.sandbox_id
+        config = json.loads((state_dir / "bundle" / "config.json").read_text())
+        (source,) = [m["source"] for m in config["mounts"] if m["destination"] == "/workspace/.git"]
+        assert source.startswith(str(state_root() / "mnt") + "/"), source
+        (workspace / ".git").rename(workspace / "moved")
+        (workspace / ".git").symlink_to("/etc")
+        assert os.listdir(source) == ["mine"]  # the object opened, whatever the path is now
+        assert (await sb.run("cat /workspace/moved/mine")).stdout == "the workspace's\n"

@@ -77,6 +77,9 @@ def release_staging(entry: Path) -> bool:
         return False
     with contextlib.suppress(FileNotFoundError):
         (entry / "owner.json").unlink()
+    with contextlib.suppress(OSError):
+        if ws.is_file() and not ws.is_symlink():
+            ws.unlink()  # the mount point of a single file (a runsc bind source)
     for path in (ws, entry):
         try:
             path.rmdir()

@@ -53,6 +53,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import threading
 from collections.abc import Callable
@@ -379,6 +380,58 @@ def _pin_binds(
         if last[dest] == i:  # a later mount on the same path (a mask) is what the box sees
             pins.append(pinned)
     return pins
+
+
+def _stage_sources(spec: BoxSpec, shared: idmap.SharedPaths, mounts_: list[dict[str, Any]]) -> None:
+    """gVisor's gofer opens every bind source by its path, as it starts, and the box's
+    mounts live in its own namespace where the host cannot compare them with what it meant
+    (as :func:`_check_pins` does for runc and crun). So on runsc each source inside a
+    writable area (a ``deny_write`` path, a share not idmapped) is opened by the host
+    beneath its area without following a link and bound from that descriptor onto a staging
+    mount point (root's, outside every writable area); the gofer gets that path. A box on
+    the same workspace swapping the original path later changes nothing the box mounts."""
+    areas = [
+        *writable_areas(spec.policy, spec.workspace),
+        str(shared.workspace),
+        *shared.sources.values(),
+    ]
+    in_area = safepath.area_finder(areas)
+    # The shares themselves are mount points the host made from fds (or the workspace the
+    # caller named): paths *below* them are the box's to change.
+    roots = {str(shared.workspace), *shared.sources.values()}
+    staged: dict[str, str] = {}
+    for mount in mounts_:
+        source = mount.get("source")
+        if mount.get("type") != "bind" or not isinstance(source, str):
+            continue
+        if source in roots or in_area(source) is None:
+            continue
+        if source not in staged:
+            staged[source] = _stage(spec, shared, source, areas)
+        mount["source"] = staged[source]
+
+
+def _stage(spec: BoxSpec, shared: idmap.SharedPaths, source: str, areas: list[str]) -> str:
+    try:
+        fd = safepath.open_path(source, os.O_PATH, areas)
+    except OSError as exc:
+        raise PolicyError(
+            f"{source} lies in a writable area and cannot be opened without following "
+            f"a link ({exc.strerror}; made by a box?): remove the link"
+        ) from None
+    try:
+        if shared.binds is None:
+            shared.binds = idmap.IdmappedBinds(spec.sandbox_id)
+        entry = staging.new_entry("mnt", f"{spec.sandbox_id}.src{len(shared.binds.entries)}")
+        shared.binds.entries.append(entry)  # released with the box's shares
+        target = entry / "ws"
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):  # a file is mounted on a file
+            target.rmdir()
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+        mounts.bind(safepath.fd_source(fd), str(target))
+    finally:
+        os.close(fd)
+    return str(target)
 
 
 def _check_pins(init_pid: int, pins: list[Pinned]) -> None:
@@ -794,7 +847,9 @@ class OciBackend(BackendBase):
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         bundle = oci_config.oci_bundle(spec.policy, inputs, HostView(placeholder=make))
-        if pins is not None and not self.runtime.gvisor:  # gVisor's gofer: its own jail
+        if self.runtime.gvisor:  # the gofer opens sources by path, and we cannot look in
+            _stage_sources(spec, shared, bundle.config["mounts"])
+        elif pins is not None:
             pins += _pin_binds(spec, shared, bundle.config["mounts"])
         return bundle
 
