@@ -575,3 +575,16 @@ def test_start_budget_and_box_cap_refuse_with_a_retryable_error(tmp_path: Path) 
         r = client.post("/v1/boxes", json={})
         assert (r.status_code, r.json()["error"]["code"]) == (503, "server_busy")
         assert "--max-boxes" in r.json()["error"]["message"]
+
+
+def test_another_users_socket_is_named_as_such(tmp_path: Path) -> None:
+    """A server serves its owner only (the peer uid check drops anyone else): a client
+    of another uid is told so, not left with 'connection reset'."""
+    from corral.client.fast import Conn
+
+    path = tmp_path / "theirs.sock"
+    path.touch()
+    os.chown(path, 4242, 4242)
+    error = Conn(f"unix:{path}")._broke_off(ConnectionResetError(104, "reset"))
+    assert error.code == "unauthorized"
+    assert "uid 4242" in error.message

@@ -252,12 +252,7 @@ class Conn:
             response = Response(sock)
         except OSError as exc:
             sock.close()
-            raise ServerError(
-                "server_unavailable",
-                f"corral serve at {self.target} broke off the request ({exc})",
-                200,
-                retryable=True,
-            ) from None
+            raise self._broke_off(exc) from None
         if response.status >= 400:
             raise _error(response)
         return response
@@ -266,6 +261,27 @@ class Conn:
         response = self.request(method, path, body=body)
         data = response.read()
         return json.loads(data) if data else None
+
+    def _broke_off(self, exc: OSError) -> ServerError:
+        owner = None
+        if self.unix is not None:
+            try:
+                owner = os.stat(self.unix).st_uid
+            except OSError:
+                pass
+        if owner is not None and owner != os.getuid():
+            return ServerError(
+                "unauthorized",
+                f"corral serve at {self.target} serves its owner only (uid {owner}, not "
+                f"{os.getuid()}): start a server of your own, or use one on TCP with a token",
+                200,
+            )
+        return ServerError(
+            "server_unavailable",
+            f"corral serve at {self.target} broke off the request ({exc})",
+            200,
+            retryable=True,
+        )
 
     def _host_header(self) -> str:
         if self.unix is not None:
