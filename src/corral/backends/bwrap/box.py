@@ -396,14 +396,22 @@ class BwrapBackend(BackendBase):
     name = "bwrap"
 
     _found: ClassVar[BwrapBackend | None] = None
+    _finding: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
     def for_policy(cls, policy: Policy) -> BwrapBackend:
         # One per process: what it finds (bwrap, setpriv, the cgroup layout, the interpreter)
         # does not change while it runs, and finding it again cost ~1 ms of every start.
-        if cls._found is None:
-            cls._found = cls()
-        return cls._found
+        # Under a lock: concurrent first starts each made one, and a dropped one's spawner
+        # thread (SpawnInside) exited with it; bwrap's --die-with-parent follows the thread
+        # that started it, so every box that thread had started was SIGKILLed.
+        found = cls._found
+        if found is None:
+            with cls._finding:
+                found = cls._found
+                if found is None:
+                    found = cls._found = cls()
+        return found
 
     def __init__(self) -> None:
         self.bwrap = shutil.which("bwrap")

@@ -41,6 +41,7 @@ import posixpath
 import shutil
 import stat
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -127,12 +128,17 @@ class RootlessBwrapBackend(BackendBase):
     name = "bwrap-rootless"
 
     _found: ClassVar[RootlessBwrapBackend | None] = None
+    _finding: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
     def for_policy(cls, policy: object) -> RootlessBwrapBackend:
-        if cls._found is None:
-            cls._found = cls()
-        return cls._found
+        found = cls._found
+        if found is None:
+            with cls._finding:  # one per process, as BwrapBackend's
+                found = cls._found
+                if found is None:
+                    found = cls._found = cls()
+        return found
 
     def __init__(self) -> None:
         if os.geteuid() == 0:
