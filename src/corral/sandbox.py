@@ -173,6 +173,7 @@ class Sandbox:
         resolver: Resolver | None = None,
         allow_dangerous_workspace: bool = False,
         ready_timeout: float | None = None,
+        exposable: bool = False,
     ) -> None:
         """``policy``: a :class:`Policy`, or the path of a policy file (TOML or JSON, see
         :meth:`Policy.load`). ``resolver``: how the egress proxy (network mode ``allowlist``)
@@ -187,8 +188,13 @@ class Sandbox:
         ``ready_timeout``: seconds ``start`` gives the box, from the backend's start to its
         guest agent's readiness, before it fails with ``BackendError`` (default: the
         backend's own waits, :data:`READY_TIMEOUT` for the agent; a microVM booting without
-        KVM may take a minute and more)."""
+        KVM may take a minute and more).
+
+        ``exposable``: :meth:`expose` may publish box ports after the start even in network
+        mode ``none`` (the box gets an empty network directory bound; every other mode, or
+        a policy that publishes ports, has one anyway)."""
         self._allow_dangerous_workspace = allow_dangerous_workspace
+        self._exposable = exposable
         if ready_timeout is not None and (
             isinstance(ready_timeout, bool)
             or not (isinstance(ready_timeout, int | float) and 0 < ready_timeout < float("inf"))
@@ -303,7 +309,11 @@ class Sandbox:
             self.image_config, self.user = await blocking(_resolve_image, self.policy)
         state_dir = state_root() / "boxes" / self.sandbox_id
         self._network = BoxNetwork.for_policy(
-            self.policy.network, state_dir / "net", audit=self.audit, resolver=self._resolver
+            self.policy.network,
+            state_dir / "net",
+            audit=self.audit,
+            resolver=self._resolver,
+            exposable=self._exposable,
         )
         spec = BoxSpec(
             policy=self.policy,
@@ -469,6 +479,55 @@ class Sandbox:
         """The box ports published on the host (``policy.network.publish``), each with the
         host port it got (the one picked for ``host_port=0``)."""
         return self._network.published if self._network is not None else ()
+
+    async def expose(
+        self, port: int, *, host_port: int = 0, host_ip: str = "127.0.0.1"
+    ) -> PublishedPort:
+        """Publish box ``port`` on the host after the start (``publish`` in the policy does
+        it at the start): connections to ``host_ip:host_port`` (0: any free port, the one
+        returned) reach ``127.0.0.1:port`` in the box, as :attr:`published` lists.
+
+        Needs a box whose network directory is bound (network mode ``allowlist``,
+        ``ports`` or ``full``, or any ``publish`` in the policy) on the bwrap or oci
+        backends; elsewhere a :class:`~corral.errors.BackendUnavailable` that says how."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise errors.PolicyError(f"not a TCP port to expose: {port!r} (1-65535)")
+        spec = PublishedPort.parse(f"[{host_ip}]:{host_port}:{port}")
+        await self._request("ping")  # closed or broken: say so first
+        network, backend = self._network, self.policy.backend
+        if network is None:
+            raise errors.BackendUnavailable(
+                f"cannot expose port {port}: a box with network mode 'none' and nothing in "
+                "network.publish has no way in from the host; start it with "
+                "Sandbox(exposable=True), or publish the port at the start (corral run -p)"
+            )
+        if backend not in ("bwrap", "bwrap-rootless", "oci"):
+            raise errors.BackendUnavailable(
+                f"cannot expose port {port} after the start on the {backend} backend; "
+                "publish it at the start (network.publish, corral run -p)"
+            )
+        for published in network.published:
+            if published.box_port == port:  # exposed already: the same answer again
+                return published
+        config = await network.publish(spec)
+        try:
+            await self._request("publish", **config)
+        except BaseException:
+            await network.unpublish(port)
+            raise
+        published = next(p for p in network.published if p.box_port == port)
+        self.audit.record("network", event="expose", box_port=port, host_port=published.host_port)
+        return published
+
+    async def unexpose(self, port: int) -> bool:
+        """Stop publishing box ``port`` (from :meth:`expose` or the policy): its host port
+        refuses connections from now on. False when it was not published."""
+        if self._network is None:
+            return False
+        closed = await self._network.unpublish(port)
+        if closed:
+            self.audit.record("network", event="unexpose", box_port=port)
+        return bool(closed)
 
     @property
     def warnings(self) -> tuple[str, ...]:

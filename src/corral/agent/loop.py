@@ -612,6 +612,16 @@ class Agent:
     def op_file_remove(self, h: protocol.FileRemoveRequest, payload: bytes) -> protocol.Done:
         return self.files.remove(h)
 
+    def op_publish(self, h: protocol.PublishRequest, payload: bytes) -> protocol.Done:
+        """Publish one more box port after the start (``Sandbox.expose``): the host socket
+        already listens in the network directory; dial it as for the start's publishers."""
+        if TYPE_CHECKING:
+            from corral.agent import relays
+        else:
+            import relays
+        relays.start_publishers([{"port": int(h["port"]), "unix": str(h["unix"])}])
+        return {}
+
     def op_shutdown(self, h: protocol.ShutdownRequest, payload: bytes) -> protocol.Done:
         with files.as_user(self.uid, self.gid):
             try:

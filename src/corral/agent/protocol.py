@@ -131,6 +131,7 @@ REQUESTS: dict[str, dict[str, str]] = {
     "file_stat": {"root": "str", "path": "str"},
     "file_mkdir": {"root": "str", "path": "str", "parents": "?bool"},
     "file_remove": {"root": "str", "path": "str", "recursive": "?bool"},
+    "publish": {"port": "int", "unix": "str"},
 }
 """Every operation the host may ask for, and its fields (besides ``op`` and ``id``)."""
 
@@ -172,6 +173,7 @@ REPLIES: dict[str, dict[str, str]] = {
     },
     "file_mkdir": _DONE,
     "file_remove": _DONE,
+    "publish": _DONE,
 }
 """The successful reply to each operation (besides ``re``; a reply may carry more fields)."""
 
@@ -523,6 +525,12 @@ if TYPE_CHECKING:
         root: str
         path: str
         recursive: NotRequired[bool]
+
+    class PublishRequest(TypedDict):
+        op: Literal["publish"]
+        id: int
+        port: int
+        unix: str
 
     class Done(TypedDict):
         """The reply of an operation that only says it was done."""

@@ -90,10 +90,12 @@ class BoxNetwork:
         nat_uid: int = PASTA_RUNAS,
         box_root: int = HOST_UID_BASE,
         box_user_gid: int = COMMAND_HOST_ID,
+        exposable: bool = False,
     ) -> None:
-        if policy.mode == "none" and not policy.publish:
+        if policy.mode == "none" and not policy.publish and not exposable:
             raise PolicyError(
-                "BoxNetwork is for network modes other than 'none', or ports to publish"
+                "BoxNetwork is for network modes other than 'none', or ports to publish "
+                "(now or later: exposable)"
             )
         self.policy = policy
         self.host_dir = host_dir
@@ -118,6 +120,8 @@ class BoxNetwork:
             )
         self.relays = [PortRelay(port, audit) for port in policy.ports]
         self.publishers = [PortPublisher(spec, audit) for spec in policy.publish]
+        # id(publisher) -> the index in its socket's name (publish() adds, unpublish() ends)
+        self._indexes = {id(p): i for i, p in enumerate(self.publishers)}
         self.nat = Nat(self.screen, host_dir, nat_uid) if policy.mode == "full" else None
         self._started = False
 
@@ -129,8 +133,11 @@ class BoxNetwork:
         *,
         audit: AuditLog | None = None,
         resolver: Resolver | None = None,
+        exposable: bool = False,
     ) -> BoxNetwork | None:
-        """None for ``none`` (nothing to run); PolicyError for contradictory settings."""
+        """None for ``none`` (nothing to run) unless ``exposable`` (an empty network
+        directory, bound so that :meth:`publish` works later); PolicyError for contradictory
+        settings."""
         if policy.mode == "none":
             if policy.ports or policy.allow_hosts:
                 field = "ports" if policy.ports else "allow_hosts"
@@ -138,7 +145,7 @@ class BoxNetwork:
                     f"network.{field} is set but network.mode is 'none', which reaches nothing; "
                     f"set network.mode to {'ports' if policy.ports else 'allowlist'!r}"
                 )
-            if not policy.publish:
+            if not policy.publish and not exposable:
                 return None
         if policy.mode == "allowlist" and not policy.allow_hosts:
             raise PolicyError(
@@ -150,7 +157,7 @@ class BoxNetwork:
                 "network.mode 'ports' with an empty network.ports exposes nothing; "
                 "list host loopback ports (e.g. [8080]) or use network.mode 'none'"
             )
-        return cls(policy, host_dir, audit=audit, resolver=resolver)
+        return cls(policy, host_dir, audit=audit, resolver=resolver, exposable=exposable)
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -279,6 +286,43 @@ class BoxNetwork:
     def published(self) -> tuple[PublishedPort, ...]:
         """The published ports, with the host port chosen for each ``0``."""
         return tuple(p.published for p in self.publishers)
+
+    async def publish(self, spec: PublishedPort) -> dict[str, Any]:
+        """Publish one more box port on a started box (``Sandbox.expose``): bind the host
+        port, serve its socket in the network directory the box already sees, and return
+        the agent's :meth:`publishers_config` entry for it (the caller sends it on)."""
+        from corral.net.publish import PortPublisher
+
+        publisher = PortPublisher(spec, self.audit)
+        await publisher.listen()
+        index = self._next_index()
+        path = self._socket_path(publish_socket(index, spec.box_port))
+        try:
+            await publisher.serve(path)
+            self._grant(path)
+        except BaseException:
+            await publisher.close()
+            path.unlink(missing_ok=True)
+            raise
+        self.publishers.append(publisher)
+        self._indexes[id(publisher)] = index
+        return {"port": spec.box_port, "unix": f"{GUEST_NET_DIR}/{path.name}"}
+
+    async def unpublish(self, box_port: int) -> list[PublishedPort]:
+        """Stop publishing ``box_port`` (every host port it has): the host ports close and
+        the agent's control connection ends with the socket. Returns what was closed."""
+        closed = [p for p in self.publishers if p.spec.box_port == box_port]
+        for publisher in closed:
+            self.publishers.remove(publisher)
+            index = self._indexes.pop(id(publisher), None)
+            await publisher.close()
+            if index is not None:
+                (self.guest_dir / publish_socket(index, box_port)).unlink(missing_ok=True)
+        return [p.published for p in closed]
+
+    def _next_index(self) -> int:
+        """A socket index no publisher used yet (the start's, then :meth:`publish`'s)."""
+        return max(self._indexes.values(), default=-1) + 1
 
     def unix_forwarders(self) -> list[tuple[int, Path]]:
         """``(guest port, host unix socket)`` per forwarder, in :meth:`forwarders` order, then

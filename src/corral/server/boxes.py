@@ -244,7 +244,10 @@ class Boxes:
     ) -> Sandbox:
         """A box started for this request alone, within the start cap and budget."""
         sb = Sandbox(
-            policy, workspace=workspace, allow_dangerous_workspace=allow_dangerous_workspace
+            policy,
+            workspace=workspace,
+            allow_dangerous_workspace=allow_dangerous_workspace,
+            exposable=True,  # POST /v1/boxes/{id}/ports works in every network mode
         )
         async with self._start_slot("cold"):
             try:
