@@ -42,7 +42,8 @@ that names the cause and, where there is one, the fix.
         ├── BoxNotFound (LookupError) box_not_found
         ├── Unauthorized             unauthorized     (no or a wrong token, wrong scope)
         ├── ServerBusy               server_busy      (start cap or start budget hit)
-        └── ServerUnavailable        server_unavailable (not reachable, or restarting)
+        ├── ServerUnavailable        server_unavailable (not reachable, or restarting)
+        └── PortNotReachable         port_not_reachable (nothing answers on a box's port)
 
 :data:`RETRYABLE` names the codes that say the infrastructure failed, not the command: a
 harness retries those instead of scoring the attempt.
@@ -104,6 +105,7 @@ class ErrorCode(enum.StrEnum):
     UNAUTHORIZED = "unauthorized"
     SERVER_BUSY = "server_busy"
     SERVER_UNAVAILABLE = "server_unavailable"
+    PORT_NOT_REACHABLE = "port_not_reachable"
 
 
 class SandboxError(Exception):
@@ -321,6 +323,13 @@ class ServerUnavailable(ServerError, ConnectionError):
     """The server cannot be reached, or is shutting down."""
 
     code = ErrorCode.SERVER_UNAVAILABLE
+
+
+class PortNotReachable(ServerError, ConnectionError):
+    """A preview URL's box port did not answer (nothing listens on it, or it closed the
+    connection without a response): HTTP 502."""
+
+    code = ErrorCode.PORT_NOT_REACHABLE
 
 
 RETRYABLE = frozenset(

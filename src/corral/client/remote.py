@@ -26,6 +26,7 @@ import base64
 import json
 import os
 from collections.abc import AsyncIterator, Generator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -246,6 +247,19 @@ class RemotePool:
         return sb
 
 
+@dataclass(frozen=True)
+class RemotePort:
+    """A box port exposed by the server (a :class:`corral.PublishedPort`'s fields, and URLs)."""
+
+    box_port: int
+    host_ip: str
+    host_port: int
+    url: str
+    """The box's server from the server's host (``http://127.0.0.1:HOST_PORT/``)."""
+    preview_url: str
+    """The same through the server, behind its token (over a unix socket: its path part)."""
+
+
 class RemoteSandbox:
     """A box on the server (made by :meth:`start`, deleted by :meth:`aclose`)."""
 
@@ -321,6 +335,30 @@ class RemoteSandbox:
     async def info(self) -> dict[str, Any]:
         data: dict[str, Any] = await self.remote.json("GET", f"{self.path}/info")
         return data
+
+    async def expose(self, port: int, *, host_port: int = 0) -> RemotePort:
+        """Make box ``port`` reachable (``Sandbox.expose``): on the server's host at
+        ``url``, and through the server, behind its auth, at ``preview_url``."""
+        body = {"port": port, "host_port": host_port}
+        return self._port(await self.remote.json("POST", f"{self.path}/ports", json=body))
+
+    async def unexpose(self, port: int) -> None:
+        """Stop exposing box ``port``: its host port refuses connections from now on."""
+        await self.remote.call("DELETE", f"{self.path}/ports/{port}")
+
+    async def ports(self) -> list[RemotePort]:
+        """The box ports exposed or published, as :meth:`expose` answers."""
+        return [self._port(p) for p in await self.remote.json("GET", f"{self.path}/ports")]
+
+    def _port(self, data: Mapping[str, Any]) -> RemotePort:
+        base = str(self.remote.http.base_url).rstrip("/")
+        return RemotePort(
+            box_port=int(data["port"]),
+            host_ip=str(data["host_ip"]),
+            host_port=int(data["host_port"]),
+            url=str(data["url"]),
+            preview_url=base + str(data["preview_path"]),
+        )
 
     async def stats(self) -> dict[str, Any]:
         """Resource use of the whole box (memory, CPU seconds, pids, OOM kills)."""

@@ -858,6 +858,9 @@ def build_api(  # noqa: C901
             unwatch()
             sender.cancel()
 
+    from corral.server.ports import add_port_routes
+
+    add_port_routes(app, boxes)
     return app
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -36,6 +37,8 @@ __all__ = ["Access", "Guard", "TokenScope", "error_body", "status_for"]
 TokenScope = Literal["read", "operate"]
 OPEN_PATHS = frozenset({"/v1/health"})
 MAX_JSON_BYTES = 1 << 20
+_PREVIEW = re.compile(r"^/v1/boxes/[^/]+/ports/[^/]+/")
+"""A preview URL (:mod:`corral.server.ports`): requests proxied to a box's server."""
 
 _STATUS: Mapping[errors.ErrorCode, int] = {
     errors.ErrorCode.INVALID_POLICY: 400,
@@ -62,6 +65,7 @@ _STATUS: Mapping[errors.ErrorCode, int] = {
     errors.ErrorCode.SERVER_BUSY: 503,
     errors.ErrorCode.SERVER_UNAVAILABLE: 503,
     errors.ErrorCode.BACKEND_UNAVAILABLE: 503,
+    errors.ErrorCode.PORT_NOT_REACHABLE: 502,
 }
 
 
@@ -103,8 +107,8 @@ class Access:
 
 
 def _needs(scope: Scope) -> TokenScope:
-    if scope["type"] == "websocket":
-        return "operate"
+    if scope["type"] == "websocket" or _PREVIEW.match(str(scope.get("path", ""))):
+        return "operate"  # a box's own server may act on a GET: not an observer's to call
     return "read" if scope.get("method") in ("GET", "HEAD") else "operate"
 
 
