@@ -182,7 +182,7 @@ def test_the_preview_url_streams_large_bodies_exactly_both_ways(
 
         def upload() -> Iterator[bytes]:
             for i in range(0, len(big), 1 << 20):
-                yield big[i : i + 1 << 20]
+                yield big[i : i + (1 << 20)]
 
         r = c.post(
             f"/v1/boxes/{box}/ports/8000/echo?x=1&y=%2F",
@@ -240,7 +240,7 @@ def test_the_preview_url_needs_an_operator_token(served: Served, box: str) -> No
         async with asyncio.timeout(30):
             with pytest.raises(websockets.exceptions.InvalidStatus) as refusal:
                 await websockets.asyncio.client.connect(ws_url)
-        assert refusal.value.response.status_code == 401
+        assert refusal.value.response.status_code == 403  # closed before accept: refused
 
     asyncio.run(refused())
 
