@@ -129,6 +129,7 @@ class SyncSandbox:
         resolver: Resolver | None = None,
         allow_dangerous_workspace: bool = False,
         ready_timeout: float | None = None,
+        exposable: bool = False,
     ) -> None:
         self._loop = _Loop()
         self._sandbox = Sandbox(
@@ -137,6 +138,7 @@ class SyncSandbox:
             resolver=resolver,
             allow_dangerous_workspace=allow_dangerous_workspace,
             ready_timeout=ready_timeout,
+            exposable=exposable,
         )
         self.files = SyncFiles(self._sandbox, self._loop)
         try:
@@ -165,6 +167,16 @@ class SyncSandbox:
     def published(self) -> tuple[PublishedPort, ...]:
         """``Sandbox.published``: the box ports reachable from the host."""
         return self._sandbox.published
+
+    def expose(
+        self, port: int, *, host_port: int = 0, host_ip: str = "127.0.0.1"
+    ) -> PublishedPort:
+        """``Sandbox.expose``: publish box ``port`` on the host now."""
+        return self._loop.call(self._sandbox.expose(port, host_port=host_port, host_ip=host_ip))
+
+    def unexpose(self, port: int) -> bool:
+        """``Sandbox.unexpose``: stop publishing box ``port``."""
+        return self._loop.call(self._sandbox.unexpose(port))
 
     def run(
         self,

@@ -135,7 +135,6 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
     preview = "/v1/boxes/{box_id}/ports/{port}/{path:path}"
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
-    @app.api_route(preview, methods=methods, tags=["ports"], response_model=None)
     async def proxy_http(request: Request, box_id: str, port: int, path: str) -> Response:
         """The box's server at ``/{path}``: the request as sent, less hop-by-hop headers and
         the caller's corral credentials; the answer streamed back as the box sent it."""
@@ -175,6 +174,17 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
         )
         response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return response
+
+    for method in methods:  # one operation per method: OpenAPI ids must be unique
+        app.add_api_route(
+            preview,
+            proxy_http,
+            methods=[method],
+            tags=["ports"],
+            response_model=None,
+            operation_id=f"preview_{method.lower()}",
+            include_in_schema=method in ("GET", "POST"),
+        )
 
     @app.websocket(preview)
     async def proxy_ws(websocket: WebSocket, box_id: str, port: int, path: str) -> None:
