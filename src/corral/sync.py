@@ -168,9 +168,7 @@ class SyncSandbox:
         """``Sandbox.published``: the box ports reachable from the host."""
         return self._sandbox.published
 
-    def expose(
-        self, port: int, *, host_port: int = 0, host_ip: str = "127.0.0.1"
-    ) -> PublishedPort:
+    def expose(self, port: int, *, host_port: int = 0, host_ip: str = "127.0.0.1") -> PublishedPort:
         """``Sandbox.expose``: publish box ``port`` on the host now."""
         return self._loop.call(self._sandbox.expose(port, host_port=host_port, host_ip=host_ip))
 
