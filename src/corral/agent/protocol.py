@@ -540,7 +540,7 @@ if TYPE_CHECKING:
     class SpawnReply(TypedDict):
         pid: int
 
-    WriteReply = CloseStdinReply = ResizeReply = ShutdownReply = Done
+    WriteReply = CloseStdinReply = ResizeReply = ShutdownReply = PublishReply = Done
     FileMkdirReply = FileRemoveReply = Done
 
     class SignalReply(TypedDict):
