@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import httpx
 import pytest
 import websockets.asyncio.client
 
-from served import Served, serving
+from served import CORRAL, Served, serving
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 
@@ -306,3 +307,25 @@ def test_the_remote_sdk_exposes_a_port(served: Served, site: Path) -> None:
             assert refuses(exposed.host_port)
 
     asyncio.run(use())
+
+
+def test_corral_port_prints_the_urls(served: Served, box: str, tmp_path: Path) -> None:
+    def port(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CORRAL, "port", box, *args],
+            env=served.env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    made = port("8000")
+    assert made.returncode == 0, made.stderr
+    number, url, preview = made.stdout.split()
+    assert number == "8000" and url.startswith("http://127.0.0.1:")
+    assert preview == f"{served.url}/v1/boxes/{box}/ports/8000/"
+    assert port().stdout == made.stdout  # ID alone: the list
+    assert httpx.get(url + "server.py").status_code == 200
+    bad = port("70000")
+    assert bad.returncode == 2 and "invalid_input" in bad.stderr, bad.stderr

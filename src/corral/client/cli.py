@@ -4,7 +4,8 @@
   the server parses the same flags and runs the command in a box of a warm pool.
 - Boxes that outlive one call, as with docker: ``corral create`` (prints an id),
   ``corral exec ID -- CMD``, ``corral ps [ID]``, ``corral cp SRC DST`` (one side
-  ``ID:PATH``), ``corral logs ID PID [-f]``, ``corral rm ID...``. These need a server.
+  ``ID:PATH``), ``corral logs ID PID [-f]``, ``corral rm ID...``, and ``corral port ID
+  [PORT]`` (expose a box port; prints its host URL and preview URL). These need a server.
 
 Host paths in the flags (``--workspace``, ``--policy``, ``-v HOST:BOX``) are made absolute
 here, against this shell's directory, before they reach the server; ``-e NAME`` takes
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SERVER_COMMANDS", "main", "remote_main", "server_parser"]
 
-SERVER_COMMANDS = ("create", "exec", "ps", "cp", "logs", "rm")
+SERVER_COMMANDS = ("create", "exec", "ps", "cp", "logs", "rm", "port")
 TERMINAL_COMMANDS = ("shell", "attach", "sessions")
 """Commands of the in-process CLI that go through a server when one is running."""
 EXIT_USAGE, EXIT_SANDBOX = 2, 125
@@ -318,6 +319,15 @@ def server_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="close boxes")
     rm.add_argument("boxes", nargs="+")
     rm.set_defaults(func=_rm)
+    port = sub.add_parser(
+        "port", help="expose a box port: corral port ID PORT prints its URLs; ID alone lists"
+    )
+    port.add_argument("box")
+    port.add_argument("port", nargs="?", type=int)
+    port.add_argument("--host-port", type=int, default=0, help="host 127.0.0.1 port (0: any)")
+    port.add_argument("--rm", action="store_true", help="stop exposing PORT")
+    port.add_argument("--json", action="store_true")
+    port.set_defaults(func=_port)
     return parser
 
 
@@ -442,3 +452,27 @@ def _rm(conn: Conn, args: argparse.Namespace) -> int:
             print(f"corral: [{exc.code}] {exc.message}", file=sys.stderr)
             status = 1
     return status
+
+
+def _port(conn: Conn, args: argparse.Namespace) -> int:
+    """``corral port ID PORT``: expose it and print ``URL  PREVIEW_URL``; ``ID``: every
+    exposed port, one a line; ``--rm``: stop exposing PORT."""
+    base = f"/v1/boxes/{q(args.box)}/ports"
+    if args.rm:
+        if args.port is None:
+            raise ServerError("invalid_input", "which port? corral port ID PORT --rm")
+        conn.request("DELETE", f"{base}/{args.port}").read()
+        return 0
+    if args.port is None:
+        ports = conn.json("GET", base)
+    else:
+        ports = [conn.json("POST", base, {"port": args.port, "host_port": args.host_port})]
+    host = f"[{conn.host}]" if ":" in conn.host else conn.host
+    server = "" if conn.unix is not None else f"http://{host}:{conn.port}"
+    for p in ports:
+        p["preview_url"] = server + p["preview_path"]
+        if args.json:
+            print(json.dumps(p))
+        else:
+            print(f"{p['port']}\t{p['url']}\t{p['preview_url']}")
+    return 0
