@@ -334,3 +334,52 @@ async def test_clients_waiting_for_the_box_are_bounded(monkeypatch: pytest.Monke
             w.close()
     finally:
         await publisher.close()
+
+
+# ---- expose: publishing after the start -----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["none", "ports", "allowlist"])
+async def test_expose_publishes_a_port_after_the_start(mode: str, workspace: Path) -> None:
+    """``Sandbox.expose``: a server started in a running box is reached from the host, then
+    ``unexpose`` closes the host port; mode ``none`` with ``exposable=True``."""
+    network: dict[str, object] = {"mode": mode}
+    if mode == "ports":
+        network["ports"] = [18999]
+    if mode == "allowlist":
+        network["allow_hosts"] = ["example.test"]
+    policy = backend_policy(BACKEND, network=network)
+    async with Sandbox(policy, workspace=workspace, exposable=mode == "none") as sb:
+        assert not sb.published
+        await start_echo(sb)
+        await start_echo(sb, 8001)
+        exposed = await sb.expose(8000)
+        assert exposed.box_port == 8000 and exposed.port_on_host > 0
+        assert await sb.expose(8000) == exposed  # the same answer again
+        other = await sb.expose(8001)
+        assert list(sb.published) == [exposed, other]
+        blob = os.urandom(1 << 20)
+        assert await asyncio.to_thread(echo, exposed.port_on_host, blob) == blob
+        assert await asyncio.to_thread(echo, other.port_on_host, b"two\n") == b"two\n"
+        assert await sb.unexpose(8000) is True
+        assert await sb.unexpose(8000) is False
+        assert list(sb.published) == [other]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", exposed.port_on_host), timeout=5).close()
+        again = await sb.expose(8000)  # and again, on a new socket
+        assert await asyncio.to_thread(echo, again.port_on_host, b"back\n") == b"back\n"
+    with pytest.raises(ConnectionRefusedError):  # closed with the box
+        socket.create_connection(("127.0.0.1", again.port_on_host), timeout=5).close()
+
+
+async def test_expose_says_how_when_the_box_has_no_way_in(workspace: Path) -> None:
+    async with Sandbox(backend_policy(BACKEND), workspace=workspace) as sb:
+        with pytest.raises(SandboxError) as refused:
+            await sb.expose(8000)
+        assert refused.value.code == "backend_unavailable"
+        assert "exposable=True" in refused.value.message
+        with pytest.raises(PolicyError):
+            await sb.expose(70000)
+    with pytest.raises(SandboxError) as closed:
+        await sb.expose(8000)
+    assert closed.value.code == "sandbox_closed"

@@ -7,8 +7,10 @@ auth (a token, or the unix socket's owner).
 The proxy is a client of the exposed host port (httpx for HTTP, websockets for WebSocket), so
 the box is reached the one way every publish uses, and the box never sees the caller's
 credentials: the ``Authorization`` header, cookies and the WebSocket's ``token`` query
-parameter stay here. A port nothing listens on answers 502 ``port_not_reachable`` at once (the
-guest agent closes the data connection when its connect fails), never a hang.
+parameter stay here. Pages of the box are served sandboxed (:data:`SANDBOXED`): a browser
+gives them an opaque origin, so they are not the server's own pages to the Origin check. A
+port nothing listens on answers 502 ``port_not_reachable`` at once (the guest agent closes
+the data connection when its connect fails), never a hang.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ HOP_BY_HOP = frozenset(
 """Headers about one connection (RFC 9110 7.6.1), never forwarded."""
 PRIVATE = frozenset({"authorization", "cookie", "host"})
 """The caller's credentials for corral, and the Host the server checked: not the box's."""
+SANDBOXED = (
+    b"content-security-policy",
+    b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads",
+)
+"""On every proxied answer: a browser runs the box's page in an opaque origin, not the
+server's own, so the page's scripts cannot call the API as its pages would (a hostile box
+must not drive the server that holds it through a person's browser)."""
 CONNECT_TIMEOUT = 10.0
 WS_OPEN_TIMEOUT = 10.0
 
@@ -172,7 +181,10 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
         response = StreamingResponse(
             body(), status_code=answer.status_code, background=BackgroundTask(answer.aclose)
         )
-        response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        response.raw_headers = [
+            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers),
+            SANDBOXED,
+        ]
         return response
 
     for method in methods:  # one operation per method: OpenAPI ids must be unique
