@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -261,6 +262,19 @@ def test_a_port_nothing_listens_on_answers_502_at_once(served: Served, box: str)
         assert error["code"] == "port_not_reachable" and "8011" in error["message"]
         assert took < 5, took
         assert c.post(f"/v1/boxes/{box}/ports", json={"port": 0}).status_code == 400
+
+    async def websocket() -> None:  # a WebSocket is told why, and closed
+        ws_url = served.url.replace("http://", "ws://") + f"/v1/boxes/{box}/ports/8012/"
+        headers = {"Authorization": f"Bearer {served.token}"}
+        async with asyncio.timeout(10):
+            async with websockets.asyncio.client.connect(ws_url, additional_headers=headers) as ws:
+                error = json.loads(await ws.recv())["error"]
+                assert error["code"] == "port_not_reachable"
+                with pytest.raises(websockets.exceptions.ConnectionClosed):
+                    await ws.recv()
+            assert ws.close_code == 1011
+
+    asyncio.run(websocket())
 
 
 def refuses(host_port: int) -> bool:
