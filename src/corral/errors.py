@@ -11,6 +11,7 @@ that names the cause and, where there is one, the fix.
     ├── BackendError                 backend_failed
     │   └── BackendUnavailable       backend_unavailable
     ├── SandboxClosed                sandbox_closed
+    ├── SandboxPaused                sandbox_paused
     ├── SandboxBroken                sandbox_broken
     ├── ProtocolError                protocol_error
     ├── RequestTooLarge (ValueError) request_too_large
@@ -67,6 +68,7 @@ class ErrorCode(enum.StrEnum):
     BACKEND_UNAVAILABLE = "backend_unavailable"
     SANDBOX_CLOSED = "sandbox_closed"
     SANDBOX_BROKEN = "sandbox_broken"
+    SANDBOX_PAUSED = "sandbox_paused"
     PROTOCOL_ERROR = "protocol_error"
     REQUEST_TOO_LARGE = "request_too_large"
     PROCESS_NOT_FOUND = "process_not_found"
@@ -157,6 +159,12 @@ class BackendUnavailable(BackendError):
 
 class SandboxClosed(SandboxError):
     code = ErrorCode.SANDBOX_CLOSED
+
+
+class SandboxPaused(SandboxError):
+    """A request to a paused box (``Sandbox.pause``): ``resume()`` first."""
+
+    code = ErrorCode.SANDBOX_PAUSED
 
 
 class SandboxBroken(SandboxError):

@@ -233,6 +233,7 @@ class Sandbox:
         self._after_close: list[Callable[[], object]] = []
         self._heartbeat: asyncio.Task[None] | None = None
         self._workspace_prepared = False  # set by SandboxPool for its staging directories
+        self._paused = False
         self.audit = AuditLog.for_policy(self.policy, self.sandbox_id)
         """The sandbox's audit log (records nothing unless ``policy.audit_log`` is set)."""
         self.files.on_denied = self._audit_file_denied
@@ -384,6 +385,10 @@ class Sandbox:
         SIGKILL; anything else left in the box is killed with it."""
         if self._closed:
             return
+        if self._paused and self._box is not None:  # thawed, so it can end as any box does
+            with contextlib.suppress(errors.SandboxError):
+                await self._box.freeze(False)
+            self._paused = False
         self._closed = True
         interrupted = False
         if self._heartbeat is not None:
@@ -552,6 +557,10 @@ class Sandbox:
             raise errors.SandboxBroken(f"the sandbox is gone: {self._broken}")
         if self._channel is None:
             raise errors.SandboxClosed("the sandbox is not started; use `async with Sandbox()`")
+        if self._paused and op not in self._closing_ops:
+            raise errors.SandboxPaused(
+                f"the sandbox is paused, so it cannot {op}: `await sandbox.resume()` first"
+            )
         if pieces:
             return await self._channel.request_pieces(op, payload, **fields)
         return await self._channel.request(op, payload, **fields)
@@ -568,6 +577,8 @@ class Sandbox:
                     await channel.lost.wait()
             if channel.lost.is_set():
                 return
+            if self._paused:
+                continue  # a frozen agent cannot answer; it is not hung
             deadline = box.heartbeat_timeout
             try:
                 async with asyncio.timeout(deadline):
@@ -1018,6 +1029,31 @@ class Sandbox:
             return ExecStream(proc, stdin=stdin == "pipe", tty=tty, timeout=timeout)
 
         return PendingExecStream(start, cmd if isinstance(cmd, str) else shlex.join(argv))
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def pause(self) -> None:
+        """Stop every process of the box where it stands (the cgroup freezer): nothing in it
+        runs, memory stays as it is, the filesystem holds still (what a snapshot wants).
+        Until :meth:`resume`, requests raise :class:`SandboxPaused`; timeouts keep counting.
+        :class:`BackendUnavailable` on backends without a freezer (OCI, microVM, rootless)."""
+        if self._box is None or self._closed:
+            raise errors.SandboxClosed("the sandbox is not running")
+        if self._paused:
+            return
+        await self._box.freeze(True)
+        self._paused = True
+        self.audit.record("sandbox", event="pause")
+
+    async def resume(self) -> None:
+        """Let a paused box run again."""
+        if self._box is None or self._closed or not self._paused:
+            return
+        await self._box.freeze(False)
+        self._paused = False
+        self.audit.record("sandbox", event="resume")
 
     async def info(self) -> dict[str, Any]:
         """Kernel, hostname, cpus, memory of the box, plus its backend and limits, and its

@@ -87,6 +87,9 @@ class FakeBox:
     def check_layout(self) -> None:
         pass
 
+    async def freeze(self, frozen: bool) -> None:
+        pass
+
     async def close(self) -> None:
         self.closed = True
         self._sock.close()

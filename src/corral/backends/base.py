@@ -262,6 +262,14 @@ class BoxBase:
     def check_layout(self) -> None:
         """Nothing to check where the backend checked its mounts while it started."""
 
+    async def freeze(self, frozen: bool) -> None:
+        """Stop (or restart) every process of the box; :class:`BackendUnavailable` where
+        the backend cannot."""
+        raise BackendUnavailable(
+            f"pausing a box is not available on the {self._spec.policy.backend} backend "
+            "(it needs the box's own cgroup with a freezer: the bwrap backend as root)"
+        )
+
     async def close(self) -> None:
         """Close the channel, let the backend end the box (:meth:`_teardown`), then remove
         its state directory. Idempotent."""
@@ -404,6 +412,11 @@ class Box(Protocol):
         backend made by path is not the object the host meant (a link swapped into a
         writable area while the box started). Cheap: nothing to do unless a mask or share
         lies inside a writable area."""
+        ...
+
+    async def freeze(self, frozen: bool) -> None:
+        """Stop every process of the box, the guest agent included (``frozen``), or let them
+        run again; BackendUnavailable where the backend cannot."""
         ...
 
     async def close(self) -> None:

@@ -360,6 +360,13 @@ class RemoteSandbox:
             preview_url=base + str(data["preview_path"]),
         )
 
+    async def pause(self) -> None:
+        """Stop every process of the box where it stands; :meth:`resume` goes on."""
+        await self.remote.call("POST", f"{self.path}/pause")
+
+    async def resume(self) -> None:
+        await self.remote.call("POST", f"{self.path}/resume")
+
     async def stats(self) -> dict[str, Any]:
         """Resource use of the whole box (memory, CPU seconds, pids, OOM kills)."""
         stats: dict[str, Any] = (await self.describe()).get("stats") or {}

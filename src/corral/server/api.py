@@ -74,7 +74,7 @@ class BoxCreate(_In):
 class BoxOut(BaseModel):
     id: str
     sandbox_id: str = Field(description="the library's id of the box (state, audit log)")
-    state: Literal["running", "closed"]
+    state: Literal["running", "paused", "closed"]
     labels: dict[str, str]
     created_at: float
     ttl_secs: float | None
@@ -456,6 +456,19 @@ def build_api(  # noqa: C901
     async def delete_box(box_id: str) -> Response:
         await boxes.remove(box_id)
         return Response(status_code=204)
+
+    @app.post("/v1/boxes/{box_id}/pause", tags=["boxes"])
+    async def pause_box(box_id: str) -> BoxOut:
+        """Stop every process of the box where it stands (the cgroup freezer)."""
+        held = boxes.get(box_id)
+        await held.sandbox.pause()
+        return BoxOut(**held.describe())
+
+    @app.post("/v1/boxes/{box_id}/resume", tags=["boxes"])
+    async def resume_box(box_id: str) -> BoxOut:
+        held = boxes.get(box_id)
+        await held.sandbox.resume()
+        return BoxOut(**held.describe())
 
     @app.get("/v1/boxes/{box_id}/info", tags=["boxes"])
     async def box_info(box_id: str) -> dict[str, Any]:

@@ -61,6 +61,7 @@ _STATUS: Mapping[errors.ErrorCode, int] = {
     errors.ErrorCode.NOT_A_REGULAR_FILE: 409,
     errors.ErrorCode.SESSION_BUSY: 409,
     errors.ErrorCode.SANDBOX_CLOSED: 410,
+    errors.ErrorCode.SANDBOX_PAUSED: 409,
     errors.ErrorCode.TIMEOUT: 504,
     errors.ErrorCode.SERVER_BUSY: 503,
     errors.ErrorCode.SERVER_UNAVAILABLE: 503,

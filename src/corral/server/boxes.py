@@ -69,7 +69,7 @@ class HeldBox:
     def busy(self) -> bool:
         """A process still running or a person attached: activity the idle timer respects."""
         sb = self.sandbox
-        if sb.closed:
+        if sb.closed or sb.paused:
             return False
         if any(p.status == "running" for p in sb.processes()):
             return True
@@ -94,7 +94,7 @@ class HeldBox:
         out: dict[str, Any] = {
             "id": self.id,
             "sandbox_id": sb.sandbox_id,
-            "state": "closed" if sb.closed else "running",
+            "state": "closed" if sb.closed else "paused" if sb.paused else "running",
             "labels": dict(self.labels),
             "created_at": self.created_at,
             "ttl_secs": self.ttl,

@@ -722,6 +722,18 @@ class Cgroup:
         for pause in self._kill_steps(wait):
             await asyncio.sleep(pause)
 
+    async def freeze_async(self, frozen: bool) -> bool:
+        """Freeze (or thaw) every process of the group: frozen ones do not run until thawed,
+        and new ones cannot start. False when the host has no freezer for it (or the freeze
+        did not settle)."""
+        steps = self._freeze(frozen)
+        try:
+            for _ in range(1 << 16):  # the steps end within _FREEZE_DEADLINE_S
+                await asyncio.sleep(next(steps))
+        except StopIteration as done:
+            return bool(done.value)
+        return False
+
     def _kill_steps(self, wait: bool) -> Iterator[float]:
         """The kill as steps (sans I/O of its own waiting): each yielded value is how long
         the driver pauses before the next poll."""
