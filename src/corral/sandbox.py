@@ -742,6 +742,69 @@ class Sandbox:
                     return
                 raise
 
+    async def snapshot(self, name: str) -> str:
+        """The box's filesystem state as an image named ``name`` in the image store: its
+        image with what the box changed in its writable root (the overlay's upper) on top.
+        The box is paused while it is read, so the layer is consistent, then goes on.
+        ``Sandbox(Policy(image=ref))``, :meth:`restore` and ``corral run --image`` take the
+        returned ref. Filesystem state only: processes and memory are not kept, nor the
+        workspace (a host directory: copy it if the snapshot should carry it)."""
+        from corral.images.registry import parse_ref
+        from corral.images.store import ImageStore
+
+        if self._box is None or self._closed:
+            raise errors.SandboxClosed("the sandbox is not running")
+        store = ImageStore()
+        base = await blocking(lambda: store.resolve(self.policy.image, pull=False))
+        if base is None:
+            raise _invalid(
+                "a snapshot builds on an image of the store (a registry ref, an OCI layout or "
+                f"an archive), and {self.policy.image!r} is a plain root directory"
+            )
+        ref = str(parse_ref(name))
+        paused_here = not self._paused
+        if paused_here:
+            await self.pause()
+        try:
+            with store.scratch() as tmp:
+                layer = tmp / "layer.tar"
+                await self.export_root(layer)
+                config = dict(base.config)
+                await blocking(lambda: store.commit(ref, base, [layer], config, source="snapshot"))
+        finally:
+            if paused_here:
+                await self.resume()
+        self.audit.record("sandbox", event="snapshot", ref=ref)
+        return ref
+
+    async def fork(self, n: int, *, name: str | None = None) -> list[Sandbox]:
+        """``n`` new started sandboxes from this box's filesystem state (a :meth:`snapshot`,
+        kept as ``name`` or a generated ref), each on a fresh workspace of its own and its
+        own writable root: they diverge independently. Closing them is the caller's."""
+        if n < 1:
+            raise _invalid(f"fork(n) needs n >= 1, not {n}")
+        ref = await self.snapshot(name or f"corral-fork.invalid/{self.sandbox_id}:{n}")
+        boxes = [Sandbox.restore(ref, self.policy) for _ in range(n)]
+        started = await asyncio.gather(*(b.start() for b in boxes), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(b.aclose() for b in boxes), return_exceptions=True)
+            raise failed[0]
+        return boxes
+
+    @classmethod
+    def restore(
+        cls,
+        snapshot: str,
+        policy: Policy | None = None,
+        *,
+        workspace: str | os.PathLike[str] | None = None,
+    ) -> Sandbox:
+        """A sandbox (not started) on a :meth:`snapshot`: ``policy`` (default: the default
+        policy) with its image replaced by the snapshot's ref."""
+        base = policy if policy is not None else Policy()
+        return cls(base.model_copy(update={"image": snapshot}), workspace=workspace)
+
     async def export_root(self, dest: str | os.PathLike[str]) -> int:
         """Write what the box changed in its writable root on an image (the overlay's upper
         layer: new and changed files, deletions as whiteouts) to ``dest`` as an OCI layer

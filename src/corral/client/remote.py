@@ -360,6 +360,29 @@ class RemoteSandbox:
             preview_url=base + str(data["preview_path"]),
         )
 
+    async def snapshot(self, name: str) -> str:
+        """The box's filesystem state as an image in the server's store; returns its ref."""
+        data = await self.remote.json("POST", f"{self.path}/snapshot", json={"name": name})
+        return str(data["ref"])
+
+    async def fork(self, n: int) -> list[RemoteSandbox]:
+        """``n`` new boxes on the server from this box's filesystem state."""
+        rows = await self.remote.json("POST", f"{self.path}/fork", json={"n": n})
+        forks = []
+        for row in rows:
+            fork = RemoteSandbox(
+                self.remote,
+                self.policy,
+                workspace=None,
+                labels={},
+                ttl=None,
+                idle_timeout=None,
+                allow_dangerous_workspace=False,
+            )
+            fork.id = str(row["id"])
+            forks.append(fork)
+        return forks
+
     async def pause(self) -> None:
         """Stop every process of the box where it stands; :meth:`resume` goes on."""
         await self.remote.call("POST", f"{self.path}/pause")

@@ -91,6 +91,15 @@ class BoxOut(BaseModel):
     stats: dict[str, Any] | None = None
 
 
+class SnapshotIn(_In):
+    name: str = Field(description="the new image's ref in the store")
+
+
+class ForkIn(_In):
+    n: int = Field(1, ge=1, le=64)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
 class RunIn(_In):
     cmd: list[str] | str = Field(description="argv, or a string run by /bin/sh -c")
     timeout: float | None = Field(None, gt=0)
@@ -469,6 +478,19 @@ def build_api(  # noqa: C901
         held = boxes.get(box_id)
         await held.sandbox.resume()
         return BoxOut(**held.describe())
+
+    @app.post("/v1/boxes/{box_id}/snapshot", tags=["boxes"])
+    async def snapshot_box(box_id: str, body: SnapshotIn) -> dict[str, str]:
+        """The box's writable root as an image in the store (filesystem state only)."""
+        return {"ref": await boxes.get(box_id).sandbox.snapshot(body.name)}
+
+    @app.post("/v1/boxes/{box_id}/fork", tags=["boxes"], status_code=201)
+    async def fork_box(box_id: str, body: ForkIn) -> list[BoxOut]:
+        """``n`` new boxes from the box's filesystem state, held by the server."""
+        held = boxes.get(box_id)
+        forks = await held.sandbox.fork(body.n)
+        adopted = [boxes.adopt(sb, {**held.labels, **body.labels}) for sb in forks]
+        return [BoxOut(**h.describe()) for h in adopted]
 
     @app.get("/v1/boxes/{box_id}/info", tags=["boxes"])
     async def box_info(box_id: str) -> dict[str, Any]:

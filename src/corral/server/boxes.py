@@ -239,6 +239,19 @@ class Boxes:
         self._gauge()
         return held
 
+    def adopt(self, sb: Sandbox, labels: dict[str, str]) -> HeldBox:
+        """Hold a sandbox started elsewhere (a fork), with the server's default lease."""
+        held = HeldBox(
+            id=new_box_id(),
+            sandbox=sb,
+            labels=dict(labels),
+            ttl=self.limits.default_ttl,
+            idle_timeout=self.limits.default_idle,
+        )
+        self._held[held.id] = held
+        self._gauge()
+        return held
+
     async def _cold(
         self, policy: Policy, workspace: str | None, allow_dangerous_workspace: bool
     ) -> Sandbox:
