@@ -67,6 +67,13 @@ class GuardedH11Protocol(H11Protocol):
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP; one
+            # bound with proto 0 (ours, or one passed in) left every response's second
+            # write waiting ~40 ms for the client's delayed ACK (Nagle).
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
         GuardedH11Protocol._order += 1
         self._made = GuardedH11Protocol._order
