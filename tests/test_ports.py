@@ -206,6 +206,15 @@ def test_the_preview_url_streams_large_bodies_exactly_both_ways(
         # the box never sees the caller's corral credentials
         assert "authorization" not in echoed["headers"]
         assert "cookie" not in echoed["headers"]
+        # A JSON body is the box server's business: not capped like the API's own JSON.
+        payload = b'{"k": "' + b"x" * (3 << 20) + b'"}'
+        r = c.post(
+            f"/v1/boxes/{box}/ports/8000/echo",
+            content=payload,
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["len"] == len(payload)
 
 
 def test_the_preview_url_carries_a_websocket(served: Served, box: str) -> None:

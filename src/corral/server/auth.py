@@ -131,7 +131,9 @@ class Guard:
             status, code, message = refusal
             await _refuse(scope, receive, send, status, code, message)
             return
-        if scope["type"] == "http" and self._is_json(headers):
+        preview = _PREVIEW.match(str(scope.get("path", ""))) is not None
+        if scope["type"] == "http" and self._is_json(headers) and not preview:
+            # (a preview's body is the box server's business: streamed through, not capped)
             replay = await self._whole_json(receive)
             if replay is None:
                 limit = self.access.max_json_bytes
