@@ -588,3 +588,37 @@ def test_another_users_socket_is_named_as_such(tmp_path: Path) -> None:
     error = Conn(f"unix:{path}")._broke_off(ConnectionResetError(104, "reset"))
     assert error.code == "unauthorized"
     assert "uid 4242" in error.message
+
+
+def test_host_paths_in_flags_are_made_absolute_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server has its own directory: what the flags name on this host is resolved here."""
+    from corral.client.cli import localize
+
+    (tmp_path / "layout").mkdir()
+    (tmp_path / "p.toml").touch()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TOKEN_HERE", "v1")
+    got = localize(
+        [
+            "--image",
+            "layout",
+            "--policy",
+            "p.toml",
+            "-v",
+            "data:/data",
+            "-e",
+            "TOKEN_HERE",
+            "--",
+            "ls",
+            "--image",
+            "x",
+        ]
+    )
+    assert got == [
+        "--workspace", str(tmp_path), "--image", str(tmp_path / "layout"),
+        "--policy", str(tmp_path / "p.toml"), "-v", f"{tmp_path}/data:/data",
+        "-e", "TOKEN_HERE=v1", "--", "ls", "--image", "x",
+    ]  # fmt: skip
+    assert localize(["--image", "python:3.12", "--", "true"])[2:4] == ["--image", "python:3.12"]

@@ -130,6 +130,7 @@ def _flags(args: Sequence[str]) -> Iterator[str]:
 _PATH_FLAGS = ("--workspace", "--policy")
 _MOUNT_FLAGS = ("-v", "--mount")
 _ENV_FLAGS = ("-e", "--env")
+_IMAGE_FLAGS = ("--image",)
 
 
 def localize(argv: list[str]) -> list[str]:
@@ -143,7 +144,8 @@ def localize(argv: list[str]) -> list[str]:
             out.extend(argv[i:])
             break
         name, eq, value = arg.partition("=")
-        if name in (*_PATH_FLAGS, *_MOUNT_FLAGS, *_ENV_FLAGS) and (eq or i + 1 < len(argv)):
+        flags = (*_PATH_FLAGS, *_MOUNT_FLAGS, *_ENV_FLAGS, *_IMAGE_FLAGS)
+        if name in flags and (eq or i + 1 < len(argv)):
             if not eq:
                 i += 1
                 value = argv[i]
@@ -162,6 +164,12 @@ def localize(argv: list[str]) -> list[str]:
 
 
 def _localized(flag: str, value: str) -> str:
+    if flag in _IMAGE_FLAGS:  # a path here (a layout, an archive, a root), else a ref
+        path, sep, tag = value.rpartition(":") if ":" in value else (value, "", "")
+        for candidate, suffix in ((value, ""), (path, sep + tag)):
+            if candidate and os.path.exists(candidate):
+                return os.path.abspath(candidate) + suffix
+        return value
     if flag in _PATH_FLAGS:
         return os.path.abspath(os.path.expanduser(value))
     if flag in _MOUNT_FLAGS:
