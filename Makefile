@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := /usr/bin/python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static runsc uidmap skopeo docker-registry
+APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static runsc uidmap skopeo docker-registry chromium
 STAMP := $(VENV)/.installed
 
 # Unprivileged test users (tests/rootless/): one with subordinate ids, one without.
@@ -11,9 +11,23 @@ ROOTLESS_USER := corral-rootless
 NOSUBID_USER := corral-nosubid
 ROOTLESS_SUBIDS := 100000:65536
 
-.PHONY: setup rootless-users demo test test-microvm test-runsc lint bench clean security-report
+.PHONY: setup rootless-users vendor demo test test-microvm test-runsc lint bench clean security-report
 
-setup: $(STAMP) rootless-users
+setup: $(STAMP) rootless-users vendor
+
+# The dashboard's terminal: xterm.js (MIT) from the npm registry, pinned, unpacked into a
+# git-ignored folder of the package at build time (the wheel takes it as a build artefact).
+XTERM_VERSION := 6.0.0
+VENDOR := src/corral/server/static/vendor
+vendor: $(VENDOR)/.xterm-$(XTERM_VERSION)
+
+$(VENDOR)/.xterm-$(XTERM_VERSION):
+	rm -rf $(VENDOR) && mkdir -p $(VENDOR)/.npm
+	cd $(VENDOR) && npm pack --silent --cache .npm @xterm/xterm@$(XTERM_VERSION) >/dev/null \
+	  && tar xzf xterm-xterm-$(XTERM_VERSION).tgz \
+	  && cp package/lib/xterm.js package/css/xterm.css . && cp package/LICENSE xterm.LICENSE \
+	  && rm -rf package .npm xterm-xterm-$(XTERM_VERSION).tgz
+	@touch $@
 
 # Idempotent: each user is made once (no home, no login shell needed), the first gets a
 # subordinate uid and gid range for newuidmap/newgidmap, the second none. Skipped (with a

@@ -59,8 +59,14 @@ def start(runtime: Path, *args: str) -> Served:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     env.pop("CORRAL_HOST", None)
     env.pop("CORRAL_TOKEN", None)
+    # Unbuffered: a line read must not pull the next one into a buffer select() cannot see
+    # (the server prints its dashboard URL and its address at once).
     proc = subprocess.Popen(
-        [*CORRAL, "serve", *args], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
+        [*CORRAL, "serve", *args],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        bufsize=0,
     )
     assert proc.stderr is not None
     deadline = time.monotonic() + START_TIMEOUT

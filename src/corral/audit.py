@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,19 @@ from corral.policy import Policy
 AuditKind = str
 
 
+AuditListener = Callable[[dict[str, Any]], None]
+
+
 class AuditLog:
-    """Appends records for one sandbox; a log with no path records nothing (cheaply)."""
+    """Appends records for one sandbox; a log with no path and no listener records nothing
+    (cheaply). Listeners (``corral serve``'s live audit stream) get every record too."""
 
     def __init__(self, path: Path | None, sandbox_id: str) -> None:
         self.path = path
         self.sandbox_id = sandbox_id
         self._fd: int | None = None
         self._lock = threading.Lock()
+        self._listeners: list[AuditListener] = []
 
     @classmethod
     def for_policy(cls, policy: Policy, sandbox_id: str) -> AuditLog:
@@ -37,13 +43,30 @@ class AuditLog:
 
     @property
     def enabled(self) -> bool:
-        return self.path is not None
+        return self.path is not None or bool(self._listeners)
+
+    def listen(self, listener: AuditListener) -> Callable[[], None]:
+        """Call ``listener`` with every record from now on; returns the way to stop."""
+        self._listeners.append(listener)
+
+        def stop() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return stop
 
     def record(self, kind: AuditKind, **fields: Any) -> None:
         """Append one record. Never raises: auditing must not break the sandbox."""
-        if self.path is None:
+        if not self.enabled:
             return
         entry = {"ts": round(time.time(), 6), "sandbox": self.sandbox_id, "kind": kind, **fields}
+        for listener in tuple(self._listeners):
+            try:
+                listener(entry)
+            except Exception:  # a listener's failure is its own
+                pass
+        if self.path is None:
+            return
         line = (json.dumps(entry, default=str, separators=(",", ":")) + "\n").encode()
         with self._lock:
             try:

@@ -9,7 +9,8 @@
 Over TCP a token is always required (any local user can reach a loopback port): ``--token``
 or ``$CORRAL_TOKEN``, else a new one written to a 0600 file whose path is printed, where the
 CLI finds it. ``--read-token`` adds a read-only token (for dashboards and monitors). A unix
-socket is 0600 and serves its owner only, checked by peer uid: no token.
+socket is 0600 and serves its owner only, checked by peer uid: no token. Over TCP the web
+dashboard's URL is printed too, its token in the fragment (``/#token=...``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tokens: dict[str, TokenScope] = {}
     unix_path: Path | None = None
     bound: os.stat_result | None = None
+    dashboard: str | None = None
     if args.read_token:
         tokens[args.read_token] = "read"
     if args.listen:
@@ -134,6 +136,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         access = Access(tokens=tokens, hosts=Access.host_names(host, port, args.allow_host))
         said = f"corral serve: listening on {url} ({where})"
+        # The token rides in the fragment, which a browser keeps to itself: not in the
+        # server's request line, not in a proxy's log, not in a Referer.
+        dashboard = f"corral serve: dashboard at {url}/#token={token}"
     else:
         path = Path(args.socket) if args.socket else Path(default_socket())
         if not args.socket:
@@ -155,6 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pool_size=args.pool_size,
     )
     config = ServeConfig(access=access, limits=limits, info={"url": url})
+    if dashboard is not None:
+        print(dashboard, file=sys.stderr, flush=True)
     print(said, file=sys.stderr, flush=True)
     try:
         asyncio.run(serve(config, parse_run_args, sock=sock))

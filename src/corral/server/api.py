@@ -33,6 +33,7 @@ from corral.processes import Process
 from corral.sandbox import Sandbox
 from corral.server.auth import error_body, status_for
 from corral.server.boxes import Boxes, HeldBox
+from corral.server.dashboard import add_dashboard
 from corral.server.metrics import Metrics
 from corral.streaming import Exited, Stdout
 
@@ -427,6 +428,8 @@ def build_api(  # noqa: C901
     @app.get("/metrics", tags=["server"], response_class=Response)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    add_dashboard(app, boxes.audit)
 
     # -- boxes ---------------------------------------------------------------------------------
     @app.post("/v1/boxes", tags=["boxes"], status_code=201)

@@ -35,7 +35,10 @@ from corral import errors
 __all__ = ["Access", "Guard", "TokenScope", "error_body", "status_for"]
 
 TokenScope = Literal["read", "operate"]
-OPEN_PATHS = frozenset({"/v1/health"})
+OPEN_PATHS = frozenset({"/v1/health", "/"})
+"""Served without a token: they hold no data (``/`` is the dashboard's page)."""
+OPEN_PREFIX = "/static/"
+"""The dashboard's scripts and styles."""
 MAX_JSON_BYTES = 1 << 20
 _PREVIEW = re.compile(r"^/v1/boxes/[^/]+/ports/[^/]+/")
 """A preview URL (:mod:`corral.server.ports`): requests proxied to a box's server."""
@@ -191,7 +194,8 @@ class Guard:
                 errors.ErrorCode.UNAUTHORIZED,
                 "cross-origin requests are refused: only pages served by this server may call it",
             )
-        if scope.get("path") in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path in OPEN_PATHS or path.startswith(OPEN_PREFIX)):
             return None
         given = self._token(scope, headers)
         granted: TokenScope | None = "operate" if self.access.unix_owner else None

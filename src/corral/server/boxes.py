@@ -31,6 +31,7 @@ from corral import errors
 from corral.policy import Policy
 from corral.pool import SandboxPool
 from corral.sandbox import Sandbox
+from corral.server.feed import AuditFeed
 from corral.server.metrics import Metrics
 
 __all__ = ["Boxes", "HeldBox", "ServeLimits"]
@@ -142,9 +143,12 @@ class Boxes:
         self._closing = False
         self._background: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        self.audit = AuditFeed()
+        """Every audit record of the boxes held and the one-shots run (GET /v1/audit)."""
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start_reaper(self) -> None:
+        self.audit.bind()
         if self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_forever(), name="corral-reaper")
 
@@ -224,9 +228,10 @@ class Boxes:
                 f"the server holds its maximum of {self.limits.max_boxes} boxes; delete one "
                 "or raise corral serve --max-boxes"
             )
-        sb = await self._cold(policy, workspace, allow_dangerous_workspace)
+        box_id = new_box_id()
+        sb = await self._cold(policy, workspace, allow_dangerous_workspace, box_id)
         held = HeldBox(
-            id=new_box_id(),
+            id=box_id,
             sandbox=sb,
             labels=dict(labels or {}),
             ttl=ttl if ttl is not None else self.limits.default_ttl,
@@ -248,20 +253,27 @@ class Boxes:
             ttl=self.limits.default_ttl,
             idle_timeout=self.limits.default_idle,
         )
+        sb.audit.listen(self.audit.listener(held.id))
         self._held[held.id] = held
         self._gauge()
         return held
 
     async def _cold(
-        self, policy: Policy, workspace: str | None, allow_dangerous_workspace: bool
+        self,
+        policy: Policy,
+        workspace: str | None,
+        allow_dangerous_workspace: bool,
+        box_id: str = "one-shot",
     ) -> Sandbox:
-        """A box started for this request alone, within the start cap and budget."""
+        """A box started for this request alone, within the start cap and budget; its audit
+        records go to the server's feed as ``box_id``'s."""
         sb = Sandbox(
             policy,
             workspace=workspace,
             allow_dangerous_workspace=allow_dangerous_workspace,
             exposable=True,  # POST /v1/boxes/{id}/ports works in every network mode
         )
+        sb.audit.listen(self.audit.listener(box_id))
         async with self._start_slot("cold"):
             try:
                 await sb.start()
@@ -338,6 +350,7 @@ class Boxes:
                 sb = await pool.sandbox(workspace)
             if warm:
                 self.metrics.pool_hits.inc()
+            sb.audit.listen(self.audit.listener("one-shot"))
         try:
             yield sb
         finally:

@@ -1,0 +1,76 @@
+"""The live audit stream of ``corral serve``: every record of the server's boxes' audit logs
+(kept whether or not a policy names an audit file), the last few kept for late readers.
+
+Records may come from any thread; readers are asyncio queues on the server's loop. A reader
+that falls behind by ``QUEUE`` records loses the oldest of them rather than holding the boxes up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from corral.audit import AuditListener
+
+__all__ = ["AuditFeed"]
+
+KEEP = 500
+QUEUE = 1000
+
+
+class AuditFeed:
+    def __init__(self, keep: int = KEEP) -> None:
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
+        self._readers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
+
+    def bind(self) -> None:
+        """Remember the server's loop (call from it) for records that come from threads."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
+
+    def listener(self, box_id: str) -> AuditListener:
+        """A listener for one box's :class:`~corral.audit.AuditLog` (``AuditLog.listen``)."""
+
+        def listen(record: dict[str, Any]) -> None:
+            self.publish({**record, "box": box_id})
+
+        return listen
+
+    def publish(self, record: dict[str, Any]) -> None:
+        if self._loop is not None and threading.get_ident() != self._thread:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server ended
+                self._loop.call_soon_threadsafe(self._deliver, record)
+            return
+        self._deliver(record)
+
+    def _deliver(self, record: dict[str, Any]) -> None:
+        self.recent.append(record)
+        for queue in self._readers:
+            if queue.full():
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    queue.get_nowait()
+            queue.put_nowait(record)
+
+    @contextlib.contextmanager
+    def reader(self) -> Any:
+        """The records kept so far, and a queue of those to come (no await between)."""
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=QUEUE)
+        self._readers.add(queue)
+        try:
+            yield list(self.recent), queue
+        finally:
+            self._readers.discard(queue)
+
+    async def follow(self, *, history: bool = True) -> AsyncIterator[dict[str, Any]]:
+        with self.reader() as (kept, queue):
+            if history:
+                for record in kept:
+                    yield record
+            while True:
+                yield await queue.get()

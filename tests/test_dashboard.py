@@ -1,0 +1,204 @@
+"""The web dashboard of ``corral serve`` in a real browser: Debian's chromium, headless,
+driven by Playwright (pointed at /usr/bin/chromium; nothing downloaded). A person attaches to
+an agent's PTY session, answers the prompt the agent waits on, and the agent's ``expect``
+returns. Screenshots land in the test's tmp dir (and in ``artefacts/`` when that exists)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets.asyncio.client
+import websockets.exceptions
+from websockets.typing import Origin
+
+import corral
+from corral.server.dashboard import CSP
+from served import Served, serving
+
+pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTEFACTS = Path(__file__).resolve().parents[1] / "artefacts"
+VENDORED = Path(corral.__file__).parent / "server" / "static" / "vendor" / "xterm.js"
+WAIT_MS = 30_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    runtime = tmp_path_factory.mktemp("run")
+    with serving(runtime, "--listen", "127.0.0.1:0") as served:
+        yield served
+
+
+def dashboard_url(served: Served) -> str:
+    """The URL ``corral serve`` printed, the token in its fragment."""
+    for line in served.log:
+        found = re.search(r"dashboard at (\S+)", line)
+        if found:
+            return found.group(1)
+    raise AssertionError(f"corral serve printed no dashboard URL: {served.log}")
+
+
+@contextlib.asynccontextmanager
+async def browser_page(shots: Path) -> AsyncIterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.skip("chromium is not installed (make setup installs it)")
+    playwright_api = pytest.importorskip("playwright.async_api")
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(
+            executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
+        )
+        try:
+            context = await browser.new_context(viewport={"width": 1400, "height": 1000})
+            page = await context.new_page()
+            page.set_default_timeout(WAIT_MS)
+            problems: list[str] = []
+            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+            page.on(
+                "console",
+                lambda msg: problems.append(msg.text) if msg.type == "error" else None,
+            )
+            page.problems = problems
+            yield page
+        finally:
+            await browser.close()
+            if ARTEFACTS.is_dir():
+                for shot in shots.glob("*.png"):
+                    shutil.copy(shot, ARTEFACTS / shot.name)
+
+
+async def test_a_person_answers_an_agents_prompt_in_the_browser(
+    server: Served, tmp_path: Path
+) -> None:
+    if not VENDORED.exists():
+        pytest.skip("xterm.js is not vendored: make vendor")
+    async with (
+        corral.connect(server.url, server.token) as remote,
+        remote.Sandbox(labels={"agent": "browser-test"}) as sb,
+        browser_page(tmp_path) as page,
+    ):
+        session = await sb.shell()
+        await session.write("read -p 'Continue? ' a; echo got-$a\n")
+        assert (await session.expect("Continue\\? $"))["matched"]
+        await sb.run("echo audited")
+
+        await page.goto(dashboard_url(server))
+        # The token left the address bar (and the history) at once.
+        assert "token" not in page.url
+        row = page.locator(f"#boxes tr[data-box='{sb.id}']")
+        await row.wait_for()
+        assert "agent=browser-test" in await row.inner_text()
+        await page.locator("#audit").filter(has_text="command").wait_for()
+        await row.click()
+        await page.screenshot(path=tmp_path / "dashboard-box.png", full_page=True)
+
+        await page.locator(f"#sessions button[data-session='{session.session_id}']").click()
+        screen = page.locator("#terminal .xterm-rows")
+        await screen.filter(has_text="Continue?").wait_for()  # the person sees the prompt
+        await page.locator("#terminal .xterm-helper-textarea").focus()
+        await page.keyboard.type("yes")
+        await page.keyboard.press("Enter")
+        assert (await session.expect("got-yes", timeout=30))["matched"]
+        await screen.filter(has_text="got-yes").wait_for()
+        await page.screenshot(path=tmp_path / "dashboard-answered.png", full_page=True)
+
+        await page.locator("#detach").click()  # detach: the agent's session goes on
+        await session.write("echo after-detach\n")
+        assert (await session.expect("after-detach"))["matched"]
+
+        # Attached again, then the tab vanishes without a close: the session still works.
+        await page.locator(f"#sessions button[data-session='{session.session_id}']").click()
+        await screen.filter(has_text="after-detach").wait_for()
+        await page.close()
+        await session.write("echo after-vanishing\n")
+        assert (await session.expect("after-vanishing"))["matched"]
+        assert (await sb.run("echo box-alive")).stdout == "box-alive\n"
+        assert page.problems == []
+
+
+async def test_the_page_loads_no_data_without_a_token(server: Served, tmp_path: Path) -> None:
+    async with browser_page(tmp_path) as page:
+        asked: list[str] = []
+        page.on("request", lambda request: asked.append(request.url))
+        await page.goto(server.url + "/")
+        await page.locator("#status.error").filter(has_text="no token").wait_for()
+        await page.screenshot(path=tmp_path / "dashboard-no-token.png")
+        assert not [url for url in asked if "/v1/" in url]
+        # A wrong token: the server's refusal is shown, and no box is.
+        page = await page.context.new_page()
+        await page.goto(server.url + "/#token=not-the-token")
+        await page.locator("#status.error").filter(has_text="unauthorized").wait_for()
+        assert await page.locator("#boxes tr[data-box]").count() == 0
+
+
+def test_the_page_is_served_with_a_strict_csp(server: Served) -> None:
+    with httpx.Client(base_url=server.url) as client:
+        page = client.get("/")
+        assert page.status_code == 200
+        assert page.headers["content-security-policy"] == CSP
+        assert "script-src 'self';" in CSP
+        assert "unsafe-eval" not in CSP
+        assert "<script>" not in page.text  # no inline script: the CSP would refuse it
+        assert client.get("/static/dashboard.js").status_code == 200
+        missing = client.get("/static/../api.py")
+        assert missing.status_code in (401, 404)
+        assert client.get("/static/nothing.js").json()["error"]["code"] == "file_not_found"
+        # The data is not open: the page is.
+        assert client.get("/v1/boxes").status_code == 401
+
+
+async def test_a_websocket_from_another_origin_is_refused(server: Served) -> None:
+    assert server.token is not None
+    async with corral.connect(server.url, server.token) as remote, remote.Sandbox() as sb:
+        session = await sb.shell()
+        path = f"/v1/boxes/{sb.id}/sessions/{session.session_id}/attach?token={server.token}"
+        url = server.url.replace("http://", "ws://") + path
+        with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+            async with websockets.asyncio.client.connect(url, origin=Origin("http://evil.example")):
+                pass
+        assert refused.value.response.status_code == 403
+        # The page's own origin is let in.
+        own = server.url
+        async with websockets.asyncio.client.connect(url, origin=Origin(own)) as ws:
+            await ws.send(b"echo same-origin\r")
+            assert (await session.expect("same-origin"))["matched"]
+
+
+async def test_the_audit_stream_is_live(server: Served) -> None:
+    assert server.token is not None
+    headers = {"Authorization": f"Bearer {server.token}"}
+    async with (
+        corral.connect(server.url, server.token) as remote,
+        remote.Sandbox() as sb,
+        httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30) as client,
+        client.stream("GET", "/v1/audit", params={"history": "false", "box": sb.id}) as stream,
+    ):
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        await sb.run("echo audited-live")
+        async with asyncio.timeout(30):
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    record = json.loads(line[6:])
+                    assert record["box"] == sb.id
+                    if record["kind"] == "command":
+                        break
+        assert "echo audited-live" in json.dumps(record)
