@@ -125,6 +125,15 @@ async def test_a_person_answers_an_agents_prompt_in_the_browser(
         await session.write("echo after-detach\n")
         assert (await session.expect("after-detach"))["matched"]
 
+        # The agent's tools layer asks a person; the person approves on the page.
+        from corral.tools.approvals import ApprovalRequest
+
+        ask = ApprovalRequest("run", "rm -rf build", "deletes files", {"cmd": "rm -rf build"})
+        asked = asyncio.ensure_future(remote.approver(box=sb.id)(ask))
+        pending = page.locator("#approvals li[data-approval]").filter(has_text="rm -rf build")
+        await pending.get_by_role("button", name="Approve").click()
+        assert await asyncio.wait_for(asked, 30) is True
+
         # Attached again, then the tab vanishes without a close: the session still works.
         await page.locator(f"#sessions button[data-session='{session.session_id}']").click()
         await screen.filter(has_text="after-detach").wait_for()
@@ -202,3 +211,33 @@ async def test_the_audit_stream_is_live(server: Served) -> None:
                     if record["kind"] == "command":
                         break
         assert "echo audited-live" in json.dumps(record)
+
+
+async def test_an_agents_approval_request_is_answered_by_a_person(server: Served) -> None:
+    from corral.tools.approvals import ApprovalRequest
+
+    assert server.token is not None
+    headers = {"Authorization": f"Bearer {server.token}"}
+    request = ApprovalRequest("run", "git push", "pushes to a remote", {"cmd": "git push"})
+    async with (
+        corral.connect(server.url, server.token) as remote,
+        httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30) as person,
+    ):
+        for approve in (True, False):
+            asked = asyncio.ensure_future(remote.approver(box="box-x")(request))
+            async with asyncio.timeout(30):
+                # The list is polled over HTTP, as the dashboard does: no event crosses it.
+                while not (pending := (await person.get("/v1/approvals")).json()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert pending[0]["command_line"] == "git push"
+            assert pending[0]["box"] == "box-x"
+            answer = await person.post(
+                f"/v1/approvals/{pending[0]['id']}", json={"approve": approve}
+            )
+            assert answer.status_code == 200
+            assert await asyncio.wait_for(asked, 30) is approve
+            assert (await person.get("/v1/approvals")).json() == []
+        # Nobody answers: denied at the timeout; answering afterwards is refused.
+        assert await remote.approver(timeout=0.2)(request) is False
+        late = await person.post("/v1/approvals/appr-gone", json={"approve": True})
+        assert late.json()["error"]["code"] == "invalid_input"

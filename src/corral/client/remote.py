@@ -177,6 +177,27 @@ class Remote:
     ) -> RemotePool:
         return RemotePool(self, _policy(policy))
 
+    def approver(self, *, box: str | None = None, timeout: float = 300.0) -> Any:
+        """An approver for the tools layer (``Toolbox(..., approver=...)``) that asks a person
+        on the server's dashboard; unanswered within ``timeout`` seconds means no."""
+
+        async def ask(request: Any) -> bool:
+            answer = await self.json(
+                "POST",
+                "/v1/approvals",
+                json={
+                    "tool": request.tool,
+                    "command_line": request.command_line,
+                    "reason": request.reason,
+                    "box": box,
+                    "timeout_secs": timeout,
+                },
+                timeout=timeout + 30,
+            )
+            return bool(answer["approved"])
+
+        return ask
+
     async def boxes(self, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
         params = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         data: list[dict[str, Any]] = await self.json("GET", "/v1/boxes", params=params)

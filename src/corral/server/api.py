@@ -31,6 +31,7 @@ from corral.client import frames
 from corral.policy import Policy
 from corral.processes import Process
 from corral.sandbox import Sandbox
+from corral.server.approvals import Approvals
 from corral.server.auth import error_body, status_for
 from corral.server.boxes import Boxes, HeldBox
 from corral.server.dashboard import add_dashboard
@@ -429,7 +430,7 @@ def build_api(  # noqa: C901
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    add_dashboard(app, boxes.audit)
+    add_dashboard(app, boxes.audit, Approvals())
 
     # -- boxes ---------------------------------------------------------------------------------
     @app.post("/v1/boxes", tags=["boxes"], status_code=201)

@@ -14,11 +14,14 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from corral import errors
+from corral.server.approvals import Approvals
 from corral.server.feed import AuditFeed
 
 __all__ = ["CSP", "STATIC", "add_dashboard"]
@@ -53,8 +56,43 @@ def _files() -> dict[str, Path]:
     return found
 
 
-def add_dashboard(app: FastAPI, feed: AuditFeed) -> None:
+class ApprovalAsk(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tool: str
+    command_line: str | None = None
+    reason: str = ""
+    box: str | None = Field(None, description="the server's box the call is for, if any")
+    timeout_secs: float = Field(300.0, gt=0, le=3600, description="then: denied")
+
+
+class ApprovalAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    approve: bool
+
+
+def add_approvals(app: FastAPI, approvals: Approvals) -> None:
+    @app.post("/v1/approvals", tags=["approvals"])
+    async def ask_approval(body: ApprovalAsk) -> dict[str, Any]:
+        """Ask a person (on the dashboard) about a tool call; answers when they decide, or
+        denied at ``timeout_secs``."""
+        approval_id, approved, by = await approvals.ask(
+            body.tool, body.command_line, body.reason, body.box, body.timeout_secs
+        )
+        return {"id": approval_id, "approved": approved, "decided_by": by}
+
+    @app.get("/v1/approvals", tags=["approvals"])
+    async def pending_approvals() -> list[dict[str, Any]]:
+        return approvals.pending()
+
+    @app.post("/v1/approvals/{approval_id}", tags=["approvals"])
+    async def answer_approval(approval_id: str, body: ApprovalAnswer) -> dict[str, bool]:
+        approvals.decide(approval_id, body.approve)
+        return {"approved": body.approve}
+
+
+def add_dashboard(app: FastAPI, feed: AuditFeed, approvals: Approvals) -> None:
     files = _files()
+    add_approvals(app, approvals)
 
     def serve_file(url_path: str) -> Response:
         path = files.get(url_path)

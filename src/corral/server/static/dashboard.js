@@ -99,7 +99,33 @@ function renderBoxes(boxes) {
   }
 }
 
+async function refreshApprovals() {
+  const pending = await (await api("/v1/approvals")).json();
+  const list = document.getElementById("approvals");
+  list.replaceChildren();
+  for (const ask of pending) {
+    const what = ask.tool + (ask.command_line ? ": " + ask.command_line : "");
+    const item = el("li", what + (ask.reason ? " (" + ask.reason + ")" : "") + (ask.box ? " [" + ask.box + "]" : ""));
+    item.dataset.approval = ask.id;
+    for (const [label, approve] of [["Approve", true], ["Deny", false]]) {
+      const button = el("button", label);
+      button.type = "button";
+      button.addEventListener("click", () => {
+        api("/v1/approvals/" + encodeURIComponent(ask.id), {
+          method: "POST",
+          headers: { "Content-Type": "application/json" },
+          body: JSON.stringify({ approve }),
+        }).then(() => refresh()).catch((e) => say(e.message, true));
+      });
+      item.append(button);
+    }
+    list.append(item);
+  }
+  if (!pending.length) list.append(el("li", "none pending", "none"));
+}
+
 async function refresh() {
+  await refreshApprovals();
   const boxes = await (await api("/v1/boxes")).json();
   renderBoxes(boxes);
   const current = boxes.find((b) => b.id === state.box);
