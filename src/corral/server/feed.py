@@ -1,5 +1,6 @@
-"""The live audit stream of ``corral serve``: every record of the server's boxes' audit logs
-(kept whether or not a policy names an audit file), the last few kept for late readers.
+"""The live audit stream of ``corral serve``: every record of the boxes it holds (kept
+whether or not a policy names an audit file; not the one-shots of ``corral run``), the last
+few kept for late readers.
 
 Records may come from any thread; readers are asyncio queues on the server's loop. A reader
 that falls behind by ``QUEUE`` records loses the oldest of them rather than holding the boxes up.
