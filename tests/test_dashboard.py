@@ -152,11 +152,11 @@ async def test_the_page_loads_no_data_without_a_token(server: Served, tmp_path: 
         await page.locator("#status.error").filter(has_text="no token").wait_for()
         await page.screenshot(path=tmp_path / "dashboard-no-token.png")
         assert not [url for url in asked if "/v1/" in url]
-        # A wrong token: the server's refusal is shown, and no box is.
-        page = await page.context.new_page()
+        # A wrong token (pasted into the same tab): the server's refusal is shown, no box is.
         await page.goto(server.url + "/#token=not-the-token")
         await page.locator("#status.error").filter(has_text="unauthorized").wait_for()
         assert await page.locator("#boxes tr[data-box]").count() == 0
+        assert "token" not in page.url
 
 
 def test_the_page_is_served_with_a_strict_csp(server: Served) -> None:

@@ -268,18 +268,28 @@ async function followAudit() {
   }
 }
 
-function start() {
+let started = false;
+
+function begin() {
   state.token = takeToken();
-  document.getElementById("server").textContent = location.host;
-  document.getElementById("detach").addEventListener("click", detach);
   if (!state.token) {
     say("no token: open the dashboard URL that corral serve printed (it ends in #token=...)", true);
     return;
   }
   const tick = () => refresh().catch((e) => say(e.message, true));
   tick();
+  if (started) return;
+  started = true;
   setInterval(tick, POLL_MS);
   followAudit();
+}
+
+function start() {
+  document.getElementById("server").textContent = location.host;
+  document.getElementById("detach").addEventListener("click", detach);
+  // A URL with another token pasted into this tab: use it.
+  window.addEventListener("hashchange", () => { if (location.hash.includes("token=")) begin(); });
+  begin();
 }
 
 document.addEventListener("DOMContentLoaded", start);
