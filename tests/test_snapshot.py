@@ -4,11 +4,13 @@ diverge; the box snapshotted goes on; filesystem state only."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from corral import Policy, Sandbox, SandboxError
+from corral.images.store import ImageStore
 from oci_images import busybox_root, dir_tar, write_layout
 
 pytestmark = [
@@ -74,3 +76,25 @@ async def test_snapshot_and_fork_through_the_server(image: str, tmp_path: Path) 
                 for fork in forks:
                     await fork.aclose()
             assert await remote.boxes() == []
+
+
+async def test_a_hostile_writable_root_is_snapshotted_safely(image: str, tmp_path: Path) -> None:
+    """Everything in the upper is the box's: a link to the host's /etc/shadow stays a link,
+    setuid bits (which the box cannot set anyway) are not kept, no device node reaches the store."""
+    (tmp_path / "ws").mkdir()
+    async with Sandbox(Policy(image=image, user="root"), workspace=tmp_path / "ws") as sb:
+        r = await sb.run(
+            "ln -s /etc/shadow /etc/evil && mkfifo /etc/fifo && echo x > /etc/suid"
+            " && (chmod 4755 /etc/suid; mknod /etc/dev c 1 3; true)"
+        )
+        assert r.exit_code == 0, r
+        ref = await sb.snapshot("localhost/corral-test/hostile:1")
+    store = ImageStore()
+    record = store.get(ref)
+    assert record is not None
+    etc = store.rootfs(record) / "etc"
+    assert os.readlink(etc / "evil") == "/etc/shadow"  # copied as a link, never followed
+    assert stat.S_IMODE((etc / "suid").lstat().st_mode) & (stat.S_ISUID | stat.S_ISGID) == 0
+    for entry in etc.iterdir():
+        mode = entry.lstat().st_mode
+        assert not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)), entry
