@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -235,8 +236,11 @@ def warm_schemas() -> None:
     """Build every tool's schemas now (about 15 ms of pydantic work, once per process), so
     that no later ``schemas()`` on an event loop pays for it. Safe in a thread."""
     for spec in TOOLS:
-        _schema_text(spec.args)
-        _schema_text(spec.result)
+        for model in (spec.args, spec.result):
+            _schema_text(model)
+            # pydantic builds a schema in long calls that keep the GIL: let an event loop
+            # in another thread (the caller's) run between models, not after all of them.
+            time.sleep(0)
 
 
 _warming: threading.Thread | None = None
