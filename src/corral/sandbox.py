@@ -42,6 +42,7 @@ from corral.channel import Channel
 from corral.files import Files
 from corral.models import CommandResult, NetworkRefusal, ProcessInfo
 from corral.net import BoxNetwork
+from corral.net.box import load_network, network_loaded
 from corral.policy import DEFAULT_WORKDIR, Limits, Policy, PublishedPort, RlimitName
 from corral.processes import Process, ProcessRegistry, end_all, end_in_background
 from corral.sessions.pty import PtySession, SessionRegistry
@@ -267,6 +268,19 @@ class Sandbox:
             return None
         return os.fspath(self.workspace)
 
+    async def _box_network(self, state_dir: Path) -> BoxNetwork | None:
+        if self.policy.network.mode != "none" and not network_loaded():
+            # The first networked box of a process imports the proxy, NAT, relays and rules
+            # (tens of ms): in a thread, as the backend's first import is.
+            await blocking(load_network)
+        return BoxNetwork.for_policy(
+            self.policy.network,
+            state_dir / "net",
+            audit=self.audit,
+            resolver=self._resolver,
+            exposable=self._exposable,
+        )
+
     async def start(self) -> None:
         if self._box is not None or self._closed:
             raise errors.SandboxClosed("a Sandbox can be started once; create a new one")
@@ -309,13 +323,7 @@ class Sandbox:
             # A registry ref is pulled here (then the backend finds it stored).
             self.image_config, self.user = await blocking(_resolve_image, self.policy)
         state_dir = state_root() / "boxes" / self.sandbox_id
-        self._network = BoxNetwork.for_policy(
-            self.policy.network,
-            state_dir / "net",
-            audit=self.audit,
-            resolver=self._resolver,
-            exposable=self._exposable,
-        )
+        self._network = await self._box_network(state_dir)
         spec = BoxSpec(
             policy=self.policy,
             workspace=self.workspace,

@@ -31,8 +31,10 @@ The microVM's link connects from this process on the host.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +77,28 @@ one first."""
 
 def link_port(index: int) -> int:
     return LINK_PORT_BASE + index
+
+
+_NETWORK_MODULES = (
+    "corral.net.nat",
+    "corral.net.ports",
+    "corral.net.proxy",
+    "corral.net.publish",
+    "corral.net.resolver",
+    "corral.net.rules",
+)
+
+
+def network_loaded() -> bool:
+    """Whether the modules a networked box needs are imported (see :func:`load_network`)."""
+    return all(name in sys.modules for name in _NETWORK_MODULES)
+
+
+def load_network() -> None:
+    """Import what a box with a network needs: done in a thread by the first such box of a
+    process, so the imports do not hold its event loop."""
+    for name in _NETWORK_MODULES:
+        importlib.import_module(name)
 
 
 class BoxNetwork:
