@@ -645,8 +645,9 @@ class OciBackend(BackendBase):
             )
             flags = runtime.run_flags(netns, relays)
             await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags)
-            if pins:  # before the agent hears of anything to run
-                _check_pins(_read_pid(spec.state_dir / "init.pid"), pins)
+            if pins:  # before the agent hears of anything to run (openat2 walks: off the loop)
+                init_pid = _read_pid(spec.state_dir / "init.pid")
+                await blocking(_check_pins, init_pid, pins)
             cgroup = await self._group_of(spec, limits, late)
         except BaseException:
             host_end.close()
