@@ -416,6 +416,10 @@ class RemoteSandbox:
         stats: dict[str, Any] = (await self.describe()).get("stats") or {}
         return stats
 
+    async def oom_kills(self) -> int:
+        """Processes the box's memory limit killed so far."""
+        return int((await self.stats()).get("oom_kills", 0))
+
     async def describe(self) -> dict[str, Any]:
         """The server's view of the box: state, labels, TTL, limits, live stats."""
         data: dict[str, Any] = await self.remote.json("GET", self.path)
@@ -552,9 +556,10 @@ class RemoteProcess:
         return data
 
 
-class RemoteExecStream:
-    """``async for event in sb.exec_stream(...)``: ``Stdout``/``Stderr`` bytes, then
-    ``Exited``; or ``stream = await sb.exec_stream(...)`` and iterate that."""
+class _FrameEvents:
+    """What both remote exec streams share: the server's frames turned into the library's
+    events, the command's end remembered (``exit_code``, ``timed_out``), its errors raised as
+    the library's classes."""
 
     def __init__(
         self, sandbox: RemoteSandbox, params: list[tuple[str, str | int | float | bool | None]]
@@ -563,6 +568,29 @@ class RemoteExecStream:
         self.params = params
         self.exit_code: int | None = None
         self.timed_out = False
+
+    def _event(self, kind: int, data: bytes) -> ExecEvent | None:
+        if kind == frames.STDOUT:
+            return Stdout(data)
+        if kind == frames.STDERR:
+            return Stderr(data)
+        if kind == frames.END:
+            end = json.loads(data)
+            if "error" in end and end.get("ended") == "not_started":
+                err = end["error"]
+                raise errors.from_code(err["code"], err["message"])
+            self.exit_code = int(end["exit_code"])
+            self.timed_out = bool(end.get("timed_out"))
+            return Exited(self.exit_code)
+        if kind == frames.ERROR:
+            err = json.loads(data)["error"]
+            raise errors.from_code(err["code"], err["message"])
+        return None
+
+
+class RemoteExecStream(_FrameEvents):
+    """``async for event in sb.exec_stream(...)``: ``Stdout``/``Stderr`` bytes, then
+    ``Exited``; or ``stream = await sb.exec_stream(...)`` and iterate that."""
 
     def __await__(self) -> Generator[Any, None, RemoteExecStream]:
         async def ready() -> RemoteExecStream:
@@ -590,28 +618,17 @@ class RemoteExecStream:
             async for chunk in response.aiter_raw():
                 buffer += chunk
                 for kind, data in frames.split_frames(buffer):
-                    if kind == frames.STDOUT:
-                        yield Stdout(data)
-                    elif kind == frames.STDERR:
-                        yield Stderr(data)
-                    elif kind == frames.END:
-                        end = json.loads(data)
-                        if "error" in end and end.get("ended") == "not_started":
-                            err = end["error"]
-                            raise errors.from_code(err["code"], err["message"])
-                        self.exit_code = int(end["exit_code"])
-                        self.timed_out = bool(end.get("timed_out"))
-                        yield Exited(self.exit_code)
-                        return
-                    elif kind == frames.ERROR:
-                        err = json.loads(data)["error"]
-                        raise errors.from_code(err["code"], err["message"])
+                    event = self._event(kind, data)
+                    if event is not None:
+                        yield event
+                        if isinstance(event, Exited):
+                            return
             raise errors.ServerUnavailable("the server's stream ended before the command did")
         finally:
             await response.aclose()
 
 
-class RemotePipedStream:
+class RemotePipedStream(_FrameEvents):
     """``exec_stream(..., stdin="pipe")`` on a server: the command's stdin stays open over a
     WebSocket (``/exec/ws``), so what it prints comes back while it is still being fed.
     ``stream = await sb.exec_stream(cmd, stdin="pipe")``, then ``write``, ``close_stdin``,
@@ -620,10 +637,7 @@ class RemotePipedStream:
     def __init__(
         self, sandbox: RemoteSandbox, params: list[tuple[str, str | int | float | bool | None]]
     ) -> None:
-        self.sandbox = sandbox
-        self.params = params
-        self.exit_code: int | None = None
-        self.timed_out = False
+        super().__init__(sandbox, params)
         self._ws: Any = None
 
     async def _open(self) -> RemotePipedStream:
@@ -667,19 +681,11 @@ class RemotePipedStream:
                 if not isinstance(message, bytes):
                     continue
                 for kind, data in frames.split_frames(bytearray(message)):
-                    if kind == frames.STDOUT:
-                        yield Stdout(data)
-                    elif kind == frames.STDERR:
-                        yield Stderr(data)
-                    elif kind == frames.END:
-                        end = json.loads(data)
-                        self.exit_code = int(end["exit_code"])
-                        self.timed_out = bool(end.get("timed_out"))
-                        yield Exited(self.exit_code)
-                        return
-                    elif kind == frames.ERROR:
-                        err = json.loads(data)["error"]
-                        raise errors.from_code(err["code"], err["message"])
+                    event = self._event(kind, data)
+                    if event is not None:
+                        yield event
+                        if isinstance(event, Exited):
+                            return
         except ConnectionClosed:
             pass
         finally:

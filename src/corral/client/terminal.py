@@ -17,7 +17,6 @@ import os
 import sys
 import termios
 import tty
-from dataclasses import dataclass
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
@@ -26,20 +25,15 @@ from websockets.exceptions import ConnectionClosed
 from corral.client.fast import Conn, ServerError, q
 from corral.sessions.terminal import (
     DEFAULT_DETACH_KEYS,
-    DetachDetector,
+    AttachOutcome,
+    KeyBridge,
     _write_all,
     parse_detach_keys,
     window_size,
 )
 from corral.sessions.terminal import _watch_winch as watch_winch
 
-__all__ = ["Ended", "attach", "find_session", "list_sessions", "shell"]
-
-
-@dataclass(frozen=True)
-class Ended:
-    reason: str  # "detached" | "exited" | "lost"
-    exit_code: int | None = None
+__all__ = ["attach", "find_session", "list_sessions", "shell"]
 
 
 async def _open(conn: Conn, path: str) -> ClientConnection:
@@ -50,33 +44,18 @@ async def _open(conn: Conn, path: str) -> ClientConnection:
     return await connect(f"ws://{host}:{conn.port}{path}", additional_headers=extra, max_size=None)
 
 
-class _Bridge:
+class _Bridge(KeyBridge):
     """One attach over a WebSocket (the state of :func:`bridge`)."""
 
     def __init__(self, ws: ClientConnection, keys: bytes, in_fd: int, out_fd: int) -> None:
+        super().__init__(keys, in_fd, out_fd)
         self.ws = ws
-        self.detector = DetachDetector(keys)
-        self.in_fd, self.out_fd = in_fd, out_fd
         self.outgoing: asyncio.Queue[bytes | str | None] = asyncio.Queue()
-        self.done: asyncio.Future[Ended] = asyncio.get_running_loop().create_future()
 
-    def finish(self, ended: Ended) -> None:
-        if not self.done.done():
-            self.done.set_result(ended)
+    def forward(self, data: bytes) -> None:
+        self.outgoing.put_nowait(data)
 
-    def on_key(self) -> None:
-        try:
-            data = os.read(self.in_fd, 4096)
-        except BlockingIOError:
-            return
-        forward, detach = self.detector.feed(data)
-        if forward:
-            self.outgoing.put_nowait(forward)
-        if detach or not data:  # end of our input detaches too: the session lives on
-            self.finish(Ended("detached"))
-
-    def on_winch(self) -> None:
-        cols, rows = window_size(self.out_fd)
+    def resize(self, cols: int, rows: int) -> None:
         self.outgoing.put_nowait(json.dumps({"resize": [cols, rows]}))
 
     async def send(self) -> None:
@@ -88,12 +67,12 @@ class _Bridge:
             async for message in self.ws:
                 if isinstance(message, bytes):
                     _write_all(self.out_fd, message)
-        self.finish(Ended("exited") if self.ws.close_code == 1000 else Ended("lost"))
+        self.finish(AttachOutcome("exited" if self.ws.close_code == 1000 else "lost"))
 
 
 async def bridge(
     conn: Conn, box: str, session: str, keys: bytes, in_fd: int = 0, out_fd: int = 1
-) -> Ended:
+) -> AttachOutcome:
     """This terminal on the session until detach, the session's end, or a lost server."""
     loop = asyncio.get_running_loop()
     ws = await _open(conn, f"/v1/boxes/{q(box)}/sessions/{q(session)}/attach")

@@ -162,18 +162,25 @@ def _write_all(fd: int, data: bytes) -> None:
             continue  # a non-blocking terminal that is momentarily full
 
 
-class _Bridge:
-    """One attach: forwards keys to the server and output frames to the terminal."""
+class KeyBridge:
+    """What every terminal bridge shares, whatever carries it (the attach socket's frames,
+    ``corral serve``'s WebSocket): keys read from ``in_fd`` go out through :meth:`forward`
+    until the detach keys (or the end of input) detach, the window size goes out through
+    :meth:`resize`, and ``done`` holds how the attach ended."""
 
-    def __init__(self, writer: asyncio.StreamWriter, keys: bytes, in_fd: int, out_fd: int) -> None:
-        self.writer = writer
+    def __init__(self, keys: bytes, in_fd: int, out_fd: int) -> None:
         self.detector = DetachDetector(keys)
         self.in_fd, self.out_fd = in_fd, out_fd
         self.done: asyncio.Future[AttachOutcome] = asyncio.get_running_loop().create_future()
 
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        if not self.writer.is_closing():
-            self.writer.write(protocol.encode(header, payload))
+    def forward(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def resize(self, cols: int, rows: int) -> None:
+        raise NotImplementedError
+
+    def detaching(self) -> None:
+        """The person detached: tell the other side if it wants to know."""
 
     def finish(self, outcome: AttachOutcome) -> None:
         if not self.done.done():
@@ -186,14 +193,34 @@ class _Bridge:
             return
         forward, detach = self.detector.feed(data)
         if forward:
-            self.send({"op": "input"}, forward)
+            self.forward(forward)
         if detach or not data:  # end of our input detaches too: the session lives on
-            self.send({"op": "detach"})
+            self.detaching()
             self.finish(AttachOutcome("detached"))
 
     def on_winch(self) -> None:
-        cols, rows = window_size(self.out_fd)
+        self.resize(*window_size(self.out_fd))
+
+
+class _Bridge(KeyBridge):
+    """One attach: forwards keys to the server and output frames to the terminal."""
+
+    def __init__(self, writer: asyncio.StreamWriter, keys: bytes, in_fd: int, out_fd: int) -> None:
+        super().__init__(keys, in_fd, out_fd)
+        self.writer = writer
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        if not self.writer.is_closing():
+            self.writer.write(protocol.encode(header, payload))
+
+    def forward(self, data: bytes) -> None:
+        self.send({"op": "input"}, data)
+
+    def resize(self, cols: int, rows: int) -> None:
         self.send({"op": "resize", "cols": cols, "rows": rows})
+
+    def detaching(self) -> None:
+        self.send({"op": "detach"})
 
     def on_frame(self, message: dict[str, Any], payload: bytes) -> None:
         if message.get("ev") == "out":
