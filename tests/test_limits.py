@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
 async def test_memory_bomb_is_killed_and_reported(workspace: Path) -> None:
     policy = Policy.from_dict({"limits": {"memory_bytes": "64M"}})
     async with Sandbox(policy, workspace=workspace) as sb:
+        assert sb.oom_kills() == 0
         r = await sb.run(
             ["python3", "-c", "x = bytearray(400 << 20); print('survived')"], timeout=60
         )
@@ -22,6 +23,7 @@ async def test_memory_bomb_is_killed_and_reported(workspace: Path) -> None:
         assert r.oom_killed and r.ended == "oom_killed"
         assert "survived" not in r.stdout
         assert sb.stats().oom_kills >= 1
+        assert sb.oom_kills() == sb.stats().oom_kills
         assert (await sb.run("echo still-usable")).stdout == "still-usable\n"
 
 

@@ -365,7 +365,7 @@ async def _captured(sb: Sandbox, args: argparse.Namespace, command: list[str], e
 
 
 async def _streamed(sb: Sandbox, args: argparse.Namespace, command: list[str], env: Any) -> int:
-    oom_before = sb.stats().oom_kills
+    oom_before = sb.oom_kills()
     timeout = args.timeout if args.timeout is not None else sb.policy.limits.exec_timeout_secs
     stream = await sb.exec_stream(
         command,
@@ -400,7 +400,7 @@ async def _streamed(sb: Sandbox, args: argparse.Namespace, command: list[str], e
             _write_all(fd, shown.flush())
     if stream.timed_out:
         print(f"corral: timed out after {timeout or 0:g} s", file=sys.stderr)
-    if sb.stats().oom_kills > oom_before:
+    if sb.oom_kills() > oom_before:
         print("corral: the memory limit killed a process (--memory)", file=sys.stderr)
     for line in refusal_lines(sb.network_refusals()):
         print(terminal_safe(line, sys.stderr, args), file=sys.stderr)

@@ -253,7 +253,7 @@ async def _stream_command(
     """Frames of one command's output, then its end (or the error that stopped it)."""
     from corral.net.cli import refusal_lines
 
-    oom_before = sb.stats().oom_kills
+    oom_before = sb.oom_kills()
     refused_before = len(sb.network_refusals())
     if timeout is None:
         timeout = sb.policy.limits.exec_timeout_secs
@@ -293,7 +293,7 @@ async def _stream_command(
             feeder.cancel()
     code = exits[0] if exits else -9
     timed_out = bool(stream.timed_out)
-    oom = sb.stats().oom_kills > oom_before
+    oom = sb.oom_kills() > oom_before
     if timed_out:
         yield frames.frame(frames.NOTE, f"corral: timed out after {timeout or 0:g} s".encode())
     if oom:

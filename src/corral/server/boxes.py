@@ -319,7 +319,7 @@ class Boxes:
         if sb.closed:
             return
         with contextlib.suppress(errors.SandboxError):
-            self.metrics.oom_kills.inc(sb.stats().oom_kills)
+            self.metrics.oom_kills.inc(sb.oom_kills())
         self.metrics.proxy_refusals.inc(len(sb.network_refusals()))
 
     # ---- one-shot runs from warm pools ---------------------------------------------------
