@@ -9,7 +9,9 @@ import gc
 import logging
 import os
 import shutil
+import sys
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,46 @@ def _cpu_wait() -> tuple[float, float]:
     return own, stall
 
 
+class _Sampler:
+    """Where the loop's thread is while a callback runs: a thread looks at its stack every few
+    milliseconds, so a report of a slow callback can say which code held the loop (asyncio
+    names only the task, and the step is often the box's start or close deep below it)."""
+
+    PERIOD = 0.004
+
+    def __init__(self) -> None:
+        self.target = threading.get_ident()
+        self.samples: Counter[str] = Counter()
+        self.active = False
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="loop-sampler", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.PERIOD):
+            if not self.active:
+                continue
+            frame = sys._current_frames().get(self.target)
+            if frame is not None:
+                self.samples[_where(frame)] += 1
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join(5)
+
+
+def _where(frame: Any) -> str:
+    """The innermost frames of a stack, ours first (site-packages and the stdlib only where
+    nothing of ours is on the stack)."""
+    frames: list[str] = []
+    while frame is not None and len(frames) < 40:
+        code = frame.f_code
+        frames.append(f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    ours = [f for f in frames if not f.startswith(("base_events.py", "events.py"))]
+    return " < ".join(ours[:4])
+
+
 class _SlowCallbacks(logging.Handler):
     """Collects asyncio's debug-mode reports of callbacks over ``slow_callback_duration``.
 
@@ -127,15 +169,23 @@ class _SlowCallbacks(logging.Handler):
         self.threshold = threshold
         self.reports: list[str] = []
         self.last_wait = 0.0
+        self.last_where: list[tuple[str, int]] = []
+        self.sampler = _Sampler()
 
     def track(self, run: Callable[[asyncio.Handle], None]) -> Callable[[asyncio.Handle], None]:
+        sampler = self.sampler
+
         def timed(handle: asyncio.Handle) -> None:
             own, stall = _cpu_wait()
+            sampler.samples.clear()
+            sampler.active = True
             try:
                 run(handle)
             finally:
+                sampler.active = False
                 own_after, stall_after = _cpu_wait()
                 self.last_wait = max(own_after - own, stall_after - stall)
+                self.last_where = sampler.samples.most_common(3)
 
         return timed
 
@@ -150,8 +200,14 @@ class _SlowCallbacks(logging.Handler):
         # A callback that spent most of its time waiting for a CPU says nothing measurable
         # about itself: the two clocks are read at different instants.
         if took - self.last_wait >= self.threshold and self.last_wait < took / 2:
-            self.reports.append(f"{message} ({self.last_wait * 1000:.0f} ms waiting for a CPU)")
+            where = "; ".join(f"{n} x {PERIOD_MS} ms at {at}" for at, n in self.last_where)
+            self.reports.append(
+                f"{message} ({self.last_wait * 1000:.0f} ms waiting for a CPU; "
+                f"sampled: {where or 'nothing'})"
+            )
 
+
+PERIOD_MS = round(_Sampler.PERIOD * 1000)
 
 DEFAULT_THREADS = 8
 """Threads of the default executor a watched test's loop gets, all started before the watch."""
@@ -188,6 +244,7 @@ async def loop_watch(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
         loop.set_debug(debug)
         loop.slow_callback_duration = threshold
         logger.removeHandler(handler)
+        handler.sampler.close()
         gc.unfreeze()
     if handler.reports:
         limit = f"{SLOW_CALLBACK_SECS * 1000:g} ms"
