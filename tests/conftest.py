@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -126,8 +127,19 @@ class _Sampler:
         self.samples: Counter[str] = Counter()
         self.active = False
         self.stopped = threading.Event()
+        self.gc_seconds = self.gc_started = 0.0
+        gc.callbacks.append(self.on_gc)
         self.thread = threading.Thread(target=self._run, name="loop-sampler", daemon=True)
         self.thread.start()
+
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:
+        """gc's callback: the time collections took, whichever thread ran them (a collection
+        in any thread holds the GIL, so the loop waits for it too)."""
+        if phase == "start":
+            self.gc_started = time.perf_counter()
+        elif self.gc_started:
+            self.gc_seconds += time.perf_counter() - self.gc_started
+            self.gc_started = 0.0
 
     def _run(self) -> None:
         while not self.stopped.wait(self.PERIOD):
@@ -138,6 +150,7 @@ class _Sampler:
                 self.samples[_where(frame)] += 1
 
     def close(self) -> None:
+        gc.callbacks.remove(self.on_gc)
         self.stopped.set()
         self.thread.join(5)
 
@@ -170,6 +183,7 @@ class _SlowCallbacks(logging.Handler):
         self.reports: list[str] = []
         self.last_wait = 0.0
         self.last_where: list[tuple[str, int]] = []
+        self.last_gc = 0.0
         self.sampler = _Sampler()
 
     def track(self, run: Callable[[asyncio.Handle], None]) -> Callable[[asyncio.Handle], None]:
@@ -178,6 +192,7 @@ class _SlowCallbacks(logging.Handler):
         def timed(handle: asyncio.Handle) -> None:
             own, stall = _cpu_wait()
             sampler.samples.clear()
+            collecting = sampler.gc_seconds
             sampler.active = True
             try:
                 run(handle)
@@ -186,6 +201,7 @@ class _SlowCallbacks(logging.Handler):
                 own_after, stall_after = _cpu_wait()
                 self.last_wait = max(own_after - own, stall_after - stall)
                 self.last_where = sampler.samples.most_common(3)
+                self.last_gc = sampler.gc_seconds - collecting
 
         return timed
 
@@ -203,7 +219,7 @@ class _SlowCallbacks(logging.Handler):
             where = "; ".join(f"{n} x {PERIOD_MS} ms at {at}" for at, n in self.last_where)
             self.reports.append(
                 f"{message} ({self.last_wait * 1000:.0f} ms waiting for a CPU; "
-                f"sampled: {where or 'nothing'})"
+                f"{self.last_gc * 1000:.0f} ms in gc; sampled: {where or 'nothing'})"
             )
 
 
