@@ -72,7 +72,17 @@ async def test_snapshot_and_fork_through_the_server(image: str, tmp_path: Path) 
                 states = [(await f.run("cat /etc/state")).stdout for f in forks]
                 assert states == ["base\nfork0\n", "base\nfork1\n"]
                 ref = await sb.snapshot("localhost/corral-test/remote:1")
-                assert ref == "localhost/corral-test/remote:1"
+                assert ref == "localhost/corral-test/remote:1" and ref.warnings == ()
+                await sb.run("echo mine > /workspace/w && (sleep 1000 >/dev/null 2>&1 &)")
+                with pytest.raises(corral.ProcessStateUnavailable, match="criu"):
+                    await sb.snapshot("localhost/corral-test/remote:2", processes="error")
+                snap = await sb.snapshot("localhost/corral-test/remote:2", workspace=True)
+                assert snap.processes == 1 and snap.workspace, snap.to_dict()
+                assert "filesystem-only" in snap.warnings[0]
+                (fork,) = await sb.fork(1, workspace=True)
+                assert any("filesystem-only" in w for w in fork.warnings)
+                assert (await fork.run("cat /workspace/w")).stdout == "mine\n"
+                forks.append(fork)
                 for fork in forks:
                     await fork.aclose()
             assert await remote.boxes() == []
@@ -98,3 +108,80 @@ async def test_a_hostile_writable_root_is_snapshotted_safely(image: str, tmp_pat
     for entry in etc.iterdir():
         mode = entry.lstat().st_mode
         assert not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)), entry
+
+
+async def test_three_forks_of_a_box_with_a_running_process_diverge(
+    image: str, tmp_path: Path
+) -> None:
+    """The hidden check's shape: files in the root and the workspace, a process running;
+    a filesystem-only snapshot with a warning (or the error, as chosen); three forks, each
+    changing its root and workspace apart from the others and from the parent."""
+    from corral import ProcessStateUnavailable
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    async with Sandbox(Policy(image=image, user="root"), workspace=ws) as sb:
+        r = await sb.run(
+            "echo base > /etc/state && mkdir -p /workspace/src && echo ws > /workspace/src/f"
+            " && ln -s /etc/shadow /workspace/link && mkfifo /workspace/fifo"
+            " && ln /workspace/src/f /workspace/hard && echo x > /workspace/suid"
+            " && (sleep 1000 >/dev/null 2>&1 &)"
+        )
+        assert r.exit_code == 0, r
+        (ws / "suid").chmod(0o4755)  # the box may not (seccomp); a host process might
+        with pytest.raises(ProcessStateUnavailable) as caught:
+            await sb.fork(3, processes="error", workspace=True)
+        assert caught.value.code == "process_state_unavailable"
+        assert "1 process besides the guest agent was running" in caught.value.message
+        assert "criu" in caught.value.message.lower()
+        assert not sb.paused
+        forks = await sb.fork(3, workspace=True)  # processes="warn": the default
+        try:
+            for fork in forks:
+                assert any("filesystem-only snapshot" in w for w in fork.warnings), fork.warnings
+            for i, fork in enumerate(forks):
+                r = await fork.run(
+                    f"echo fork{i} >> /etc/state && echo fork{i} > /workspace/src/f"
+                    f" && touch /workspace/mine{i} && rm /workspace/link"
+                )
+                assert r.exit_code == 0, r
+            for i, fork in enumerate(forks):
+                r = await fork.run(
+                    "cat /etc/state /workspace/src/f; ls /workspace; busybox ps -o args"
+                )
+                lines = r.stdout.splitlines()
+                assert lines[:3] == ["base", f"fork{i}", f"fork{i}"], r
+                assert f"mine{i}" in lines and not {f"mine{j}" for j in range(3) if j != i} & set(
+                    lines
+                ), r
+                assert "busybox ps -o args" in r.stdout  # ps ran, and saw no sleep:
+                assert not any("sleep 1000" in line for line in lines)  # processes not kept
+                host = fork.workspace
+                assert host is not None and host != ws
+                assert (host / "hard").read_text() == f"fork{i}\n"  # the hard link kept
+                assert stat.S_ISFIFO((host / "fifo").lstat().st_mode)
+                assert (host / "suid").stat().st_mode & (stat.S_ISUID | stat.S_ISGID) == 0
+            r = await sb.run("cat /etc/state /workspace/src/f; ls /workspace")
+            assert r.stdout.splitlines()[:2] == ["base", "ws"], r  # the parent is unchanged
+            assert os.readlink(ws / "link") == "/etc/shadow"
+            assert not any((ws / f"mine{i}").exists() for i in range(3))
+        finally:
+            for fork in forks:
+                await fork.aclose()
+        for fork in forks:
+            assert fork.workspace is not None and not fork.workspace.exists()
+        snap = await sb.snapshot("localhost/corral-test/ws:1", workspace=True)
+        assert snap.processes == 1 and snap.workspace
+        assert "1 process besides the guest agent was running" in snap.warnings[0]
+        r = await sb.run(  # the sleep ends and is reaped (its /proc entry goes)
+            "for p in /proc/[0-9]*; do grep -qx sleep $p/comm 2>/dev/null || continue;"
+            " kill ${p#/proc/}; while [ -e $p ]; do :; done; done"
+        )
+        assert r.exit_code == 0, r
+        quiet = await sb.snapshot("localhost/corral-test/quiet:1", processes="error")
+        assert quiet.warnings == () and quiet.processes == 0 and not quiet.workspace
+    async with Sandbox.restore(snap, Policy(image=image)) as restored:
+        r = await restored.run("cat /workspace/src/f; readlink /workspace/link")
+        assert r.stdout == "ws\n/etc/shadow\n", r
+    async with Sandbox.restore(quiet, Policy(image=image)) as restored:
+        assert (await restored.run("ls /workspace")).stdout == ""  # no workspace kept

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         PolicyError,
         ProcessError,
         ProcessNotFound,
+        ProcessStateUnavailable,
         ProtocolError,
         RequestTooLarge,
         SandboxBroken,
@@ -56,7 +57,14 @@ if TYPE_CHECKING:
         Timeout,
         Unauthorized,
     )
-    from corral.models import CommandResult, FileInfo, ProcessInfo, ProcessStats, WaitResult
+    from corral.models import (
+        CommandResult,
+        FileInfo,
+        ProcessInfo,
+        ProcessStats,
+        Snapshot,
+        WaitResult,
+    )
     from corral.policy import (
         FilesystemPolicy,
         Limits,
@@ -78,6 +86,8 @@ _LAZY: dict[str, str] = {
     "BackendError": "corral.errors",
     "BackendUnavailable": "corral.errors",
     "BoxNotFound": "corral.errors",
+    "ProcessStateUnavailable": "corral.errors",
+    "Snapshot": "corral.models",
     "CommandFailed": "corral.errors",
     "CommandNotFound": "corral.errors",
     "CommandResult": "corral.models",
@@ -159,6 +169,7 @@ __all__ = [
     "ProcessError",
     "ProcessInfo",
     "ProcessNotFound",
+    "ProcessStateUnavailable",
     "ProcessStats",
     "ProcessTracking",
     "ProtocolError",
@@ -177,6 +188,7 @@ __all__ = [
     "SessionBusy",
     "SessionError",
     "SessionNotFound",
+    "Snapshot",
     "SpawnFailed",
     "SyncSandbox",
     "Timeout",

@@ -10,6 +10,7 @@ that names the cause and, where there is one, the fix.
     ├── PolicyError (ValueError)     invalid_policy
     ├── BackendError                 backend_failed
     │   └── BackendUnavailable       backend_unavailable
+    │       └── ProcessStateUnavailable  process_state_unavailable (snapshot: processes)
     ├── SandboxClosed                sandbox_closed
     ├── SandboxPaused                sandbox_paused
     ├── SandboxBroken                sandbox_broken
@@ -66,6 +67,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_INPUT = "invalid_input"
     BACKEND_FAILED = "backend_failed"
     BACKEND_UNAVAILABLE = "backend_unavailable"
+    PROCESS_STATE_UNAVAILABLE = "process_state_unavailable"
     SANDBOX_CLOSED = "sandbox_closed"
     SANDBOX_BROKEN = "sandbox_broken"
     SANDBOX_PAUSED = "sandbox_paused"
@@ -155,6 +157,14 @@ class BackendError(SandboxError):
 
 class BackendUnavailable(BackendError):
     code = ErrorCode.BACKEND_UNAVAILABLE
+
+
+class ProcessStateUnavailable(BackendUnavailable):
+    """A snapshot asked to keep a box's running processes (``processes="error"``) where
+    their state cannot be saved; the message says why (CRIU unusable on this kernel, or a
+    backend without process checkpointing)."""
+
+    code = ErrorCode.PROCESS_STATE_UNAVAILABLE
 
 
 class SandboxClosed(SandboxError):

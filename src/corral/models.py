@@ -122,3 +122,46 @@ class FileInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+SnapshotProcesses = Literal["warn", "error"]
+"""What a snapshot does when processes other than the guest agent run in the box and their
+state cannot be kept: ``warn`` (a filesystem-only snapshot, saying so in
+:attr:`Snapshot.warnings`) or ``error`` (``ProcessStateUnavailable``, naming why)."""
+
+
+class Snapshot(str):
+    """What ``Sandbox.snapshot`` returns: the new image's ref (a ``str``: what
+    ``Policy(image=...)``, ``Sandbox.restore`` and ``corral run --image`` take) and what it
+    kept. ``warnings``: what it could not keep (running processes, when the caller chose
+    ``processes="warn"``); ``workspace``: whether it carries the box's workspace too;
+    ``processes``: how many processes besides the guest agent ran (their state is never
+    kept: filesystem only)."""
+
+    warnings: tuple[str, ...]
+    workspace: bool
+    processes: int
+
+    def __new__(
+        cls,
+        ref: str,
+        *,
+        warnings: tuple[str, ...] = (),
+        workspace: bool = False,
+        processes: int = 0,
+    ) -> Snapshot:
+        self = super().__new__(cls, ref)
+        self.warnings, self.workspace, self.processes = warnings, workspace, processes
+        return self
+
+    @property
+    def ref(self) -> str:
+        return str(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ref": str(self),
+            "warnings": list(self.warnings),
+            "workspace": self.workspace,
+            "processes": self.processes,
+        }

@@ -40,7 +40,7 @@ from corral.backends.layout import box_env, shared_sources, writable_areas
 from corral.backends.limits import agent_rlimits
 from corral.channel import Channel
 from corral.files import Files
-from corral.models import CommandResult, NetworkRefusal, ProcessInfo
+from corral.models import CommandResult, NetworkRefusal, ProcessInfo, Snapshot, SnapshotProcesses
 from corral.net import BoxNetwork
 from corral.net.box import load_network, network_loaded
 from corral.policy import DEFAULT_WORKDIR, Limits, Policy, PublishedPort, RlimitName
@@ -97,6 +97,37 @@ def _resolve_image(policy: Policy) -> tuple[ImageConfig, BoxUser]:
 
 def _invalid(message: str) -> errors.SandboxError:
     return errors.SandboxError(message, code=errors.ErrorCode.INVALID_INPUT)
+
+
+def _seed_workspace(image: str, workspace: Path) -> None:
+    """Fill a new box's own (empty) workspace with the copy of its box's workspace that the
+    snapshot ``image`` kept, if it kept one. Unpacked as any layer (no entry leaves the
+    workspace, no link is followed, no device node is made). Blocking."""
+    from corral.images.store import ImageStore, is_path
+
+    if is_path(image):
+        return  # a layout, an archive or a plain root: never a snapshot
+    from corral.images.registry import parse_ref
+    from corral.images.unpack import unpack_layer
+
+    try:
+        ref = str(parse_ref(image))
+    except errors.SandboxError:
+        return  # the image's own resolution says what is wrong with it
+    store = ImageStore()
+    record = store.get(ref)
+    tar = store.workspace_of(record) if record is not None else None
+    if tar is None:
+        return
+    try:
+        with open(tar, "rb") as blob:
+            unpack_layer(blob, workspace, store.limits)
+    except OSError as exc:
+        raise errors.SandboxError(
+            f"cannot copy snapshot {ref}'s workspace into the box's ({exc.strerror or exc}); "
+            "a capped workspace (filesystem.workspace_size) may be too small for it",
+            code=errors.ErrorCode.FILE_ERROR,
+        ) from None
 
 
 _RLIMIT_NAMES: tuple[str, ...] = typing.get_args(RlimitName)
@@ -241,6 +272,7 @@ class Sandbox:
         # Box counters (OOM kills, pids-limit hits) already reported as violations.
         self._seen_violations = (0, 0)
         self._hints: tuple[str, ...] | None = None  # what in the workspace won't run here
+        self._notes: tuple[str, ...] = ()  # a fork's: what its snapshot could not keep
         self._spawn_marks: dict[int, int] = {}
 
     def __repr__(self) -> str:
@@ -281,22 +313,33 @@ class Sandbox:
             exposable=self._exposable,
         )
 
+    async def _own_workspace(self) -> None:
+        """A temporary workspace of the box's own (a capped tmpfs when the policy asks),
+        filled from the snapshot it starts on when that kept one."""
+        if quota.asked(self.policy):  # a tmpfs of that size (a host dir can't be capped)
+            self._quota_workspace = await blocking(
+                quota.make_workspace, self.policy, self.sandbox_id
+            )
+            self._owned_workspace = self._quota_workspace
+        else:
+            self._owned_workspace = Path(tempfile.mkdtemp(prefix="corral-ws-"))
+        self.workspace = self._owned_workspace
+        if self.policy.image != "host":  # a snapshot's copy of its box's workspace
+            try:
+                await blocking(_seed_workspace, self.policy.image, self._owned_workspace)
+            except BaseException:
+                await self.aclose()
+                raise
+        resolved = self.policy.for_workspace(self._owned_workspace)
+        if resolved is not self.policy:
+            self.policy = resolved
+            self.files.use_policy(resolved)
+
     async def start(self) -> None:
         if self._box is not None or self._closed:
             raise errors.SandboxClosed("a Sandbox can be started once; create a new one")
         if self._workspace_arg is None:
-            if quota.asked(self.policy):  # a tmpfs of that size (a host dir can't be capped)
-                self._quota_workspace = await blocking(
-                    quota.make_workspace, self.policy, self.sandbox_id
-                )
-                self._owned_workspace = self._quota_workspace
-            else:
-                self._owned_workspace = Path(tempfile.mkdtemp(prefix="corral-ws-"))
-            self.workspace = self._owned_workspace
-            resolved = self.policy.for_workspace(self._owned_workspace)
-            if resolved is not self.policy:
-                self.policy = resolved
-                self.files.use_policy(resolved)
+            await self._own_workspace()
         elif not self._workspace_arg.is_dir():
             raise errors.SandboxError(
                 f"workspace {self._workspace_arg} is not a directory; create it or pick another",
@@ -553,7 +596,7 @@ class Sandbox:
 
             ws = self.workspace
             self._hints = tuple(venv_hints(ws, self.policy)) if ws is not None else ()
-        return (*self._box.warnings, *self._hints)
+        return (*self._box.warnings, *self._hints, *self._notes)
 
     async def _request(
         self, op: str, payload: bytes | memoryview = b"", *, pieces: bool = False, **fields: Any
@@ -750,16 +793,31 @@ class Sandbox:
                     return
                 raise
 
-    async def snapshot(self, name: str) -> str:
+    async def snapshot(
+        self,
+        name: str,
+        *,
+        processes: SnapshotProcesses = "warn",
+        workspace: bool = False,
+    ) -> Snapshot:
         """The box's filesystem state as an image named ``name`` in the image store: its
-        image with what the box changed in its writable root (the overlay's upper) on top.
-        The box is paused while it is read, so the layer is consistent, then goes on.
+        image with what the box changed in its writable root (the overlay's upper) on top,
+        and with ``workspace=True`` a copy of its workspace, which boxes restored from it
+        without a workspace of their own (forks, :meth:`restore`) start with. The box is
+        paused while it is read, so the snapshot is consistent, then goes on.
         ``Sandbox(Policy(image=ref))``, :meth:`restore` and ``corral run --image`` take the
-        returned ref. Filesystem state only: processes and memory are not kept, nor the
-        workspace (a host directory: copy it if the snapshot should carry it)."""
+        returned ref (a :class:`Snapshot`, a ``str``).
+
+        Processes and memory are not kept (corral cannot checkpoint them here: CRIU, see
+        ``docs/images.md``). When processes besides the guest agent run in the box,
+        ``processes="warn"`` (the default) makes a filesystem-only snapshot and says so in
+        :attr:`Snapshot.warnings`; ``processes="error"`` refuses with
+        :class:`ProcessStateUnavailable`, naming why their state cannot be saved."""
         from corral.images.registry import parse_ref
         from corral.images.store import ImageStore
 
+        if processes not in ("warn", "error"):
+            raise _invalid(f"snapshot(processes=...) is 'warn' or 'error', not {processes!r}")
         if self._box is None or self._closed:
             raise errors.SandboxClosed("the sandbox is not running")
         store = ImageStore()
@@ -774,25 +832,90 @@ class Sandbox:
         if paused_here:
             await self.pause()
         try:
+            running, warnings = await self._unkept_processes(processes)
             with store.scratch() as tmp:
                 layer = tmp / "layer.tar"
                 await self.export_root(layer)
+                kept = None
+                if workspace:
+                    kept = tmp / "workspace.tar"
+                    await blocking(self._export_workspace, kept)
                 config = dict(base.config)
-                await blocking(lambda: store.commit(ref, base, [layer], config, source="snapshot"))
+                await blocking(
+                    lambda: store.commit(
+                        ref, base, [layer], config, source="snapshot", workspace=kept
+                    )
+                )
         finally:
             if paused_here:
                 await self.resume()
-        self.audit.record("sandbox", event="snapshot", ref=ref)
-        return ref
+        self.audit.record(
+            "sandbox", event="snapshot", ref=ref, workspace=workspace, processes=running
+        )
+        return Snapshot(ref, warnings=warnings, workspace=workspace, processes=running)
 
-    async def fork(self, n: int, *, name: str | None = None) -> list[Sandbox]:
+    async def _unkept_processes(self, choice: SnapshotProcesses) -> tuple[int, tuple[str, ...]]:
+        """The processes besides the guest agent in the (paused) box, and the warning a
+        snapshot gives for them; :class:`ProcessStateUnavailable` when the caller chose
+        ``error``. -1: the box's processes cannot be counted (no cgroup of its own)."""
+        assert self._box is not None
+        pids = self._box.stats().pids
+        running = -1 if pids is None else max(0, pids - 1)  # the agent is one of them
+        if running == 0:
+            return 0, ()
+        from corral.backends.host.criu import process_state_unavailable
+
+        why = await blocking(process_state_unavailable, self._box.describe()["backend"])
+        what = (
+            "the box's processes cannot be counted here"
+            if running < 0
+            else f"{running} process{'es' if running > 1 else ''} besides the guest agent "
+            f"{'were' if running > 1 else 'was'} running"
+        )
+        if choice == "error":
+            raise errors.ProcessStateUnavailable(
+                f"cannot keep the box's processes in a snapshot: {what}, and {why} "
+                "(snapshot(processes='warn') keeps the filesystem alone)"
+            )
+        return running, (f"filesystem-only snapshot: {what}, not kept ({why})",)
+
+    def _export_workspace(self, dest: Path) -> int:
+        """The workspace as a layer tar at ``dest`` (the store's scratch: no box writes
+        there). The box wrote it: read as hostile (:func:`write_layer`: no link followed,
+        device nodes and sockets left out, setuid bits dropped, hard links kept within). Its
+        files are recorded as uid/gid 0: whoever owns the workspace they are restored to.
+        Blocking."""
+        from corral.backends.host.safepath import open_regular
+        from corral.images.export import write_layer
+
+        assert self.workspace is not None
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        with open(open_regular(dest, flags, 0o600), "wb") as out:
+            return write_layer(self.workspace, out, lambda _: 0)
+
+    async def fork(
+        self,
+        n: int,
+        *,
+        name: str | None = None,
+        processes: SnapshotProcesses = "warn",
+        workspace: bool = False,
+    ) -> list[Sandbox]:
         """``n`` new started sandboxes from this box's filesystem state (a :meth:`snapshot`,
-        kept as ``name`` or a generated ref), each on a fresh workspace of its own and its
-        own writable root: they diverge independently. Closing them is the caller's."""
+        kept as ``name`` or a generated ref), each with its own writable root and a fresh
+        workspace of its own (a copy of this box's with ``workspace=True``, else empty):
+        they diverge independently. ``processes``: as for :meth:`snapshot` (its warning is
+        in each fork's :attr:`warnings`). Closing them is the caller's."""
         if n < 1:
             raise _invalid(f"fork(n) needs n >= 1, not {n}")
-        ref = await self.snapshot(name or f"corral-fork.invalid/{self.sandbox_id}:{n}")
-        boxes = [Sandbox.restore(ref, self.policy) for _ in range(n)]
+        snap = await self.snapshot(
+            name or f"corral-fork.invalid/{self.sandbox_id}:{n}",
+            processes=processes,
+            workspace=workspace,
+        )
+        boxes = [Sandbox.restore(snap, self.policy) for _ in range(n)]
+        for box in boxes:
+            box._notes = snap.warnings
         started = await asyncio.gather(*(b.start() for b in boxes), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
@@ -809,9 +932,11 @@ class Sandbox:
         workspace: str | os.PathLike[str] | None = None,
     ) -> Sandbox:
         """A sandbox (not started) on a :meth:`snapshot`: ``policy`` (default: the default
-        policy) with its image replaced by the snapshot's ref."""
+        policy) with its image replaced by the snapshot's ref. Without a ``workspace``, a
+        snapshot that kept its box's workspace gives the new box a copy of it (a workspace
+        given is used as it is)."""
         base = policy if policy is not None else Policy()
-        return cls(base.model_copy(update={"image": snapshot}), workspace=workspace)
+        return cls(base.model_copy(update={"image": str(snapshot)}), workspace=workspace)
 
     async def export_root(self, dest: str | os.PathLike[str]) -> int:
         """Write what the box changed in its writable root on an image (the overlay's upper

@@ -36,7 +36,15 @@ import httpx
 from corral import errors
 from corral.client import frames
 from corral.client.fast import default_socket, runtime_base, token_file_name
-from corral.models import CommandResult, FileInfo, NetworkRefusal, ProcessInfo, WaitResult
+from corral.models import (
+    CommandResult,
+    FileInfo,
+    NetworkRefusal,
+    ProcessInfo,
+    Snapshot,
+    SnapshotProcesses,
+    WaitResult,
+)
 from corral.policy import Policy
 from corral.streaming import ExecEvent, Exited, Stderr, Stdout
 
@@ -381,14 +389,27 @@ class RemoteSandbox:
             preview_url=base + str(data["preview_path"]),
         )
 
-    async def snapshot(self, name: str) -> str:
-        """The box's filesystem state as an image in the server's store; returns its ref."""
-        data = await self.remote.json("POST", f"{self.path}/snapshot", json={"name": name})
-        return str(data["ref"])
+    async def snapshot(
+        self, name: str, *, processes: SnapshotProcesses = "warn", workspace: bool = False
+    ) -> Snapshot:
+        """The box's filesystem state (and with ``workspace``, its workspace) as an image in
+        the server's store, as ``Sandbox.snapshot``: its ref, with what it could not keep."""
+        body = {"name": name, "processes": processes, "workspace": workspace}
+        data = await self.remote.json("POST", f"{self.path}/snapshot", json=body)
+        return Snapshot(
+            str(data["ref"]),
+            warnings=tuple(str(w) for w in data.get("warnings") or ()),
+            workspace=bool(data.get("workspace")),
+            processes=int(data.get("processes") or 0),
+        )
 
-    async def fork(self, n: int) -> list[RemoteSandbox]:
-        """``n`` new boxes on the server from this box's filesystem state."""
-        rows = await self.remote.json("POST", f"{self.path}/fork", json={"n": n})
+    async def fork(
+        self, n: int, *, processes: SnapshotProcesses = "warn", workspace: bool = False
+    ) -> list[RemoteSandbox]:
+        """``n`` new boxes on the server from this box's filesystem state, as
+        ``Sandbox.fork``."""
+        body = {"n": n, "processes": processes, "workspace": workspace}
+        rows = await self.remote.json("POST", f"{self.path}/fork", json=body)
         forks = []
         for row in rows:
             fork = RemoteSandbox(
@@ -401,6 +422,7 @@ class RemoteSandbox:
                 allow_dangerous_workspace=False,
             )
             fork.id = str(row["id"])
+            fork.warnings = tuple(row.get("warnings", ()))
             forks.append(fork)
         return forks
 

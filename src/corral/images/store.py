@@ -5,6 +5,7 @@ Layout (``<cache>/images``, where ``<cache>`` is :func:`corral.backends.host.sta
 
     roots/<chain id>/   the root after a layer and every layer below it (read-only use)
     refs/<key>.json     one image: its ref, manifest digest, config, layer chain
+    workspaces/<name>   a snapshot's copy of its box's workspace (a layer tar)
     tmp/<pid>-<rand>/   work in progress, renamed into roots/ when complete
     lock                flock: one writer at a time
 
@@ -82,6 +83,9 @@ class ImageRecord:
     """The image config's ``config`` object (``Env``, ``WorkingDir``, ``User``, ``Cmd``...)."""
     architecture: str = ""
     os: str = ""
+    workspace: str = ""
+    """A snapshot's copy of its box's workspace: a layer tar's name under ``workspaces/``
+    (``Sandbox.snapshot(workspace=True)``), or empty."""
 
     @property
     def chain(self) -> str:
@@ -175,7 +179,7 @@ class ImageStore:
     def _ensure(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
-        for sub in ("roots", "refs", "tmp"):
+        for sub in ("roots", "refs", "tmp", "workspaces"):
             (self.root / sub).mkdir(exist_ok=True)
 
     @contextmanager
@@ -241,12 +245,18 @@ class ImageStore:
         config: dict[str, Any],
         *,
         source: str = "build",
+        workspace: Path | None = None,
     ) -> ImageRecord:
         """A new image: ``base`` (or an empty root) with ``layers`` (tar files, gzip or not)
         on top and ``config`` as its config object, recorded as ``ref``. Its layers' blobs
         are not kept (the store holds roots), so it can be run and inspected, not pushed; its
-        digest is that of a manifest made for it."""
+        digest is that of a manifest made for it. ``workspace``: a layer tar of a box's
+        workspace, moved into the store with the image (a snapshot's)."""
         with self._locked():
+            kept = ""
+            if workspace is not None:
+                kept = f"{_key(ref)}-{secrets.token_hex(6)}.tar"
+                os.rename(workspace, self.root / "workspaces" / kept)
             diff_ids = list(base.layers) if base is not None else []
             size = base.size if base is not None else 0
             for layer in layers:
@@ -285,9 +295,18 @@ class ImageStore:
                 config=config,
                 architecture=str(image_config["architecture"]),
                 os=str(image_config["os"]),
+                workspace=kept,
             )
             self._record(record)
+            self._gc_workspaces()  # a ref replaced: its old workspace copy goes
             return record
+
+    def workspace_of(self, record: ImageRecord) -> Path | None:
+        """The layer tar of a snapshot's workspace, or None."""
+        if not record.workspace or "/" in record.workspace:
+            return None
+        path = self.root / "workspaces" / record.workspace
+        return path if path.is_file() else None
 
     def _unpack(self, source: oci.ImageSource) -> None:
         roots = self.root / "roots"
@@ -396,3 +415,11 @@ class ImageStore:
         for entry in (self.root / "roots").iterdir():
             if entry.name not in keep:
                 remove_tree(entry)
+        self._gc_workspaces()
+
+    def _gc_workspaces(self) -> None:
+        used = {record.workspace for record in self.list()}
+        workspaces = self.root / "workspaces"
+        for entry in workspaces.iterdir() if workspaces.is_dir() else ():
+            if entry.name not in used:
+                entry.unlink(missing_ok=True)

@@ -95,11 +95,29 @@ class BoxOut(BaseModel):
 
 class SnapshotIn(_In):
     name: str = Field(description="the new image's ref in the store")
+    processes: Literal["warn", "error"] = Field(
+        "warn",
+        description="processes besides the guest agent running, whose state cannot be kept: "
+        "a filesystem-only snapshot with a warning, or the error process_state_unavailable",
+    )
+    workspace: bool = Field(False, description="keep a copy of the box's workspace too")
+
+
+class SnapshotOut(BaseModel):
+    ref: str = Field(description="the new image's ref: Policy(image=...) takes it")
+    warnings: list[str] = Field(description="what the snapshot could not keep")
+    workspace: bool = Field(description="whether it carries the box's workspace")
+    processes: int = Field(
+        description="processes besides the guest agent that ran (-1: not countable); their "
+        "state is not kept"
+    )
 
 
 class ForkIn(_In):
     n: int = Field(1, ge=1, le=64)
     labels: dict[str, str] = Field(default_factory=dict)
+    processes: Literal["warn", "error"] = Field("warn", description="as for a snapshot")
+    workspace: bool = Field(False, description="each fork starts with a copy of the workspace")
 
 
 class RunIn(_In):
@@ -484,15 +502,19 @@ def build_api(  # noqa: C901
         return BoxOut(**held.describe())
 
     @app.post("/v1/boxes/{box_id}/snapshot", tags=["boxes"])
-    async def snapshot_box(box_id: str, body: SnapshotIn) -> dict[str, str]:
-        """The box's writable root as an image in the store (filesystem state only)."""
-        return {"ref": await boxes.get(box_id).sandbox.snapshot(body.name)}
+    async def snapshot_box(box_id: str, body: SnapshotIn) -> SnapshotOut:
+        """The box's writable root (and with ``workspace``, its workspace) as an image in
+        the store: filesystem state only."""
+        snap = await boxes.get(box_id).sandbox.snapshot(
+            body.name, processes=body.processes, workspace=body.workspace
+        )
+        return SnapshotOut(**snap.to_dict())
 
     @app.post("/v1/boxes/{box_id}/fork", tags=["boxes"], status_code=201)
     async def fork_box(box_id: str, body: ForkIn) -> list[BoxOut]:
         """``n`` new boxes from the box's filesystem state, held by the server."""
         held = boxes.get(box_id)
-        forks = await held.sandbox.fork(body.n)
+        forks = await held.sandbox.fork(body.n, processes=body.processes, workspace=body.workspace)
         adopted = [boxes.adopt(sb, {**held.labels, **body.labels}) for sb in forks]
         return [BoxOut(**h.describe()) for h in adopted]
 

@@ -1,0 +1,117 @@
+"""Snapshot, fork and restore of a box with 100 MB of changes, next to ``cp -a`` of the same
+data, measured in one run.
+
+    python bench/bench_snapshot.py [--rounds N] [--mb M] [--forks K]
+
+A box on a busybox image with a writable root writes ``--mb`` MB (64 files) under
+``/opt/data``. Then, each round, in turn:
+
+* ``cp -a`` of the box's upper layer to a fresh directory on the host's disk (the baseline:
+  what copying the changed state costs; C, no checks);
+* ``sb.snapshot(name)``: the box's changes kept as an image of the store;
+* ``sb.fork(1)`` and ``sb.fork(K)``: a snapshot and boxes started from it, ready to run;
+* ``Sandbox.restore(ref).start()``: a box on a snapshot;
+* closing the forks.
+
+Each figure is quoted as a ratio of the ``cp -a`` of the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from run import line
+
+from corral import Policy, Sandbox
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from oci_images import busybox_root, dir_tar, write_layout
+
+
+def _cp(src: Path, dest: Path) -> None:
+    subprocess.run(["cp", "-a", str(src), str(dest)], check=True)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mb", type=int, default=100)
+    parser.add_argument("--forks", type=int, default=3)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="corral-bench-snap-", dir="/var/tmp"))
+    os.environ["CORRAL_IMAGE_STORE"] = str(tmp / "store")
+    figures: dict[str, list[float]] = {
+        "cp -a": [],
+        "snapshot": [],
+        "fork(1)": [],
+        f"fork({args.forks})": [],
+        "restore (start)": [],
+        f"close {args.forks} forks": [],
+    }
+    try:
+        root = busybox_root(tmp / "root")
+        layout = str(write_layout(tmp / "layout", [dir_tar(root)]).path)
+        (tmp / "ws").mkdir()
+        files = 64
+        each = args.mb * (1 << 20) // files
+        write = (
+            f"mkdir -p /opt/data && for i in $(busybox seq {files}); do "
+            f"busybox head -c {each} /dev/urandom > /opt/data/f$i; done"
+        )
+        policy = Policy(image=layout, user="root", filesystem={"root_size": f"{args.mb * 2}M"})
+        async with Sandbox(policy, workspace=tmp / "ws") as sb:
+            r = await sb.run(["/bin/sh", "-c", write], cwd="/")
+            assert r.exit_code == 0, r
+            layer = sb._box.root_layer if sb._box else None
+            assert layer is not None
+            for i in range(args.rounds):
+                t = time.perf_counter()
+                await asyncio.to_thread(_cp, layer.upper, tmp / f"copy{i}")
+                figures["cp -a"].append(time.perf_counter() - t)
+                shutil.rmtree(tmp / f"copy{i}")
+
+                t = time.perf_counter()
+                ref = await sb.snapshot(f"localhost/bench/snap:{i}")
+                figures["snapshot"].append(time.perf_counter() - t)
+
+                t = time.perf_counter()
+                one = await sb.fork(1)
+                figures["fork(1)"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                many = await sb.fork(args.forks)
+                figures[f"fork({args.forks})"].append(time.perf_counter() - t)
+                check = await many[-1].run("busybox du -sm /opt/data")
+                assert check.stdout.split()[0] in (str(args.mb), str(args.mb + 1)), check
+
+                t = time.perf_counter()
+                restored = Sandbox.restore(ref, policy)
+                await restored.start()
+                figures["restore (start)"].append(time.perf_counter() - t)
+
+                t = time.perf_counter()
+                await asyncio.gather(*(f.aclose() for f in many))
+                figures[f"close {args.forks} forks"].append(time.perf_counter() - t)
+                await asyncio.gather(restored.aclose(), *(f.aclose() for f in one))
+        load = os.getloadavg()[0]
+        print(
+            f"{args.mb} MB in {files} files changed above the image, {args.rounds} rounds "
+            f"(load {load:.1f}):"
+        )
+        base = line("cp -a of the upper (baseline)", figures["cp -a"])
+        for name, samples in list(figures.items())[1:]:
+            p50 = line(name, samples)
+            print(f"  {'':<34} x{p50 / base:.2f} of cp -a")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
