@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from corral import Policy, PolicyError, Sandbox
+from corral import Policy, PolicyError, Sandbox, SandboxError
 from corral.backends.limits import DEFAULT_NOFILE
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
@@ -89,6 +89,11 @@ async def test_open_files_default_to_the_planners_cap(workspace: Path) -> None:
         assert (await sb.run("ulimit -n", rlimits={"nofile": 100})).stdout == "100\n"
         with pytest.raises(PolicyError, match=r"rlimits\.nofile: 5000 is above"):
             await sb.run("true", rlimits={"nofile": 5000})
+        # Any other limit the agent holds for its commands (core dumps off): named, not a
+        # failed pre-exec hook in the child.
+        with pytest.raises(SandboxError, match=r"rlimits\.core: 4096 is above this box's limit"):
+            await sb.run("true", rlimits={"core": 4096})
+        assert (await sb.run("ulimit -c", rlimits={"core": 0})).stdout == "0\n"
     policy = Policy.from_dict({"limits": {"rlimits": {"nofile": 8192}}})
     async with Sandbox(policy, workspace=workspace) as sb:
         assert (await sb.run("ulimit -Hn")).stdout == "8192\n"

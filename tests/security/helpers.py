@@ -87,8 +87,9 @@ def agent_pid():
     for p in os.listdir('/proc'):
         if p.isdigit() and int(p) != os.getpid():
             try:
-                if b'/agent.py' in open(f'/proc/{p}/cmdline', 'rb').read():
-                    return int(p)
+                argv = open(f'/proc/{p}/cmdline', 'rb').read().split(b'\0')
+                if any(a.endswith(b'/agent.py') for a in argv) and b'bwrap' not in argv[0]:
+                    return int(p)  # the agent (bwrap's pid 1 names it in its own argv)
             except OSError:
                 pass
     return -1

@@ -210,7 +210,7 @@ async def test_commands_hold_none_of_the_agents_ids(sandbox: Sandbox, how: str) 
     emptied): it could never take box root back."""
     script = "grep -E '^(Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapAmb):' /proc/self/status"
     pty = how == "pty"
-    rlimits: dict[RlimitName, int] | None = {"nproc": 4000} if how == "rlimits" else None
+    rlimits: dict[RlimitName, int] | None = {"nproc": 200} if how == "rlimits" else None
     proc = await sandbox.spawn(["sh", "-c", script], pty=pty, rlimits=rlimits)
     assert (await proc.wait(timeout=30)).exit_code == 0
     status = dict(

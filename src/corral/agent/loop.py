@@ -311,6 +311,14 @@ class Agent:
             stdin = commands.DEVNULL if stdin_mode == "null" else commands.PIPE
             stdio = (stdin, commands.PIPE, commands.PIPE)
         wanted = {k: v for k, v in rlimits.items() if self.inherited_rlimits.get(k) != v}
+        for name, value in wanted.items():  # inherited soft = hard: a command cannot raise it
+            cap = self.inherited_rlimits.get(name)
+            if cap is not None and value > cap:
+                raise AgentError(
+                    protocol.ErrorCode.INVALID_INPUT,
+                    f"rlimits.{name}: {value} is above this box's limit ({cap}), which no "
+                    "command can raise; a call may only lower it",
+                )
         preexec = commands.make_preexec(wanted, use_pty)
         # The child changes directory before it drops to the command user, and the agent
         # has no DAC override: take the user's effective ids for the fork so the cwd is

@@ -246,7 +246,9 @@ class RootlessBwrapBackend(BackendBase):
                 with contextlib.suppress(OSError):
                     os.close(held.args_fd)
         host_end.setblocking(False)
-        box = RootlessBwrapBox(spec, proc, host_end, held.cgroup, tuple(held.warnings), limits)
+        box = RootlessBwrapBox(
+            spec, proc, host_end, held.cgroup, tuple(held.warnings), limits, pins=(child, held.pins)
+        )
         box.rootless = {
             "ids": "subordinate" if self.probe.mapped else "single",
             "limits": "rlimits" if held.cgroup is None else "delegated cgroup v2",
