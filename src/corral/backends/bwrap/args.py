@@ -264,6 +264,9 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     if not inp.image_writable:
         args += ["--remount-ro", "/"]
     args += ["--seccomp", str(inp.fds.seccomp)]
+    # The agent's locale, whatever bwrap itself was started with (without LANG, so that the
+    # id-dropping helper before it skips loading a locale).
+    args += ["--setenv", "LANG", "C.UTF-8"]
     args += ["--chdir", "/", "--"]  # the agent needs no cwd; commands get theirs
     args += [*interpreter, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args]
     return args

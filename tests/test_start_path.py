@@ -1,0 +1,37 @@
+"""What a bwrap box's start does on its way to "ready", made cheaper without changing what
+the box gets: each check drives a real box (or the real host function) and looks at the
+result, not at the time it took."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from corral import Sandbox
+
+pytestmark = pytest.mark.needs_bwrap
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(e.split("=", 1) for e in raw.decode().split("\0") if "=" in e)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def test_the_agent_has_its_locale_and_bwrap_starts_without_one() -> None:
+    """bwrap (and the id-dropping helper exec'd before it) start without LANG, so the helper
+    loads no locale; the agent still runs with LANG=C.UTF-8 (bwrap's --setenv)."""
+    async with Sandbox() as sb:
+        monitor = sb._box._proc.pid  # type: ignore[union-attr]  # bwrap's outer process
+        (init,) = _children(monitor)
+        (agent,) = _children(init)
+        assert "LANG" not in _environ(monitor)
+        env = _environ(agent)
+        assert env.get("LANG") == "C.UTF-8"
+        assert env.get("PATH")
+        # What commands get is the backend's own environment, unchanged.
+        assert (await sb.run("echo $LANG")).stdout.strip() == "C.UTF-8"
