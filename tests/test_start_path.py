@@ -4,6 +4,8 @@ result, not at the time it took."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,7 @@ async def test_the_agent_has_its_locale_and_bwrap_starts_without_one() -> None:
         assert env.get("PATH")
         # What commands get is the backend's own environment, unchanged.
         assert (await sb.run("echo $LANG")).stdout.strip() == "C.UTF-8"
+        # The orphan sweep's record is written while bwrap builds the mounts (no longer
+        # before it may go on), and is there once start() has returned.
+        owner = json.loads((sb._box._spec.state_dir / "owner.json").read_text())  # type: ignore[union-attr]
+        assert owner["bwrap_pid"] == monitor and owner["host_pid"] == os.getpid()

@@ -309,19 +309,16 @@ def _id_dropper() -> Callable[[int], tuple[str, ...]] | None:
     return None
 
 
-def _setup_box_ids(
-    spec: BoxSpec, bwrap_pid: int, child: int, uid: int, gid: int, root: int, others: int
-) -> None:
-    """Record the owner (for the orphan sweep) and write the box's id maps (box root ->
-    ``root``, the namespace's owner).
+def _setup_box_ids(spec: BoxSpec, child: int, uid: int, gid: int, root: int, others: int) -> None:
+    """Write the box's id maps (box root -> ``root``, the namespace's owner).
 
-    A handful of small writes to procfs and the state dir: cheaper than a thread hop.
+    Three small writes to procfs: cheaper than a thread hop. bwrap waits for them; the
+    owner record for the orphan sweep is written once it runs on (:meth:`BwrapBackend.start`).
 
     ``setgroups`` stays allowed where commands are box root: apt and other tools that drop
     to a user of their own call it. bwrap starts with no supplementary group, so there is
     none a process could shed to escape a group's negative permissions, and only the box's
     own (mapped) groups can be taken."""
-    write_owner(spec.state_dir, "bwrap", bwrap_pid=bwrap_pid)
     Path(f"/proc/{child}/uid_map").write_text(id_map(uid, root, others))
     setgroups = "allow" if spec.user == "root" else "deny"
     Path(f"/proc/{child}/setgroups").write_text(setgroups)
@@ -499,7 +496,7 @@ class BwrapBackend(BackendBase):
             pts = asyncio.wrap_future(devpts.submit_mount(child, self.devpts))
             try:
                 others = _other_ids(spec, owner.uid)
-                _setup_box_ids(spec, proc.pid, child, shared.uid, shared.gid, owner.uid, others)
+                _setup_box_ids(spec, child, shared.uid, shared.gid, owner.uid, others)
             except BaseException:
                 with contextlib.suppress(BaseException):
                     await pts  # never left running past the start
@@ -509,6 +506,10 @@ class BwrapBackend(BackendBase):
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence and connect the netns first
             os.write(block_w, b"1")  # bwrap builds the box's mounts now
+            # Meanwhile, off bwrap's path: who owns the box, for the orphan sweep (a state
+            # dir a SIGKILLed host left without it is swept once a minute old, and bwrap has
+            # died with its parent by then).
+            write_owner(spec.state_dir, "bwrap", bwrap_pid=proc.pid)
             if cgroup is not None and not self.spawn_inside.holds(cgroup, child):
                 # bwrap (the box's pid 1 to be) is one process, waiting on --block-fd with
                 # the mounts built: every process of the box descends from it, and it forks
