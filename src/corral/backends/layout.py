@@ -52,6 +52,16 @@ VAR_SYSTEM = ("/var/lib/dpkg",)
 
 
 @dataclass(frozen=True, slots=True)
+class Place:
+    """Where a masked object lies now: ``rel`` below writable area number ``area`` (in the
+    order of :func:`writable_areas`: the workspace, ``allow_write``, rw ``mounts``)."""
+
+    area: int
+    rel: str
+    is_dir: bool
+
+
+@dataclass(frozen=True, slots=True)
 class HostView:
     """What the translation needs to know about the host (injected so tests stay pure)."""
 
@@ -65,6 +75,9 @@ class HostView:
     searchable: Callable[[str, int, int], bool] = lambda p, u, g: _searchable(p, u, g)
     ident: Callable[[str], tuple[int, int] | None] = lambda p: _ident(p)
     """(st_dev, st_ino) of a host path, following the host's links; None if it is missing."""
+    moved: Mapping[str, tuple[Place, ...]] = field(default_factory=dict)
+    """deny entry (as spelled) -> where else its masked objects lie in the writable areas
+    now (renamed parents, hard links): :func:`corral.backends.host.maskfollow.locate`."""
     placeholder: Callable[[str, str], None] | None = None
     """Make the empty directory ``rel`` beneath the writable ``area``, following no link
     (:func:`corral.backends.host.safepath.make_dirs`, given by the backends: layout imports
@@ -268,10 +281,11 @@ def policy_binds(
     # Where each bound host directory appears in the box: masks must follow the host
     # object (by st_dev/st_ino) to every path the box sees it at, not only the one spelled.
     shown = [(b.source, b.dest) for b in binds]  # read-only mounts show it too
-    areas = [(_host_path(b.dest, policy, workspace), b.dest) for b in binds if b.writable]
+    writable = [b for b in binds if b.writable]  # in the order of writable_areas()
+    areas = [(host_path(b.dest, policy, workspace), b.dest) for b in binds if b.writable]
     for raw in fs.deny_write:
         guest = guest_path(raw, policy, host)
-        source = _host_path(guest, policy, workspace)
+        source = host_path(guest, policy, workspace)
         _no_link_below("deny_write", raw, source, areas, host)
         if not host.lexists(source):
             area = _area(source, areas)
@@ -286,10 +300,12 @@ def policy_binds(
         for dest in _everywhere(source, guest, shown, host):
             if dest != guest or visible(guest):  # a read-only bind would *show* hidden data
                 binds.append(Bind(source, dest))
+    # The objects renamed or linked elsewhere in a writable area (found by inode).
+    binds += _moved(fs.deny_write, host, writable, shown, lambda place, there: there)
     uid, gid = host.owner(str(workspace))
     for raw in fs.deny_read:
         guest = guest_path(raw, policy, host)
-        source = _host_path(guest, policy, workspace)
+        source = host_path(guest, policy, workspace)
         _no_link_below("deny_read", raw, source, areas, host)
         if not host.lexists(source):
             continue  # nothing to hide, and no mount point can be made on a read-only root
@@ -299,6 +315,27 @@ def policy_binds(
         if not shared and (not on_root(guest, policy) or not host.searchable(source, uid, gid)):
             dests.remove(guest)  # not in the box at its own path, or out of reach there
         binds += [Bind(mask, dest) for dest in dests]
+    masks = (str(masked_file), str(masked_dir))
+    binds += _moved(fs.deny_read, host, writable, shown, lambda place, _: masks[place.is_dir])
+    return binds
+
+
+def _moved(
+    raws: tuple[str, ...],
+    host: HostView,
+    writable: list[Bind],
+    shown: list[tuple[str, str]],
+    source: Callable[[Place, str], str],
+) -> list[Bind]:
+    """Binds at each place where a masked object of ``raws`` lies now besides its own path
+    (:attr:`HostView.moved`), and wherever a share shows that place."""
+    binds = []
+    for raw in raws:
+        for place in host.moved.get(raw, ()):
+            area = writable[place.area]
+            there = posixpath.join(area.source, place.rel)
+            at = posixpath.join(area.dest, place.rel)
+            binds += [Bind(source(place, there), d) for d in _everywhere(there, at, shown, host)]
     return binds
 
 
@@ -413,7 +450,7 @@ def guest_path(raw: str, policy: Policy, host: HostView) -> str:
     return os.path.normpath(os.path.join(policy.workdir, raw))
 
 
-def _host_path(guest: str, policy: Policy, workspace: Path) -> str:
+def host_path(guest: str, policy: Policy, workspace: Path) -> str:
     """Where a guest path comes from on the host (only the workspace is moved)."""
     if guest == policy.workdir or guest.startswith(policy.workdir + "/"):
         return str(workspace) + guest[len(policy.workdir) :]

@@ -58,6 +58,7 @@ from corral.backends.host import (
     cgroups,
     devpts,
     idmap,
+    maskfollow,
     overlay,
     safepath,
     seccomp,
@@ -77,7 +78,6 @@ from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
     SYSTEM_PATH,
     Bind,
-    HostView,
     image_entries,
     unplaceable_mount,
     writable_areas,
@@ -649,7 +649,9 @@ class BwrapBackend(BackendBase):
             workspace_host_path=None if spec.workspace_prepared else str(spec.workspace),
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
-        argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
+        argv = bwrap_args.bwrap_argv(
+            policy, inputs, maskfollow.host_view(policy, spec.workspace, make)
+        )
         argv = self._binds_by_fd(spec, shared, argv, held)
         argv[0] = self.bwrap or "bwrap"
         if image_root is not None:

@@ -55,7 +55,7 @@ from corral.backends.base import (
 )
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.bwrap.box import BwrapBackend, BwrapBox, _Bwrap, _Held, _read_info
-from corral.backends.host import cgroups, devpts, idmap, safepath, seccomp, subids
+from corral.backends.host import cgroups, devpts, idmap, maskfollow, safepath, seccomp, subids
 from corral.backends.host.boxfiles import shared_files
 from corral.backends.host.python import ensure_agent_compiled, find_python
 from corral.backends.host.state import make_private_dir, state_root, write_owner
@@ -66,7 +66,6 @@ from corral.backends.layout import (
     GUEST_AGENT_DIR,
     SYSTEM_PATH,
     Bind,
-    HostView,
     unplaceable_mount,
 )
 from corral.backends.limits import LimitPlan, agent_rlimits, plan_limits
@@ -404,7 +403,9 @@ class RootlessBwrapBackend(BackendBase):
             devpts=None if None in self.devpts_tools else devpts.mount_point(),
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
-        argv = bwrap_args.bwrap_argv(policy, inputs, HostView(placeholder=make))
+        argv = bwrap_args.bwrap_argv(
+            policy, inputs, maskfollow.host_view(policy, spec.workspace, make)
+        )
         argv = rootless_argv(argv, mapped)
         if not mapped:
             argv[1:1] = ["--cap-drop", "ALL"]

@@ -61,7 +61,7 @@ from corral.backends.base import (
     refuse_image,
     sweep_boxes,
 )
-from corral.backends.host import cgroups, idmap, safepath, seccomp, staging
+from corral.backends.host import cgroups, idmap, maskfollow, safepath, seccomp, staging
 from corral.backends.host.python import find_python
 from corral.backends.host.state import BOX_PREFIX, cache_root, state_root, write_owner
 from corral.backends.host.threads import blocking
@@ -208,7 +208,7 @@ def _masks(spec: BoxSpec, shared: idmap.SharedPaths) -> tuple[tuple[str, ...], t
         shared.workspace,
         masked_file,
         masked_dir,
-        HostView(placeholder=make),
+        maskfollow.host_view(policy, spec.workspace, make),
         shared.sources,
     )
     masks = binds[1 + len(fs.allow_write) + len(fs.mounts) :]

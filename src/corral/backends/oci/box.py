@@ -77,6 +77,7 @@ from corral.backends.host import (
     cgroups,
     devpts,
     idmap,
+    maskfollow,
     mountinfo,
     mounts,
     safepath,
@@ -93,7 +94,6 @@ from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
     SYSTEM_PATH,
     Bind,
-    HostView,
     unplaceable_mount,
     writable_areas,
 )
@@ -847,7 +847,9 @@ class OciBackend(BackendBase):
             gvisor=self.runtime.gvisor,
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
-        bundle = oci_config.oci_bundle(spec.policy, inputs, HostView(placeholder=make))
+        bundle = oci_config.oci_bundle(
+            spec.policy, inputs, maskfollow.host_view(spec.policy, spec.workspace, make)
+        )
         if self.runtime.gvisor:  # the gofer opens sources by path, and we cannot look in
             _stage_sources(spec, shared, bundle.config["mounts"])
         elif pins is not None:

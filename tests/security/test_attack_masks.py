@@ -1,0 +1,132 @@
+"""Masks follow the host object from one box to the next (issue 13, class 3).
+
+A box cannot move a masked object (the mask is a mount point) but it can rename a parent
+(``mv secrets s2``): the next box's mask, laid out by path, found nothing there and the key
+was readable at ``s2/key``. Hard links made by a box that saw a file before it was masked
+were readable too. corral records the masked objects' (st_dev, st_ino) per writable area
+and masks them where they are now (:mod:`corral.backends.host.maskfollow`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from corral import Policy, PolicyError, Sandbox
+from corral.backends.host import maskfollow
+from corral.backends.layout import Place
+
+pytestmark = [pytest.mark.attack("filesystem"), pytest.mark.needs_bwrap]
+
+SECRET = "PRIVATE-KEY-MATERIAL"
+
+
+@pytest.fixture(autouse=True)
+def records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "data"
+    monkeypatch.setenv("CORRAL_DATA_DIR", str(folder))
+    return folder
+
+
+def _with(policy: Policy, **fs: object) -> Policy:
+    return policy.model_copy(update={"filesystem": policy.filesystem.model_copy(update=fs)})
+
+
+async def _run(policy: Policy, workspace: Path, script: str) -> str:
+    async with Sandbox(policy, workspace=workspace) as sb:
+        r = await sb.run(["sh", "-c", script])
+    return r.stdout + r.stderr
+
+
+def _plant(workspace: Path) -> None:
+    for rel in ("secrets/key", "deep/creds/id", ".config/gcloud/token", "hl/key2"):
+        (workspace / rel).parent.mkdir(parents=True, exist_ok=True)
+        (workspace / rel).write_text(f"{SECRET} {rel}\n")
+    (workspace / "conf").mkdir()
+    (workspace / "conf" / "settings").write_text("trusted\n")
+
+
+async def test_masks_follow_objects_a_box_renamed_moved_or_linked(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """Box 0 (no masks yet) hard-links two files that are masked later; box 1 (masked)
+    renames the parents of every masked path, moving one deeper; boxes 2 and 3 read every
+    new name and write the deny_write file where it went: nothing readable, nothing written."""
+    _plant(workspace)
+    masked = _with(
+        box_policy,
+        deny_read=("secrets/key", "deep/creds", str(workspace / ".config" / "gcloud"), "hl/key2"),
+        deny_write=("conf/settings",),
+    )
+    out = await _run(box_policy, workspace, "ln hl/key2 leak && ln deep/creds/id leak2 && echo ok")
+    assert "ok" in out, out
+    out = await _run(
+        masked,
+        workspace,
+        "cat secrets/key; mv secrets s2 && mkdir -p x/y && mv deep x/y/ && mv .config cfg "
+        "&& mv conf c2 && echo moved",
+    )
+    assert "moved" in out and SECRET not in out, out
+    probe = "cat s2/key x/y/deep/creds/id cfg/gcloud/token leak leak2; ls x/y/deep/creds"
+    out = await _run(masked, workspace, f"{probe}; echo evil >> c2/settings; mv s2 s3")
+    assert SECRET not in out, out
+    assert "id" not in out.split(), out
+    assert (workspace / "c2" / "settings").read_text() == "trusted\n"
+    out = await _run(masked, workspace, "cat s3/key leak; echo evil >> c2/settings")
+    assert SECRET not in out, out
+    assert (workspace / "c2" / "settings").read_text() == "trusted\n"
+
+
+async def test_a_walk_past_its_bound_refuses_the_start(
+    box_policy: Policy, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A moved object is searched for within a bound (entries, depth); past it the start
+    is refused, naming the mask, never started without it."""
+    _plant(workspace)
+    masked = _with(box_policy, deny_read=("secrets/key",))
+    out = await _run(masked, workspace, "mv secrets s2 && touch f1 f2 f3 f4 f5 f6 && echo ok")
+    assert "ok" in out, out
+    monkeypatch.setattr(maskfollow, "MAX_ENTRIES", 4)
+    with pytest.raises(PolicyError, match="secrets/key") as info:
+        async with Sandbox(masked, workspace=workspace):
+            pass
+    assert "4 directory entries" in info.value.message
+    monkeypatch.setattr(maskfollow, "MAX_ENTRIES", 1000)
+    monkeypatch.setattr(maskfollow, "MAX_DEPTH", 2)
+    (workspace / "s2").rename(workspace / "f7")
+    (workspace / "a" / "b" / "c").mkdir(parents=True)
+    (workspace / "f7").rename(workspace / "a" / "b" / "c" / "s2")
+    with pytest.raises(PolicyError, match="deeper than 2"):
+        async with Sandbox(masked, workspace=workspace):
+            pass
+
+
+def test_an_object_gone_or_replaced_by_the_host_costs_no_walk(
+    workspace: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key the host rewrote in place (same parents, new inode) is the host's doing: no
+    search. One a box moved and the host then deleted is forgotten, with a warning."""
+    _plant(workspace)
+    policy = Policy.from_dict({"filesystem": {"deny_read": ["secrets/key", "deep/creds"]}})
+    assert maskfollow.locate(policy, workspace) == ({}, [])
+    (workspace / "secrets" / "key").unlink()
+    (workspace / "secrets" / "key").write_text("rotated\n")
+
+    def no_walk(*args: object) -> None:
+        raise AssertionError("walked")
+
+    walk = maskfollow._walk
+    monkeypatch.setattr(maskfollow, "_walk", no_walk)
+    assert maskfollow.locate(policy, workspace) == ({}, [])
+    monkeypatch.setattr(maskfollow, "_walk", walk)
+    (workspace / "deep").rename(workspace / "d2")
+    moved, _ = maskfollow.locate(policy, workspace)
+    assert moved == {"deep/creds": (Place(0, "d2/creds", True),)}
+    for name in os.listdir(workspace / "d2" / "creds"):
+        (workspace / "d2" / "creds" / name).unlink()
+    (workspace / "d2" / "creds").rmdir()
+    with caplog.at_level(logging.WARNING):
+        moved, warnings = maskfollow.locate(policy, workspace)
+    assert moved == {} and "gone" in warnings[0], warnings
