@@ -41,3 +41,31 @@ async def test_the_agent_has_its_locale_and_bwrap_starts_without_one() -> None:
         # before it may go on), and is there once start() has returned.
         owner = json.loads((sb._box._spec.state_dir / "owner.json").read_text())  # type: ignore[union-attr]
         assert owner["bwrap_pid"] == monitor and owner["host_pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("user", ["user", "root"])
+async def test_the_id_maps_written_through_one_proc_descriptor(user: str) -> None:
+    """The maps the host writes while bwrap waits: box root -> the namespace owner (the uid
+    bwrap runs as), box uid 1000 -> the commands' host uid, the rest -> the box's other
+    range; gid_map the same; setgroups denied unless commands are box root."""
+    from corral import Policy
+
+    async with Sandbox(policy=Policy(user=user)) as sb:
+        box = sb._box
+        monitor = box._proc.pid  # type: ignore[union-attr]
+        (init,) = _children(monitor)
+        owner = box._owner.uid  # type: ignore[union-attr]
+        shared = box._shared  # type: ignore[union-attr]
+        status = Path(f"/proc/{monitor}/status").read_text()
+        assert f"Uid:\t{owner}\t" in status  # bwrap runs as the namespace's owner
+        uid_map = Path(f"/proc/{init}/uid_map").read_text()
+        gid_map = Path(f"/proc/{init}/gid_map").read_text()
+        rows = [tuple(int(v) for v in line.split()) for line in uid_map.splitlines()]
+        assert (0, owner, 1) in rows
+        assert any(box_id == 1000 and host == shared.uid for box_id, host, _ in rows)
+        assert [line.split()[0] for line in gid_map.splitlines()] == [
+            line.split()[0] for line in uid_map.splitlines()
+        ]
+        expected = "allow" if user == "root" else "deny"
+        assert Path(f"/proc/{init}/setgroups").read_text().strip() == expected
+        assert (await sb.run("id -u")).stdout.strip() == ("0" if user == "root" else "1000")

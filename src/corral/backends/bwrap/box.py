@@ -312,17 +312,31 @@ def _id_dropper() -> Callable[[int], tuple[str, ...]] | None:
 def _setup_box_ids(spec: BoxSpec, child: int, uid: int, gid: int, root: int, others: int) -> None:
     """Write the box's id maps (box root -> ``root``, the namespace's owner).
 
-    Three small writes to procfs: cheaper than a thread hop. bwrap waits for them; the
-    owner record for the orphan sweep is written once it runs on (:meth:`BwrapBackend.start`).
+    Three small writes to procfs, each whole in one ``write`` (as the kernel wants a map),
+    through one descriptor of the child's /proc directory: cheaper than a thread hop, or
+    than pathlib (~30 us a file here). bwrap waits for them; the owner record for the
+    orphan sweep is written once it runs on (:meth:`BwrapBackend.start`).
 
     ``setgroups`` stays allowed where commands are box root: apt and other tools that drop
     to a user of their own call it. bwrap starts with no supplementary group, so there is
     none a process could shed to escape a group's negative permissions, and only the box's
     own (mapped) groups can be taken."""
-    Path(f"/proc/{child}/uid_map").write_text(id_map(uid, root, others))
     setgroups = "allow" if spec.user == "root" else "deny"
-    Path(f"/proc/{child}/setgroups").write_text(setgroups)
-    Path(f"/proc/{child}/gid_map").write_text(id_map(gid, root, others))
+    proc = os.open(f"/proc/{child}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        # setgroups before gid_map: the kernel takes no "deny" once a gid map is written.
+        for name, text in (
+            ("uid_map", id_map(uid, root, others)),
+            ("setgroups", setgroups),
+            ("gid_map", id_map(gid, root, others)),
+        ):
+            fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=proc)
+            try:
+                os.write(fd, text.encode())
+            finally:
+                os.close(fd)
+    finally:
+        os.close(proc)
 
 
 def _other_ids(spec: BoxSpec, owner: int) -> int:
