@@ -32,7 +32,7 @@ from corral.agent import protocol
 from corral.audit import AuditLog
 from corral.backends import backend_for, backend_loaded
 from corral.backends.base import Backend, Box, BoxSpec, BoxStats
-from corral.backends.host import quota
+from corral.backends.host import maskfollow, quota
 from corral.backends.host.safepath import check_sources, refuse_inside, refuse_writable_policy
 from corral.backends.host.state import BOX_PREFIX, state_root
 from corral.backends.host.threads import blocking
@@ -390,6 +390,8 @@ class Sandbox:
             except errors.BackendError as exc:
                 raise errors.BackendError(await self._not_ready(exc, box)) from None
             box.check_layout()  # mounts made by path are what the host meant
+            if not self._workspace_prepared:  # masked objects still where they were masked
+                maskfollow.recheck(self.policy, self.workspace)
             if self._network is not None:
                 await self._network.ready()
             if self._workspace_prepared:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -130,3 +131,24 @@ def test_an_object_gone_or_replaced_by_the_host_costs_no_walk(
     with caplog.at_level(logging.WARNING):
         moved, warnings = maskfollow.locate(policy, workspace)
     assert moved == {} and "gone" in warnings[0], warnings
+
+
+async def test_a_parent_renamed_while_the_box_starts_fails_closed(
+    box_policy: Policy, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A box running at the same time on the workspace renames the masked key's parent
+    after the host found the key and before the mask is mounted (made certain here: the
+    rename runs right after the search): the mask lands on nothing, so the start fails."""
+    _plant(workspace)
+    locate = maskfollow.locate
+
+    def then_rename(*args: Any, **kwargs: Any) -> Any:
+        found = locate(*args, **kwargs)
+        if (workspace / "secrets").exists():
+            (workspace / "secrets").rename(workspace / "s2")
+        return found
+
+    monkeypatch.setattr(maskfollow, "locate", then_rename)
+    with pytest.raises(PolicyError):
+        async with Sandbox(_with(box_policy, deny_read=("secrets/key",)), workspace=workspace):
+            pass

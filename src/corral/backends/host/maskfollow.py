@@ -320,12 +320,10 @@ Entry = tuple[str, bool, int, str]
 """A deny entry in a writable area: (as spelled, deny_read?, area number, path below it)."""
 
 
-def locate(
-    policy: Policy, workspace: str | os.PathLike[str], home: str | None = None
-) -> tuple[Moved, list[str]]:
-    """Where each masked object of ``policy`` lies now in its writable area, besides the
-    path the policy names, and the record updated for the next start; plus warnings (an
-    object gone). Raises a PolicyError when finding one would pass the walk's bounds."""
+def _entries(
+    policy: Policy, workspace: str | os.PathLike[str], home: str | None
+) -> tuple[list[tuple[str, Ident] | None], list[Entry]]:
+    """The writable areas' (real path, identity) and the deny entries lying in them."""
     home = home if home is not None else os.path.expanduser("~")
     areas = writable_areas(policy, Path(workspace), home)
     roots: list[tuple[str, Ident] | None] = []
@@ -344,6 +342,39 @@ def locate(
             where = _area_of(os.path.normpath(source), roots)
             if where is not None and where[1] not in (".", ""):
                 entries.append((raw, read, *where))
+    return roots, entries
+
+
+def recheck(policy: Policy, workspace: str | os.PathLike[str], home: str | None = None) -> None:
+    """Once the box is built (its masks mounted): a PolicyError unless every masked object
+    is still where :func:`locate` found it. A box running on the same workspace could
+    rename a parent between the search and the mount, so that the mask landed on nothing;
+    after the mount the mask moves with the object (only a start can be fooled)."""
+    roots, entries = _entries(policy, workspace, home)
+    records = _Records(record_dir())
+    for n, root in enumerate(roots):
+        mine = [e for e in entries if e[2] == n]
+        if root is None or not mine:
+            continue
+        recorded = records.load(*root)
+        for raw, read, _, rel in mine:
+            for obj in recorded.get(rel, []):
+                if not _still(root[0], obj):
+                    field = "deny_read" if read else "deny_write"
+                    raise errors.PolicyError(
+                        f"filesystem.{field} {raw!r}: the masked object moved while the box "
+                        "started (renamed by another box on the same workspace?), so its mask "
+                        "may have missed it; the box was not started"
+                    )
+
+
+def locate(
+    policy: Policy, workspace: str | os.PathLike[str], home: str | None = None
+) -> tuple[Moved, list[str]]:
+    """Where each masked object of ``policy`` lies now in its writable area, besides the
+    path the policy names, and the record updated for the next start; plus warnings (an
+    object gone). Raises a PolicyError when finding one would pass the walk's bounds."""
+    roots, entries = _entries(policy, workspace, home)
     moved: Moved = {}
     warnings: list[str] = []
     if not entries:
