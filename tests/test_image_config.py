@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import backend_policy
 from corral import Policy, PolicyError, Sandbox
 from corral.images.resolve import ImageConfig, ResolvedImage, box_user
 
@@ -150,7 +151,8 @@ def test_corral_run_runs_the_images_entrypoint_and_cmd(tmp_path: Path, store: Pa
     assert "Traceback" not in none.stderr
 
 
-async def test_box_root_commands_hold_nothing_over_the_host(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["bwrap", "oci-runc"])
+async def test_box_root_commands_hold_nothing_over_the_host(backend: str, tmp_path: Path) -> None:
     """``user = "root"``: box uid 0 with capabilities over the box's namespace only; the
     host's root stays read-only and unreadable where it is host root's, and what it writes
     in the workspace belongs to the workspace's owner on the host."""
@@ -160,7 +162,7 @@ async def test_box_root_commands_hold_nothing_over_the_host(tmp_path: Path) -> N
     secret = tmp_path / "secret"
     secret.write_text("host root only\n")
     secret.chmod(0o600)
-    policy = Policy(user="root", filesystem={"allow_write": [], "mounts": []})
+    policy = backend_policy(backend, user="root", filesystem={"allow_write": [], "mounts": []})
     async with Sandbox(policy, workspace=ws) as sb:
         r = await sb.run("id -u; echo $HOME; echo hi > out; touch /usr/corral-x 2>&1; echo $?")
         assert r.stdout.splitlines()[:2] == ["0", "/root"], r
@@ -173,7 +175,7 @@ async def test_box_root_commands_hold_nothing_over_the_host(tmp_path: Path) -> N
     assert (st.st_uid, st.st_gid) == (4242, 4242)
 
 
-@pytest.mark.parametrize("backend", ["oci", "microvm"])
+@pytest.mark.parametrize("backend", ["microvm"])
 async def test_other_backends_refuse_box_root_naming_the_field(backend: str) -> None:
     from corral import BackendUnavailable
 
@@ -188,7 +190,8 @@ async def test_the_hosts_own_root_is_no_plain_image() -> None:
             pass
 
 
-async def test_box_root_boxes_have_host_ids_of_their_own(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["bwrap", "oci-crun"])
+async def test_box_root_boxes_have_host_ids_of_their_own(backend: str) -> None:
     """Box root may take any of its box's ids (setuid: apt's _apt is 42): in a root box they
     map to a block of host ids no other box has, so the kernel's per-uid counts of one box
     never reach another's; a box of the unprivileged user keeps the shared range, which its
@@ -202,11 +205,8 @@ async def test_box_root_boxes_have_host_ids_of_their_own(tmp_path: Path) -> None
                 return host + box_id - box
         raise AssertionError(uid_map)
 
-    async with (
-        Sandbox(Policy(user="root")) as a,
-        Sandbox(Policy(user="root")) as b,
-        Sandbox(Policy()) as c,
-    ):
+    root, user = backend_policy(backend, user="root"), backend_policy(backend)
+    async with Sandbox(root) as a, Sandbox(root) as b, Sandbox(user) as c:
         maps = [(await sb.run("cat /proc/self/uid_map")).stdout for sb in (a, b, c)]
         ids = [host_of(m, 42) for m in maps]
         assert ids[0] != ids[1] and ids[2] == HOST_UID_BASE + 42, maps
@@ -229,11 +229,12 @@ async def test_a_workingdir_the_image_lacks_is_made_on_a_writable_root(
             await sb.run("pwd")
 
 
-async def test_box_root_cannot_reach_the_agents_channel_or_memory() -> None:
+@pytest.mark.parametrize("backend", ["bwrap", "oci-runc"])
+async def test_box_root_cannot_reach_the_agents_channel_or_memory(backend: str) -> None:
     """Box root shares uid 0 with the guest agent: the agent is not dumpable then, so a root
     command (no CAP_SYS_PTRACE) can open neither its descriptors (the channel to the host),
     nor its environ, nor its memory."""
-    async with Sandbox(Policy(user="root")) as sb:
+    async with Sandbox(backend_policy(backend, user="root")) as sb:
         agent = (await sb.run("ps -eo pid,comm | grep python3 | head -1", cwd="/")).stdout.split()
         assert agent, "the agent is not in the box's process list"
         pid = agent[0]

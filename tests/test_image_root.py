@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from corral import BackendUnavailable, Policy, Sandbox
+from corral import Policy, Sandbox
 from corral.backends import landlock
 
 pytestmark = [
@@ -76,15 +76,6 @@ async def test_the_hidden_interpreter_is_out_of_the_box_users_reach(busybox_root
         )
         assert "Permission denied" in r.stdout and r.stdout.strip().endswith("126"), r
         assert (await sb.run("readlink /usr")).stdout == "/nonexistent-host-usr\n"
-
-
-@pytest.mark.parametrize("backend", ["oci", "microvm"])
-async def test_other_backends_refuse_an_image_naming_the_field(
-    busybox_root: Path, backend: str
-) -> None:
-    with pytest.raises(BackendUnavailable, match=r"policy\.image"):
-        async with Sandbox(Policy(image=str(busybox_root), backend=backend)):
-            pass
 
 
 def test_corral_run_image(busybox_root: Path, tmp_path: Path) -> None:

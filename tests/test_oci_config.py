@@ -320,3 +320,43 @@ def test_a_rootless_box_with_one_id_keeps_no_capability_and_homes_box_root() -> 
     home = mounts_at(config, "/home/user")[0]
     assert "uid=0" in home["options"] and "gid=0" in home["options"]  # 1000 is not mapped
     assert config["linux"]["uidMappings"] == [{"containerID": 0, "hostID": 0, "size": 1}]
+
+
+def test_a_writable_image_root_is_the_containers_root_with_the_hidden_interpreter(
+    tmp_path: Path,
+) -> None:
+    """On ``policy.image`` the overlay is the container's root (no host entry bound), the
+    agent runs with the host's interpreter from the host's /usr bound read-only at a hidden
+    path in a 0700 tmpfs, and box root's commands get ROOT_CAPS over the box only."""
+    from corral.backends.host.python import HOST_PREFIX, HiddenPython
+    from corral.backends.users import ROOT_CAPS
+
+    hidden = HiddenPython("/usr", (HOST_PREFIX + "/usr/lib/ld.so", HOST_PREFIX + "/usr/bin/py"))
+    overlay_root = tmp_path / "merged"
+    made = bundle(
+        Policy(image="./img"),
+        image_root=overlay_root,
+        image_writable=True,
+        hidden=hidden,
+        root_commands=True,
+        others=1_000_000_000,
+    )
+    config = made.config
+    assert config["root"] == {"path": str(overlay_root), "readonly": False}
+    assert config["process"]["args"][:2] == list(hidden.argv)
+    assert ("/usr", HOST_PREFIX + "/usr", False) in binds(config)
+    assert not [b for b in binds(config) if b[1] in ("/etc", "/bin", "/etc/passwd")]
+    assert mounts_at(config, "/run/corral")[0]["options"][2] == "mode=700"
+    assert set(ROOT_CAPS) <= set(config["process"]["capabilities"]["bounding"])
+    ranges = {(m["containerID"], m["hostID"]) for m in config["linux"]["uidMappings"]}
+    assert (1, 1_000_000_001) in ranges  # box root's other ids: its own block
+    read_only = bundle(Policy(image="./img"), image_root=tmp_path, hidden=hidden).config
+    assert read_only["root"] == {"path": "rootfs", "readonly": True}
+    assert "CAP_CHOWN" not in read_only["process"]["capabilities"]["bounding"]
+
+
+def test_root_destinations_skip_what_lies_in_a_new_filesystem() -> None:
+    mounts = bundle().config["mounts"]
+    dests = oci_config.root_destinations(mounts)
+    assert "/workspace" in dests and "/run" in dests and "/dev" in dests
+    assert not [d for d in dests if d.startswith(("/run/", "/dev/", "/proc/"))], dests

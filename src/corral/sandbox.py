@@ -362,7 +362,7 @@ class Sandbox:
                 backend = backend_for(self.policy)
             else:
                 backend = await blocking(backend_for, self.policy)
-        if self.policy.image != "host" and self.policy.backend == "bwrap":
+        if self.policy.image != "host":
             # A registry ref is pulled here (then the backend finds it stored).
             self.image_config, self.user = await blocking(_resolve_image, self.policy)
         state_dir = state_root() / "boxes" / self.sandbox_id

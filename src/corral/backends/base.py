@@ -137,12 +137,13 @@ def refuse_image(spec: BoxSpec, backend: str) -> None:
     if spec.policy.user == "root" or spec.user == "root":
         raise BackendUnavailable(
             f"policy.user 'root': the {backend} backend runs commands as the box user only "
-            "for now; box root runs on the bwrap backend (as root)"
+            "for now; box root runs on the bwrap and oci (runc, crun) backends (as root)"
         )
     if spec.policy.image != "host":
         raise BackendUnavailable(
             f"policy.image {spec.policy.image!r}: the {backend} backend runs boxes on the "
-            "host's system only for now; images run on the bwrap backend (as root)"
+            "host's system only for now; images run on the bwrap and oci (runc, crun) "
+            "backends (as root)"
         )
 
 

@@ -398,6 +398,18 @@ def _everywhere(source: str, guest: str, shown: list[tuple[str, str]], host: Hos
     return dests
 
 
+def on_shared_paths(policy: Policy, binds: list[Bind]) -> list[Bind]:
+    """The binds of :func:`policy_binds` that lie on its shared paths (the workspace,
+    ``allow_write``, ``mounts``: those come first), masks there included."""
+    fs = policy.filesystem
+    shared = [b.dest for b in binds[: 1 + len(fs.allow_write) + len(fs.mounts)]]
+    return [
+        b
+        for b in binds
+        if any(b.dest == d or b.dest.startswith(d.rstrip("/") + "/") for d in shared)
+    ]
+
+
 def writable_areas(policy: Policy, workspace: Path, home: str | None = None) -> list[str]:
     """Every host directory a box can write: the workspace, ``allow_write`` and rw mounts.
     Host code opens nothing there but through :mod:`corral.backends.host.safepath`."""

@@ -73,6 +73,21 @@ def _is_command_id(host_id: int) -> bool:
     )
 
 
+ROOT_CAPS = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+)
+"""What box root's commands hold beside CAP_SETUID/CAP_SETGID (``policy.user = "root"``):
+what package managers need (dpkg chowns what it unpacks, apt drops to ``_apt``), a subset of
+Docker's defaults. Capabilities of the box's own user namespace: they reach the box's files
+and processes only (host files appear as nobody's, and no uid outside the box is mapped)."""
+
+
 GUEST_HOME = "/home/user"
 """HOME of the box user."""
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from corral.backends.host import safepath
+from corral.backends.host.overlay import image_has_file
 from corral.backends.host.python import HOST_PREFIX, HiddenPython
 from corral.backends.layout import (
     CGROUP_DIR,
@@ -31,25 +32,15 @@ from corral.backends.layout import (
     HostView,
     Symlink,
     image_entries,
+    on_shared_paths,
     passwd_binds,
     policy_binds,
     root_entries,
 )
+from corral.backends.users import ROOT_CAPS
 from corral.policy import Policy
 
-ROOT_CAPS = (
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FOWNER",
-    "CAP_FSETID",
-    "CAP_KILL",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-)
-"""What box root's commands hold beside CAP_SETUID/CAP_SETGID (``policy.user = "root"``):
-what package managers need (dpkg chowns what it unpacks, apt drops to ``_apt``), a subset of
-Docker's defaults. Capabilities of the box's own user namespace: they reach the box's files
-and processes only (host files appear as nobody's, and no uid outside the box is mapped)."""
+__all__ = ["ROOT_CAPS"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +124,7 @@ def _root_args(policy: Policy, inp: BwrapInputs, host: HostView, made: set[str])
             roots += [
                 b
                 for b in passwd_binds(policy, inp.passwd_file)
-                if _has_file(inp.image_root, b.dest)
+                if image_has_file(inp.image_root, b.dest)
             ]
     else:
         # bwrap makes missing mount points 0700 as the box's root: /etc must be listable.
@@ -164,31 +155,6 @@ def _workspace_alias(policy: Policy, inp: BwrapInputs, binds: list[Bind]) -> str
         if path == dest or path.startswith(dest + "/") or dest.startswith(path + "/"):
             return None
     return path
-
-
-def _has_file(root: Path, path: str) -> bool:
-    """Whether the image has a regular file at ``path``, looked up beneath ``root`` without
-    following any of the image's symlinks on the host."""
-    try:
-        fd = safepath.open_beneath(root, path, os.O_PATH | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        return stat.S_ISREG(os.fstat(fd).st_mode)
-    finally:
-        os.close(fd)
-
-
-def _on_shared_paths(policy: Policy, binds: list[Bind]) -> list[Bind]:
-    """The binds of :func:`policy_binds` that lie on its shared paths (the workspace,
-    ``allow_write``, ``mounts``: those come first), masks there included."""
-    fs = policy.filesystem
-    shared = [b.dest for b in binds[: 1 + len(fs.allow_write) + len(fs.mounts)]]
-    return [
-        b
-        for b in binds
-        if any(b.dest == d or b.dest.startswith(d.rstrip("/") + "/") for d in shared)
-    ]
 
 
 def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -> list[str]:
@@ -253,7 +219,7 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
         args += _render(extra)
     binds = policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources)
     if inp.image_root is not None:  # masks of the host's own files: not in an image's root
-        binds = _on_shared_paths(policy, binds)
+        binds = on_shared_paths(policy, binds)
     for bind in binds:
         args += _parent_dirs(bind.dest, made)
         args += _render(bind)

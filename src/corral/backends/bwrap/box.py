@@ -38,7 +38,6 @@ import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from corral.backends.base import (
@@ -78,7 +77,6 @@ from corral.backends.landlock import rules as landlock_rules
 from corral.backends.layout import (
     SYSTEM_PATH,
     Bind,
-    image_entries,
     unplaceable_mount,
     writable_areas,
 )
@@ -243,12 +241,6 @@ def _pins(
                 f"a link ({exc.strerror}; made by a box?): remove the link"
             ) from None
     return pins
-
-
-def _image_dirs(image_root: Path) -> list[str]:
-    """The guest paths of an image root's top-level directories (its Landlock ``read``, and
-    ``write`` too on a writable root)."""
-    return [e.dest for e in image_entries(image_root) if isinstance(e, Bind)]
 
 
 @dataclass
@@ -636,7 +628,7 @@ class BwrapBackend(BackendBase):
             self.python,
             [g for _, g in net.binds()] if net else (),
             deferred=spec.workspace_prepared,
-            image_top=None if image_root is None else _image_dirs(image_root),
+            image_top=None if image_root is None else overlay.image_dirs(image_root),
             image_writable=image is not None and image.upper is not None,
         )
         if net is not None:

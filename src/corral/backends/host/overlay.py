@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from corral.backends.host import idmap, mounts, safepath, staging
+from corral.backends.layout import Bind, image_entries
 from corral.errors import BackendError
 
 _MS_NOSUID_NODEV = mounts.MS_NOSUID | mounts.MS_NODEV
@@ -143,3 +145,62 @@ def mount_image_root(
             "and a kernel with idmapped mounts and overlayfs (Linux 5.19+)"
         ) from None
     return ImageRoot(merged, upper)
+
+
+def image_dirs(image_root: Path) -> list[str]:
+    """The guest paths of an image root's top-level directories (its Landlock ``read``, and
+    ``write`` too on a writable root)."""
+    return [e.dest for e in image_entries(image_root) if isinstance(e, Bind)]
+
+
+def image_has_file(root: Path, path: str) -> bool:
+    """Whether the image has a regular file at ``path``, looked up beneath ``root`` without
+    following any of the image's symlinks on the host."""
+    try:
+        fd = safepath.open_beneath(root, path, os.O_PATH | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+
+
+def missing_in_image(image_root: Path, dests: Iterable[str]) -> frozenset[str]:
+    """The guest paths of ``dests`` the image at ``image_root`` lacks, relative
+    (``workspace``, ``etc/resolv.conf``): on a writable root the backend makes them in the
+    overlay as the box's mount points (what is written there goes to what is mounted), not
+    changes of the box (:attr:`corral.backends.base.RootLayer.mount_points`). Looked up
+    beneath the image without following links."""
+    made = set()
+    for dest in dests:
+        rel = dest.strip("/")
+        if not rel:
+            continue
+        try:
+            os.close(safepath.open_beneath(image_root, rel, os.O_PATH | os.O_NOFOLLOW))
+        except OSError:
+            made.add(rel)
+    return frozenset(made)
+
+
+def link_in_the_way(image_root: Path, dests: Iterable[str]) -> str | None:
+    """A destination of ``dests`` that is, or passes through, a symlink of the image at
+    ``image_root`` (``/tmp -> /etc``), or None. Each is looked up beneath the image on the
+    host without following a link."""
+    for dest in dests:
+        rel = dest.strip("/")
+        if not rel:
+            continue
+        try:
+            fd = safepath.open_beneath(image_root, rel, os.O_PATH | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link on the way
+                return dest
+            continue
+        try:
+            if stat.S_ISLNK(os.fstat(fd).st_mode):  # the destination itself
+                return dest
+        finally:
+            os.close(fd)
+    return None

@@ -68,9 +68,9 @@ from corral.backends.base import (
     BoxBase,
     BoxSpec,
     CgroupAccounting,
+    RootLayer,
     agent_config,
     channel_pair,
-    refuse_image,
     sweep_boxes,
 )
 from corral.backends.host import (
@@ -80,13 +80,19 @@ from corral.backends.host import (
     maskfollow,
     mountinfo,
     mounts,
+    overlay,
     safepath,
     seccomp,
     staging,
     ucounts,
 )
 from corral.backends.host.boxfiles import shared_files
-from corral.backends.host.python import ensure_agent_compiled, find_python
+from corral.backends.host.python import (
+    HiddenPython,
+    ensure_agent_compiled,
+    find_python,
+    hidden_python,
+)
 from corral.backends.host.state import BOX_PREFIX, make_private_dir, state_root, write_owner
 from corral.backends.host.subids import NO_CGROUP
 from corral.backends.host.threads import blocking
@@ -100,9 +106,9 @@ from corral.backends.layout import (
 from corral.backends.limits import LimitPlan, agent_rlimits, plan_limits
 from corral.backends.oci import config as oci_config
 from corral.backends.oci.rootless import RootlessMode, kill_init, rootless_mode
-from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE, id_map
-from corral.errors import BackendError, BackendUnavailable, PolicyError
-from corral.policy import Policy
+from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE, id_map, id_ranges, own_block
+from corral.errors import BackendError, BackendUnavailable, ImageError, PolicyError
+from corral.policy import DEFAULT_WORKDIR, Policy
 
 RUNTIMES = ("crun", "runc", "runsc")
 """Tried in this order when the policy names none: crun starts fastest."""
@@ -453,6 +459,46 @@ def _write_bundle(bundle: Path, result: oci_config.OciBundle) -> None:
     (bundle / "config.json").write_text(json.dumps(result.config, separators=(",", ":")))
 
 
+@dataclass(slots=True)
+class _Image:
+    """A box's root on ``policy.image``: the mounted root (:mod:`corral.backends.host.overlay`,
+    its staging entries released with the box's shared paths), how the agent's interpreter
+    runs beside it, and the writable root's upper (None: read-only)."""
+
+    root: overlay.ImageRoot
+    hidden: HiddenPython
+    layer: RootLayer | None = None
+
+
+def _other_ids(spec: BoxSpec, owner: ucounts.BoxOwner | None) -> int:
+    """Where the box's ids but 0 and 1000 start on the host: a block of its own when its
+    commands are box root (they may take any of its ids), else the shared range."""
+    return own_block(owner.uid) if owner is not None and spec.user == "root" else HOST_UID_BASE
+
+
+def _image_checked(spec: BoxSpec, image: _Image, bundle: oci_config.OciBundle) -> RootLayer | None:
+    """Refuse an image whose own symlink lies where the box's mounts go (``/tmp -> /etc``):
+    corral follows no link of an image on the host, and the bundle's mount points would be
+    made through it. Returns the writable root's layer with the mount points the runtime
+    makes in the overlay (not changes of the box)."""
+    dests = oci_config.root_destinations(bundle.config["mounts"])
+    root = image.root.root
+    if image.layer is None:  # the bundle's root holds the image's top-level links
+        links = {link.dest for link in bundle.symlinks}
+        link = next((d for d in dests if any(d == t or d.startswith(t + "/") for t in links)), None)
+    else:
+        link = overlay.link_in_the_way(root, dests)
+    if link is not None:
+        raise ImageError(
+            f"policy.image {spec.policy.image!r}: {link} passes through a symbolic link of the "
+            "image, where corral mounts the box's own; corral does not follow an image's "
+            "links on the host (make it a directory in the image)"
+        )
+    if image.layer is None:
+        return None
+    return dataclasses.replace(image.layer, mount_points=overlay.missing_in_image(root, dests))
+
+
 class OciBox(CgroupAccounting, BoxBase):
     backend = "oci"
     rootless: dict[str, str] | None = None
@@ -468,8 +514,10 @@ class OciBox(CgroupAccounting, BoxBase):
         limits: LimitPlan,
         shared: idmap.SharedPaths | None = None,
         owner: ucounts.BoxOwner | None = None,
+        root_layer: RootLayer | None = None,
     ) -> None:
         super().__init__(spec, channel, warnings, limits)
+        self.root_layer = root_layer
         self._runtime = runtime
         self._cgroup = cgroup
         self._own_pids = limits.own_pids
@@ -600,7 +648,7 @@ class OciBackend(BackendBase):
         return removed
 
     async def start(self, spec: BoxSpec) -> OciBox:
-        refuse_image(spec, "oci")
+        self._refuse_image(spec)
         runtime = self.runtime
         await self.prepare()
         await ensure_agent_compiled(AGENT_DIR, self.python)
@@ -611,13 +659,15 @@ class OciBackend(BackendBase):
         held: list[idmap.SharedPaths | ucounts.BoxOwner] = []
         userns = -1
         pins: list[Pinned] = []  # bind sources in writable areas, checked once mounted
+        image: list[_Image] = []  # the box's root on policy.image, once mounted
         try:
             # Directories, owner.json and the idmapped mounts, then the bundle, in threads:
             # mount calls wait for RCU grace periods, and a bundle is dozens of mkdirs.
-            shared = await blocking(self._share, spec, held)
+            shared = await blocking(self._share, spec, held, image)
             owner = next((h for h in held if isinstance(h, ucounts.BoxOwner)), None)
             root = owner.uid if owner is not None else HOST_UID_BASE  # box root's host uid
-            maps = (id_map(shared.uid, root), id_map(shared.gid, root))
+            others = _other_ids(spec, owner)
+            maps = (id_map(shared.uid, root, others), id_map(shared.gid, root, others))
             if spec.network is not None:  # who connects to its sockets; pasta's uid
                 user = (os.getuid(), os.getgid()) if runtime.rootless else (root, shared.gid)
                 spec.network.admit(*user, namespace_owner=user[0])
@@ -638,8 +688,9 @@ class OciBackend(BackendBase):
             bundle = spec.state_dir / "bundle"
             where = (userns_path, root)
             await blocking(
-                self._write_bundle, spec, shared, limits, netns, compat, bundle, where, pins
+                self._write_bundle, spec, shared, limits, netns, compat, bundle, where, pins, image
             )
+            layer = image[0].layer if image else None
             relays = spec.network is not None and bool(
                 spec.network.forwarders() or spec.network.publishers
             )
@@ -660,12 +711,72 @@ class OciBackend(BackendBase):
         host_end.setblocking(False)
         said = (shared.warning, compat_warning, runtime.rootless and runtime.rootless.warning)
         warnings = limits.warnings + tuple(late) + tuple(w for w in said if w)
-        box = OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared, owner)
+        box = OciBox(spec, runtime, host_end, cgroup, warnings, limits, shared, owner, layer)
         if runtime.rootless is not None:
             box.rootless = {**runtime.rootless.facts}
             if cgroup is not None:
                 box.rootless["limits"] = "delegated cgroup v2"
         return box
+
+    def _refuse_image(self, spec: BoxSpec) -> None:
+        """BackendUnavailable, naming the field and the way out, for a box on an image (or
+        whose commands are box root) where this runtime cannot run one."""
+        runtime = self.runtime
+        if spec.policy.image == "host" and spec.policy.user != "root" and spec.user != "root":
+            return
+        what = (
+            f"policy.image {spec.policy.image!r}"
+            if spec.policy.image != "host"
+            else "policy.user 'root'"
+        )
+        if runtime.gvisor:
+            raise BackendUnavailable(
+                f"{what}: runsc (gVisor) does not run boxes on an image or as box root here "
+                "(its file server cannot reach the box's overlay root); use runtime 'runc' or "
+                "'crun', or the bwrap backend"
+            )
+        if runtime.rootless is not None:
+            raise BackendUnavailable(
+                f"{what}: the oci backend runs boxes on an image or as box root only as root "
+                "on the host (the image's root is mounted idmapped by the host); run corral as "
+                "root, or use the bwrap backend"
+            )
+
+    def _mount_image(
+        self, spec: BoxSpec, shared: idmap.SharedPaths, owner: ucounts.BoxOwner
+    ) -> _Image | None:
+        """The box's root on ``policy.image``, mounted as on bwrap (:mod:`.overlay`): the
+        image idmapped with the box's own id maps under a per-box overlay of
+        ``filesystem.root_size``, its staging entries released with the shared paths.
+        Blocking (a registry ref not stored yet is pulled)."""
+        policy = spec.policy
+        from corral.images import resolve_image
+
+        resolved = resolve_image(policy.image)
+        if resolved.rootfs is None:
+            return None
+        if not resolved.rootfs.is_dir():
+            raise BackendError(
+                f"policy.image {policy.image!r}: {resolved.rootfs} is not a directory"
+            )
+        hidden = hidden_python(self.python)
+        if shared.binds is None:
+            shared.binds = idmap.IdmappedBinds(spec.sandbox_id)
+        others = _other_ids(spec, owner)
+        uids = id_ranges(shared.uid, owner.uid, others)
+        root = overlay.mount_image_root(
+            spec.sandbox_id,
+            resolved.rootfs,
+            shared.binds.entries,
+            uids=uids,
+            gids=id_ranges(shared.gid, owner.uid, others),
+            owner=owner.uid,
+            size=policy.filesystem.root_size,
+            # The image's WorkingDir is the default cwd: made as Docker makes a WORKDIR.
+            workdir=resolved.config.workdir if policy.workdir == DEFAULT_WORKDIR else None,
+        )
+        layer = None if root.upper is None else RootLayer(root.upper, tuple(uids))
+        return _Image(root, hidden, layer)
 
     def _refuse_or_plan(self, spec: BoxSpec) -> LimitPlan:
         """What this runtime cannot run (PolicyError or BackendUnavailable, with the way
@@ -739,7 +850,10 @@ class OciBackend(BackendBase):
         return group
 
     def _share(
-        self, spec: BoxSpec, held: list[idmap.SharedPaths | ucounts.BoxOwner]
+        self,
+        spec: BoxSpec,
+        held: list[idmap.SharedPaths | ucounts.BoxOwner],
+        image: list[_Image] | None = None,
     ) -> idmap.SharedPaths:
         """The state directory with owner.json (so a crash from here on is swept), then (not
         on gVisor) the host uid of the box's own that will own its user namespace: the
@@ -757,14 +871,27 @@ class OciBackend(BackendBase):
             held.append(shared)
             return shared
         user = COMMAND_HOST_ID
+        owner = None
         if not runtime.gvisor:  # gVisor's inotify, queues, PTYs and epoll are its kernel's
             owner = ucounts.claim_owner()
             held.append(owner)
             devpts.refuse_beyond_pool(owner.slot)  # its max= must fit beside the others'
             user = owner.command_id
-        # gVisor's file server is the box's root: shared paths take its files too.
-        shared = idmap.share_paths(spec, box_root=runtime.gvisor, user=user)
-        held.append(shared)
+        if owner is not None and spec.user == "root":
+            # Box root's commands own the shared paths: their owner's files appear as box
+            # root's (the namespace owner's host uid); box uid 1000 keeps its own host id.
+            shared = idmap.share_paths(spec, user=owner.uid)
+            held.append(shared)
+            if shared.binds is not None or spec.workspace_prepared:
+                shared.uid = shared.gid = owner.command_id
+        else:
+            # gVisor's file server is the box's root: shared paths take its files too.
+            shared = idmap.share_paths(spec, box_root=runtime.gvisor, user=user)
+            held.append(shared)
+        if image is not None and owner is not None and spec.policy.image != "host":
+            mounted = self._mount_image(spec, shared, owner)
+            if mounted is not None:
+                image.append(mounted)
         return shared
 
     def _write_bundle(
@@ -777,9 +904,13 @@ class OciBackend(BackendBase):
         bundle: Path,
         userns: tuple[str | None, int] = (None, HOST_UID_BASE),
         pins: list[Pinned] | None = None,
+        image: list[_Image] | None = None,
     ) -> oci_config.OciBundle:
         """Translate the policy and write the bundle (config.json, root dir). Blocking."""
-        result = self._bundle(spec, shared, limits, netns, compat, userns, pins)
+        on = image[0] if image else None
+        result = self._bundle(spec, shared, limits, netns, compat, userns, pins, on)
+        if on is not None:  # before anything is made by path in the root
+            on.layer = _image_checked(spec, on, result)
         bundle.mkdir()
         _write_bundle(bundle, result)
         self.runtime.root.mkdir(parents=True, exist_ok=True)
@@ -794,10 +925,18 @@ class OciBackend(BackendBase):
         compat: Path | None = None,
         userns: tuple[str | None, int] = (None, HOST_UID_BASE),
         pins: list[Pinned] | None = None,
+        image: _Image | None = None,
     ) -> oci_config.OciBundle:
         masked_file, masked_dir, passwd = shared_files()
         rootless = self.runtime.rootless
-        config: dict[str, Any] = {**agent_config(spec), "fd": 0}
+        root_commands = spec.user == "root" and rootless is None
+        ids = {"uid": 0, "gid": 0} if root_commands else {}
+        config: dict[str, Any] = {**agent_config(spec, **ids), "fd": 0}
+        if root_commands:
+            # Commands share the agent's uid: only this keeps them out of its /proc/PID/fd
+            # (the channel to the host), environ and memory (they hold no CAP_SYS_PTRACE).
+            config["undumpable"] = True
+        image_root = None if image is None else image.root.root
         if rootless is not None:
             if not rootless.mapped:  # commands are box root, the agent's id: keep it out
                 config.update(uid=0, gid=0, undumpable=True)
@@ -819,6 +958,8 @@ class OciBackend(BackendBase):
             self.python,
             [g for _, g in net.binds()] if net else (),
             deferred=spec.workspace_prepared,
+            image_top=None if image_root is None else overlay.image_dirs(image_root),
+            image_writable=image is not None and image.layer is not None,
         )
         if net is not None:
             config["forwarders"] = net.forwarders()
@@ -844,6 +985,11 @@ class OciBackend(BackendBase):
             seccomp_file=str(seccomp_file) if seccomp_file else None,
             compat_library=str(compat) if compat else None,
             rootless=rootless.box_ranges if rootless is not None else None,
+            image_root=image_root,
+            image_writable=image is not None and image.layer is not None,
+            hidden=None if image is None else image.hidden,
+            root_commands=root_commands,
+            others=own_block(userns[1]) if root_commands else HOST_UID_BASE,
             gvisor=self.runtime.gvisor,
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)

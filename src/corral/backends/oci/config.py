@@ -29,6 +29,7 @@ the root directory before the runtime starts.
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ from typing import Any
 
 from corral.backends.host import safepath, seccomp
 from corral.backends.host.cgroups import PARENT
+from corral.backends.host.overlay import image_has_file
+from corral.backends.host.python import HOST_PREFIX, HiddenPython
 from corral.backends.layout import (
     CGROUP_DIR,
     GUEST_AGENT_DIR,
@@ -45,12 +48,14 @@ from corral.backends.layout import (
     Bind,
     HostView,
     Symlink,
+    image_entries,
+    on_shared_paths,
     passwd_binds,
     policy_binds,
     root_entries,
 )
 from corral.backends.limits import Capabilities, LimitPlan, plan_limits
-from corral.backends.users import BOX_UID, GUEST_HOME, HOST_UID_BASE, id_ranges
+from corral.backends.users import BOX_UID, GUEST_HOME, HOST_UID_BASE, ROOT_CAPS, id_ranges
 from corral.policy import Policy
 
 OCI_VERSION = "1.0.2"
@@ -117,6 +122,21 @@ class OciInputs:
     no cgroup of the runtime's making (no ``linux.resources``: corral makes one in a delegated
     subtree, or the agent's rlimits bound it), and with a single id mapped (no subordinate
     ids) box root runs commands itself, so it keeps no capability and its home is box root's."""
+    image_root: Path | None = None
+    """The root directory of ``policy.image`` (None: the host's system): its top-level
+    entries bound read-only on the bundle's empty root, or (``image_writable``) the box's
+    overlay (:mod:`corral.backends.host.overlay`) as the container's root itself."""
+    image_writable: bool = False
+    """``image_root`` is the box's writable overlay (``filesystem.root_size``)."""
+    hidden: HiddenPython | None = None
+    """With ``image_root``: how the agent's interpreter runs from the host's /usr, bound
+    read-only at :data:`HOST_PREFIX` (the image may have no Python)."""
+    root_commands: bool = False
+    """Commands run as box root (``policy.user = "root"``): the agent keeps
+    :data:`~corral.backends.users.ROOT_CAPS` (of the box's own namespace) for them."""
+    others: int = HOST_UID_BASE
+    """Host id of the box's ids but 0 and 1000 (a block of the box's own for root boxes,
+    :func:`corral.backends.users.own_block`)."""
     gvisor: bool = False
     """runsc: gVisor's file server runs as the box's root in the box's user namespace, so
     every mount point is made in the root dir (it may not write there), and masks over host
@@ -299,10 +319,25 @@ def _reachable_masks(binds: list[Bind], masks: set[str]) -> list[Bind]:
     ]
 
 
+def _roots(policy: Policy, inp: OciInputs, host: HostView) -> list[Bind | Symlink]:
+    """The entries of the box's root: the host's system, or the image's top-level entries
+    with the box's passwd over the image's where it has one; none on a writable image root
+    (the overlay is the root, with its own ``/etc/passwd``: box root may ``useradd``)."""
+    if inp.image_root is None:
+        return [*root_entries(policy, inp.python, host), *passwd_binds(policy, inp.passwd_file)]
+    if inp.image_writable:
+        return []
+    roots = image_entries(inp.image_root)
+    for b in passwd_binds(policy, inp.passwd_file):
+        if image_has_file(inp.image_root, b.dest):
+            roots.append(b)
+    return roots
+
+
 def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> OciBundle:
     """Translate a policy into the OCI bundle (config.json and root dir) of one box."""
     host = host or HostView(placeholder=safepath.make_dirs)
-    roots = root_entries(policy, inp.python, host) + passwd_binds(policy, inp.passwd_file)
+    roots = _roots(policy, inp, host)
     # The runtime mounts its own /proc, /dev and /sys (bwrap binds the host's /sys).
     root_binds = [e for e in roots if isinstance(e, Bind) and e.dest not in _OWN_MOUNTS]
     # gVisor's sysfs is its own kernel's, so it is mounted in every network mode.
@@ -316,13 +351,20 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         *inp.extra_binds,
         *([Bind(inp.seccomp_file, GUEST_SECCOMP)] if inp.seccomp_file else []),
         *([Bind(inp.compat_library, GUEST_COMPAT)] if inp.compat_library else []),
-        *policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources),
+        *([Bind(inp.hidden.usr, HOST_PREFIX + "/usr")] if inp.hidden else []),
     ]
+    shared = policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources)
+    if inp.image_root is not None:  # masks of the host's own files: not in an image's root
+        shared = on_shared_paths(policy, shared)
+    binds += shared
     if inp.gvisor:
         binds = _reachable_masks(binds, {str(inp.masked_file), str(inp.masked_dir)})
     single = inp.rootless is not None and len(inp.rootless) == 1  # box root runs commands
     user = 0 if single else BOX_UID
-    mounts = _system_mounts(policy, own_sysfs, user) + [_bind(b, host) for b in binds]
+    mounts = _system_mounts(policy, own_sysfs, user)
+    if inp.image_root is not None:  # the agent and the host's /usr: box root's alone
+        mounts.append(_tmpfs(posixpath.dirname(GUEST_AGENT_DIR), "700"))
+    mounts += [_bind(b, host) for b in binds]
     if not inp.gvisor:  # the box's POSIX message queues, where Landlock can name them
         mounts.insert(3, MQUEUE_MOUNT)
     if not own_sysfs:  # the host's cgroupfs lists every box's cgroup: cover it
@@ -338,12 +380,15 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
         network["path"] = inp.netns_path
     namespaces.append(network)
     caps = [] if single else list(AGENT_CAPS)
+    if inp.root_commands and not single:
+        caps += ROOT_CAPS
+    interpreter = inp.hidden.argv if inp.image_root is not None and inp.hidden else (inp.python,)
     config: dict[str, Any] = {
         "ociVersion": OCI_VERSION,
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [inp.python, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args],
+            "args": [*interpreter, "-I", "-S", f"{GUEST_AGENT_DIR}/agent.py", *inp.agent_args],
             "env": [f"PATH={SYSTEM_PATH}", "LANG=C.UTF-8"],
             "cwd": "/",
             "capabilities": {
@@ -357,13 +402,17 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
             "rlimits": [{"type": "RLIMIT_CORE", "hard": 0, "soft": 0}],
             "noNewPrivileges": True,
         },
-        "root": {"path": "rootfs", "readonly": True},
+        "root": (
+            {"path": str(inp.image_root), "readonly": False}
+            if inp.image_root is not None and inp.image_writable
+            else {"path": "rootfs", "readonly": True}
+        ),
         "hostname": "corral",
         "mounts": mounts,
         "linux": {
             "namespaces": namespaces,
-            "uidMappings": _mappings(inp.owner_uid, inp.root_uid),
-            "gidMappings": _mappings(inp.owner_gid, inp.root_uid),
+            "uidMappings": _mappings(inp.owner_uid, inp.root_uid, inp.others),
+            "gidMappings": _mappings(inp.owner_gid, inp.root_uid, inp.others),
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(PROC_READ_ONLY),
             "seccomp": seccomp.oci_seccomp(policy.security.preset),
@@ -394,8 +443,29 @@ def oci_bundle(policy: Policy, inp: OciInputs, host: HostView | None = None) -> 
     )
 
 
-def _mappings(owner: int, root: int) -> list[dict[str, int]]:
+def _mappings(owner: int, root: int, others: int = HOST_UID_BASE) -> list[dict[str, int]]:
     return [
         {"containerID": box, "hostID": host, "size": count}
-        for box, host, count in id_ranges(owner, root)
+        for box, host, count in id_ranges(owner, root, others)
     ]
+
+
+_FRESH_TYPES = frozenset({"tmpfs", "proc", "sysfs", "devpts", "mqueue"})
+"""Mount types that make a new filesystem: what lies below their destination is not the
+root's."""
+
+
+def root_destinations(mounts: list[dict[str, Any]]) -> list[str]:
+    """The destinations of ``mounts`` the runtime resolves (and makes when missing) in the
+    box's root: not those beneath a new filesystem mounted before them (``/dev/pts`` in the
+    box's ``/dev`` tmpfs, ``/run/corral/agent`` in ``/run``)."""
+    dests: list[str] = []
+    fresh: list[str] = []
+    for mount in mounts:
+        dest = os.path.normpath(str(mount.get("destination") or "/"))
+        if dest == "/" or any(dest.startswith(f.rstrip("/") + "/") for f in fresh):
+            continue
+        dests.append(dest)
+        if mount.get("type") in _FRESH_TYPES:
+            fresh.append(dest)
+    return dests
