@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import backend_policy, backend_skip
-from corral import BackendUnavailable, Policy, Sandbox
+from corral import BackendUnavailable, Sandbox
 from corral.backends.host.state import state_root
 from oci_images import busybox_root, dir_tar, write_layout
 
@@ -107,7 +107,7 @@ async def test_an_image_without_python_runs_with_a_writable_root(
         assert {"etc/hello", "bin/.wh.rm", "data"} <= names, names
         assert not names & {"workspace", "proc", "dev", "tmp", "run", "home", "sys"}, names
     assert snapshot(rootfs) == before  # the image in the store is unchanged
-    mine = [e for e in (state_root() / "mnt").glob(f"{sb.sandbox_id}.*")]
+    mine = list((state_root() / "mnt").glob(f"{sb.sandbox_id}.*"))
     assert not mine, mine
 
 
