@@ -15,7 +15,16 @@ import textwrap
 from corral.agent import lean
 
 AGENT_DIR = os.path.dirname(lean.__file__)
-HEAVY = ("os", "posixpath", "_collections_abc", "subprocess", "signal", "enum", "threading")
+HEAVY = (
+    "os",
+    "posixpath",
+    "_collections_abc",
+    "subprocess",
+    "signal",
+    "enum",
+    "threading",
+    "struct",
+)
 
 
 def agent_python(code: str) -> str:
