@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := /usr/bin/python3
 VENV := .venv
 VPY := $(VENV)/bin/python
-APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static runsc uidmap skopeo docker-registry chromium
+APT_PACKAGES := bubblewrap python3-venv gcc git iproute2 tmux runc crun passt nftables slirp4netns curl nodejs qemu-system-x86 linux-image-amd64 busybox-static runsc uidmap skopeo docker-registry chromium btrfs-progs
 STAMP := $(VENV)/.installed
 
 # Unprivileged test users (tests/rootless/): one with subordinate ids, one without.

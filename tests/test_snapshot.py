@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from corral import Policy, Sandbox, SandboxError
+from corral.backends.host.state import state_root
 from corral.images.store import ImageStore
 from oci_images import busybox_root, dir_tar, write_layout
 
@@ -102,6 +103,8 @@ async def test_a_hostile_writable_root_is_snapshotted_safely(image: str, tmp_pat
     store = ImageStore()
     record = store.get(ref)
     assert record is not None
+    if record.cow:  # kept in the copy-on-write store: made plain (exported) on demand
+        record = store.materialize(record)
     etc = store.rootfs(record) / "etc"
     assert os.readlink(etc / "evil") == "/etc/shadow"  # copied as a link, never followed
     assert stat.S_IMODE((etc / "suid").lstat().st_mode) & (stat.S_ISUID | stat.S_ISGID) == 0
@@ -185,3 +188,63 @@ async def test_three_forks_of_a_box_with_a_running_process_diverge(
         assert r.stdout == "ws\n/etc/shadow\n", r
     async with Sandbox.restore(quiet, Policy(image=image)) as restored:
         assert (await restored.run("ls /workspace")).stdout == ""  # no workspace kept
+
+
+async def test_copy_on_write_forks_keep_the_root_size_and_leave_nothing(
+    image: str, tmp_path: Path
+) -> None:
+    """On the copy-on-write store a snapshot is a subvolume snapshot: a fork starts from the
+    box's upper without a copy, still capped by root_size (what the box held counts), and
+    closing boxes deletes their subvolumes and staging mounts; forgetting the image deletes
+    the snapshot's."""
+    from corral.backends.host import cowstore
+
+    store_root = cowstore.root()
+    if store_root is None:
+        pytest.skip("no copy-on-write store here (btrfs-progs, root)")
+    policy = Policy(image=image, user="root", filesystem={"root_size": "8M"})
+    async with Sandbox(policy) as sb:
+        r = await sb.run(
+            "mkdir /data && busybox dd if=/dev/zero of=/data/a bs=1M count=5 && rm /etc/hello"
+            " && echo kept > /data/note",
+            cwd="/",
+        )
+        assert r.exit_code == 0, r
+        (fork,) = await sb.fork(1, name="localhost/corral-test/cow:1")
+        async with fork:
+            assert (store_root / "boxes" / fork.sandbox_id).is_dir()
+            r = await fork.run("busybox dd if=/dev/zero of=/data/b bs=1M count=4 2>&1", cwd="/")
+            assert "Disk quota exceeded" in r.stdout, r  # 5 MB held + 4 > 8
+            r = await fork.run(
+                "rm /data/b; busybox dd if=/dev/zero of=/data/b bs=1M count=1 && "
+                "busybox du -k /data/a",
+                cwd="/",
+            )
+            assert r.exit_code == 0 and r.stdout.split()[0] == "5120", r
+        assert (await sb.run("ls /data")).stdout == "a\nnote\n"  # the fork's are its own
+    ids = (sb.sandbox_id, fork.sandbox_id)
+    boxes = store_root / "boxes"
+    assert not [p for p in boxes.iterdir() if p.name.partition(".")[0] in ids]
+    mnt = state_root() / "mnt"
+    assert (
+        not [p for p in mnt.iterdir() if p.name.partition(".")[0] in ids] if mnt.is_dir() else True
+    )
+    store = ImageStore()
+    record = store.get("localhost/corral-test/cow:1")
+    assert record is not None and record.cow and not record.plain
+    assert (store_root / "snaps" / record.cow).is_dir()
+    # A read-only root needs a plain root: the snapshot's changes are exported once
+    readonly = Policy(image=record.ref, filesystem={"root_size": None})
+    async with Sandbox(readonly) as ro:
+        r = await ro.run("cat /data/note; ls /etc", cwd="/")
+        assert r.stdout.splitlines()[0] == "kept" and "hello" not in r.stdout, r
+    plain = store.get(record.ref)
+    assert plain is not None and plain.plain and plain.cow == record.cow
+    assert len(plain.layers) == len(record.layers) + 1
+    async with Sandbox(policy.model_copy(update={"image": record.ref})) as again:
+        r = await again.run("cat /data/note; ls /etc; busybox du -k /data/a", cwd="/")
+        lines = r.stdout.split()  # the upper over the plain root: the same view
+        assert lines[0] == "kept" and "hello" not in lines and "5120" in lines, r
+    store.remove(record.ref)
+    assert not (store_root / "snaps" / record.cow).exists()
+    assert not (store_root / "snaps" / f"{record.cow}.json").exists()

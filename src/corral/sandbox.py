@@ -91,7 +91,7 @@ def _resolve_image(policy: Policy) -> tuple[ImageConfig, BoxUser]:
     ref may be pulled; an image ``User`` that is none of the box users is a PolicyError)."""
     from corral.images.resolve import box_user, resolve_image
 
-    image = resolve_image(policy.image)
+    image = resolve_image(policy.image, cow=True)  # the config: no snapshot made plain
     return image.config, box_user(image, policy.user)
 
 
@@ -835,19 +835,28 @@ class Sandbox:
             await self.pause()
         try:
             running, warnings = await self._unkept_processes(processes)
+            root = self._box.root_layer
             with store.scratch() as tmp:
-                layer = tmp / "layer.tar"
-                await self.export_root(layer)
                 kept = None
                 if workspace:
                     kept = tmp / "workspace.tar"
                     await blocking(self._export_workspace, kept)
-                config = dict(base.config)
-                await blocking(
-                    lambda: store.commit(
-                        ref, base, [layer], config, source="snapshot", workspace=kept
+                if root is not None and root.subvolume is not None:  # O(1): copy on write
+                    subvolume, skip = root.subvolume, root.mount_points
+                    await blocking(
+                        lambda: store.commit_cow(
+                            ref, base, subvolume, mount_points=skip, workspace=kept
+                        )
                     )
-                )
+                else:  # a tmpfs upper: copied out as a layer
+                    layer = tmp / "layer.tar"
+                    await self.export_root(layer)
+                    config = dict(base.config)
+                    await blocking(
+                        lambda: store.commit(
+                            ref, base, [layer], config, source="snapshot", workspace=kept
+                        )
+                    )
         finally:
             if paused_here:
                 await self.resume()

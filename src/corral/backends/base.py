@@ -97,6 +97,9 @@ class RootLayer:
     mount_points: frozenset[str] = frozenset()
     """Paths (relative: ``workspace``, ``etc/resolv.conf``) the backend made in the root for
     the box's own mounts where the image had none: mount points, not changes of the box."""
+    subvolume: Path | None = None
+    """The copy-on-write subvolume holding the upper (its on-disk ids the box's own), which
+    a snapshot takes in O(1); None where the upper is a tmpfs."""
 
     def box_id(self, host_id: int) -> int:
         """The box's id for ``host_id`` (65534, nobody, for an id the box does not map)."""

@@ -64,10 +64,16 @@ class ResolvedImage:
     rootfs: Path | None
     """A read-only root directory, or None for ``host``."""
     config: ImageConfig
+    cow: Path | None = None
+    """A snapshot's subvolume in the copy-on-write store (:mod:`corral.backends.host.cowstore`):
+    the upper layer a writable root starts as, over ``rootfs``; only when asked for."""
 
 
-def resolve_image(ref: str) -> ResolvedImage:
-    """The root and config ``ref`` names (see the module docstring)."""
+def resolve_image(ref: str, *, cow: bool = False) -> ResolvedImage:
+    """The root and config ``ref`` names (see the module docstring). A snapshot kept in the
+    copy-on-write store is its image's root plus a subvolume: ``cow=True`` (a caller that
+    mounts a writable root over it, as bwrap does) gets both; any other gets a plain root,
+    the snapshot's changes written into the store as a layer first (once)."""
     if ref == HOST:
         return ResolvedImage(ref, None, ImageConfig())
     from corral.images.store import ImageStore, is_path
@@ -75,9 +81,11 @@ def resolve_image(ref: str) -> ResolvedImage:
     store = ImageStore()
     record = store.resolve(ref)
     if record is not None:
-        return ResolvedImage(
-            ref, store.rootfs(record), ImageConfig.from_oci(record.config, record.digest)
-        )
+        upper = store.cow_of(record) if record.cow and cow else None
+        if record.cow and upper is None:
+            record = store.materialize(record)  # once; a no-op when it is plain already
+        config = ImageConfig.from_oci(record.config, record.digest)
+        return ResolvedImage(ref, store.rootfs(record), config, upper)
     if is_path(ref):  # a directory that is no OCI layout: a plain root
         root = Path(ref).expanduser().resolve()
         if root == Path("/"):

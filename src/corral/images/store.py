@@ -86,6 +86,13 @@ class ImageRecord:
     workspace: str = ""
     """A snapshot's copy of its box's workspace: a layer tar's name under ``workspaces/``
     (``Sandbox.snapshot(workspace=True)``), or empty."""
+    cow: str = ""
+    """A snapshot kept in the copy-on-write store (:mod:`corral.backends.host.cowstore`):
+    its subvolume's name there, holding the box's upper layer over this image's root; or
+    empty (the image is its layers alone)."""
+    plain: bool = False
+    """A snapshot kept in the copy-on-write store whose changes are in its layers too
+    (:meth:`ImageStore.materialize`): its root alone is the whole image."""
 
     @property
     def chain(self) -> str:
@@ -246,14 +253,18 @@ class ImageStore:
         *,
         source: str = "build",
         workspace: Path | None = None,
+        keep: tuple[str, str] | None = None,
     ) -> ImageRecord:
         """A new image: ``base`` (or an empty root) with ``layers`` (tar files, gzip or not)
         on top and ``config`` as its config object, recorded as ``ref``. Its layers' blobs
         are not kept (the store holds roots), so it can be run and inspected, not pushed; its
         digest is that of a manifest made for it. ``workspace``: a layer tar of a box's
-        workspace, moved into the store with the image (a snapshot's)."""
+        workspace, moved into the store with the image (a snapshot's). ``keep``: the
+        ``(workspace, cow)`` fields of a snapshot made plain (:meth:`materialize`)."""
+        if base is not None and base.cow and not base.plain:
+            base = self.materialize(base)  # its root alone lacks the snapshot's changes
         with self._locked():
-            kept = ""
+            kept, cow = keep or ("", "")
             if workspace is not None:
                 kept = f"{_key(ref)}-{secrets.token_hex(6)}.tar"
                 os.rename(workspace, self.root / "workspaces" / kept)
@@ -296,10 +307,91 @@ class ImageStore:
                 architecture=str(image_config["architecture"]),
                 os=str(image_config["os"]),
                 workspace=kept,
+                cow=cow,
+                plain=keep is not None,
             )
             self._record(record)
             self._gc_workspaces()  # a ref replaced: its old workspace copy goes
             return record
+
+    def commit_cow(
+        self,
+        ref: str,
+        base: ImageRecord,
+        subvolume: Path,
+        *,
+        mount_points: frozenset[str] = frozenset(),
+        workspace: Path | None = None,
+    ) -> ImageRecord:
+        """A snapshot kept in the copy-on-write store: a read-only snapshot of the box's
+        ``subvolume`` (O(1)) recorded as ``ref`` over ``base``'s root (``base`` itself when
+        it is such a snapshot: the box's upper already holds all it changed). The box must
+        be paused. ``mount_points``: the backend's, left out if it is ever made plain."""
+        from corral.backends.host import cowstore
+
+        store = cowstore.root()
+        if store is None:
+            raise errors.ImageError("no copy-on-write store on this host")
+        with self._locked():
+            name = f"{os.getpid()}-{secrets.token_hex(8)}"
+            cowstore.take_snapshot(store, subvolume, name, self.root, sorted(mount_points))
+            kept = ""
+            if workspace is not None:
+                kept = f"{_key(ref)}-{secrets.token_hex(6)}.tar"
+                os.rename(workspace, self.root / "workspaces" / kept)
+            manifest = {"base": base.digest, "cow": name}
+            record = dataclasses.replace(
+                base,
+                ref=ref,
+                digest=oci.sha256(json.dumps(manifest, sort_keys=True).encode()),
+                source="snapshot",
+                created=time.time(),
+                workspace=kept,
+                cow=name,
+                plain=False,
+            )
+            self._record(record)
+            self._gc_workspaces()
+            self._gc_cows()
+            return record
+
+    def cow_of(self, record: ImageRecord) -> Path | None:
+        """The subvolume of a snapshot kept in the copy-on-write store (None: not one, or
+        gone)."""
+        from corral.backends.host import cowstore
+
+        return cowstore.snapshot_path(record.cow) if record.cow else None
+
+    def materialize(self, record: ImageRecord) -> ImageRecord:
+        """A snapshot kept in the copy-on-write store as an image of plain layers too (for
+        what needs a root directory: a read-only root, a build ``FROM`` it): its upper
+        written as a layer (read as hostile: :mod:`corral.images.export`) and committed on
+        its image, under the same ref (the subvolume kept for fast forks). Once."""
+        if record.plain or not record.cow:
+            return record
+        from corral.backends.host import cowstore
+        from corral.images.export import write_layer
+
+        upper = self.cow_of(record)
+        if upper is None:
+            raise errors.ImageNotFound(
+                f"snapshot {record.ref}'s changes are gone from the copy-on-write store "
+                f"({cowstore.image_file()}); corral image rm it"
+            )
+        skip = cowstore.snapshot_mount_points(record.cow)
+        base = dataclasses.replace(record, cow="", workspace="", plain=False)
+        with self.scratch() as tmp:
+            layer = tmp / "layer.tar"
+            with open(layer, "wb") as out:
+                write_layer(upper / "upper", out, skip=skip)
+            return self.commit(
+                record.ref,
+                base,
+                [layer],
+                dict(record.config),
+                source="snapshot",
+                keep=(record.workspace, record.cow),
+            )
 
     def workspace_of(self, record: ImageRecord) -> Path | None:
         """The layer tar of a snapshot's workspace, or None."""
@@ -416,6 +508,16 @@ class ImageStore:
             if entry.name not in keep:
                 remove_tree(entry)
         self._gc_workspaces()
+        self._gc_cows()
+
+    def _gc_cows(self) -> None:
+        """Drop this store's snapshots in the copy-on-write store that no image records."""
+        from corral.backends.host import cowstore
+
+        if not cowstore.mounted():
+            return
+        used = {record.cow for record in self.list() if record.cow}
+        cowstore.drop_unused(self.root, used)
 
     def _gc_workspaces(self) -> None:
         used = {record.workspace for record in self.list()}

@@ -694,7 +694,7 @@ class BwrapBackend(BackendBase):
             return None, None
         from corral.images import resolve_image
 
-        image = resolve_image(policy.image)
+        image = resolve_image(policy.image, cow=policy.filesystem.root_size is not None)
         if image.rootfs is None:
             return None, None
         if not image.rootfs.is_dir():
@@ -714,10 +714,12 @@ class BwrapBackend(BackendBase):
             size=policy.filesystem.root_size,
             # The image's WorkingDir is the default cwd: made as Docker makes a WORKDIR.
             workdir=image.config.workdir if policy.workdir == DEFAULT_WORKDIR else None,
+            seed=image.cow,
+            release=shared.binds.after,
         )
         if root.upper is not None:
             ids = id_ranges(shared.uid, owner.uid, _other_ids(spec, owner.uid))
-            held.root_layer = RootLayer(root.upper, tuple(ids))
+            held.root_layer = RootLayer(root.upper, tuple(ids), subvolume=root.subvolume)
         return root, hidden
 
     @staticmethod

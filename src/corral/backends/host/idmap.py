@@ -27,6 +27,7 @@ import os
 import struct
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -254,6 +255,8 @@ class IdmappedBinds:
         self.areas = areas
         """Writable areas: a source inside one is opened following no symlink."""
         self.entries: list[Path] = []
+        self.after: list[Callable[[], None]] = []
+        """Run once the entries are released (a writable root's subvolume is deleted)."""
 
     def add(self, source: str | os.PathLike[str]) -> Path:
         entry = staging.new_entry("mnt", f"{self.sandbox_id}.{len(self.entries)}")
@@ -265,6 +268,10 @@ class IdmappedBinds:
         for entry in self.entries:
             staging.release_staging(entry)
         self.entries.clear()
+        for then in self.after:
+            with contextlib.suppress(OSError):
+                then()
+        self.after.clear()
 
 
 @dataclass

@@ -33,11 +33,11 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.backends.host import idmap, mounts, safepath, staging
+from corral.backends.host import cowstore, idmap, mounts, safepath, staging
 from corral.backends.layout import Bind, image_entries
 from corral.errors import BackendError
 
@@ -51,6 +51,15 @@ class ImageRoot:
     """What the box's root entries are bound from: the overlay (or the read-only lower)."""
     upper: Path | None
     """The overlay's upper directory (what the box changed), None for a read-only root."""
+    subvolume: Path | None = None
+    """The btrfs subvolume holding ``upper`` (:mod:`.cowstore`: snapshots are O(1)), or
+    None where the upper is a tmpfs."""
+
+
+MOUNTER_ID = 0x7FFF_0000
+"""The on-disk id host root (the overlay's mounter) has on an idmapped upper layer: overlayfs
+makes its work files and whiteouts as the mounter, which must be mapped there; this id is
+none of a box's (0..65535), so such entries show as nobody in every box."""
 
 
 def root_inodes(size: int) -> int:
@@ -97,12 +106,17 @@ def mount_image_root(
     owner: int,
     size: int | None,
     workdir: str | None = None,
+    seed: Path | None = None,
+    release: list[Callable[[], None]] | None = None,
 ) -> ImageRoot:
     """Mount the box's root for the image at ``rootfs``: idmapped with the box's id maps
     (``(box id, host id, count)`` ranges), under an overlay with a tmpfs of ``size`` bytes
     above it (None: the image read-only). ``entries`` receives each staging entry as soon as
     it exists (the caller releases them in order: overlay first). ``workdir``: a directory
-    to make on a writable root when the image lacks it (its ``WorkingDir``). Blocking."""
+    to make on a writable root when the image lacks it (its ``WorkingDir``). ``seed``: a
+    snapshot's subvolume the upper starts as (a fork; needs the copy-on-write store).
+    ``release`` receives what must run once the mounts are gone (the upper's subvolume is
+    deleted then); without it the upper is a tmpfs. Blocking."""
     uid_map = "".join(f"{b} {h} {n}\n" for b, h, n in uids)
     gid_map = "".join(f"{b} {h} {n}\n" for b, h, n in gids)
     # Host root's until its mount is made: the box's owner uid (bwrap's) gets the entry only
@@ -123,15 +137,26 @@ def mount_image_root(
             mounts.read_only(str(merged))
             os.chown(merged.parent, owner, 0)
             return ImageRoot(merged, None)
-        _tmpfs(upper_fs, f"size={size},nr_inodes={root_inodes(size)},mode=0700")
+        # The copy-on-write store for a caller that releases the subvolume (else a tmpfs)
+        store = cowstore.root() if release is not None else None
+        subvolume = None
+        if store is not None:
+            subvolume = _cow_upper(
+                store, sandbox_id, rootfs, upper_fs, uid_map, gid_map, size, seed, release
+            )
+        elif seed is not None:
+            raise OSError(errno.ENOTSUP, "a snapshot's upper needs the copy-on-write store")
+        else:
+            _tmpfs(upper_fs, f"size={size},nr_inodes={root_inodes(size)},mode=0700")
         upper, work = upper_fs / "upper", upper_fs / "work"
-        upper.mkdir(mode=0o755)
-        work.mkdir(mode=0o700)
-        # The root directory of the box is the upper's: the image root's owner and mode,
-        # as the box sees them (box root may make new top-level entries).
-        st = os.stat(lower)
-        os.chown(upper, st.st_uid, st.st_gid)  # already mapped by the idmapped lower
-        upper.chmod(stat.S_IMODE(st.st_mode) & 0o1777)
+        if subvolume is None:
+            upper.mkdir(mode=0o755)
+            work.mkdir(mode=0o700)
+            # The root directory of the box is the upper's: the image root's owner and
+            # mode, as the box sees them (box root may make new top-level entries).
+            st = os.stat(lower)
+            os.chown(upper, st.st_uid, st.st_gid)  # already mapped by the idmapped lower
+            upper.chmod(stat.S_IMODE(st.st_mode) & 0o1777)
         _overlay(merged, lower, upper, work)
         if workdir:  # while the entry is host root's alone: nothing can swap the path
             # made when the image lacks it, box root's, never through one of its links
@@ -141,10 +166,10 @@ def mount_image_root(
     except OSError as exc:
         raise BackendError(
             f"policy.image: cannot mount the box's root ({exc.strerror or exc}"
-            f"{' on ' + exc.filename if exc.filename else ''}); corral needs root on the host "
-            "and a kernel with idmapped mounts and overlayfs (Linux 5.19+)"
+            f"{' on ' + str(exc.filename) if exc.filename else ''}); corral needs root on the "
+            "host and a kernel with idmapped mounts and overlayfs (Linux 5.19+)"
         ) from None
-    return ImageRoot(merged, upper)
+    return ImageRoot(merged, upper, subvolume)
 
 
 def image_dirs(image_root: Path) -> list[str]:
@@ -204,3 +229,39 @@ def link_in_the_way(image_root: Path, dests: Iterable[str]) -> str | None:
         finally:
             os.close(fd)
     return None
+
+
+def _cow_upper(
+    store: Path,
+    sandbox_id: str,
+    rootfs: Path,
+    target: Path,
+    uid_map: str,
+    gid_map: str,
+    size: int,
+    seed: Path | None,
+    release: list[Callable[[], None]] | None,
+) -> Path:
+    """The box's upper layer as a subvolume of the copy-on-write store (a snapshot of
+    ``seed``, or new: its ``upper`` taking the image root's on-disk owner and mode),
+    mounted at ``target`` idmapped with the box's own maps plus :data:`MOUNTER_ID` for host
+    root, nosuid, nodev. Its deletion goes into ``release`` at once (it runs after the
+    mounts are gone, made or not)."""
+    sub = cowstore.new_box_subvolume(store, sandbox_id, seed, size)
+    if release is not None:
+        release.append(lambda: cowstore.release_box(store, sandbox_id))
+    if seed is None:  # nothing of a box's in it yet: made through the raw path
+        st = os.stat(rootfs)
+        (sub / "upper").mkdir(mode=0o755)
+        (sub / "work").mkdir(mode=0o700)
+        os.chown(sub / "upper", st.st_uid, st.st_gid)  # on-disk, as the image's root
+        (sub / "upper").chmod(stat.S_IMODE(st.st_mode) & 0o1777)
+    source = os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mounter = f"{MOUNTER_ID} 0 1\n"
+        ns_fd = idmap.box_userns_fd(uid_map + mounter, gid_map + mounter)
+        attrs = idmap.MOUNT_ATTR_NOSUID | idmap.MOUNT_ATTR_NODEV
+        idmap.mount_tree(source, str(sub), str(target), ns_fd, attrs)
+    finally:
+        os.close(source)
+    return sub
