@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from conftest import backend_skip
 from corral.cli import main
 from corral.images import resolve_image
 from corral.images.store import ImageStore
@@ -201,16 +202,19 @@ def test_a_hostile_layer_from_the_registry_leaves_nothing(
     assert_empty(store)
 
 
-@pytest.mark.needs_bwrap
-@pytest.mark.skipif(os.geteuid() != 0, reason="images run on the bwrap backend as root")
+@pytest.mark.skipif(os.geteuid() != 0, reason="images run on the bwrap and oci backends as root")
+@pytest.mark.parametrize("backend", ["bwrap", "oci-runc"])
 def test_pull_run_and_install_as_box_root_from_a_local_registry(
-    registry: Registry, store: ImageStore, tmp_path: Path
+    registry: Registry, store: ImageStore, tmp_path: Path, backend: str
 ) -> None:
     """The issue's path end to end through ``corral run``: an image without Python pulled
     from the registry runs its Cmd; box root installs a package with apt-get on its writable
     root (apt dropping to _apt as it does); the stored image and the host are unchanged."""
     if not all(os.path.exists(t) for t in APT_TOOLS):
         pytest.skip("apt and dpkg are not installed")
+    if backend_skip(backend):
+        pytest.skip(str(backend_skip(backend)))
+    chosen = ["--backend", "oci", "--runtime", backend.removeprefix("oci-")]
     config: dict[str, object] = {
         "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
         "Cmd": ["sh", "-c", "command -v python3 || echo no-python"],
@@ -220,6 +224,8 @@ def test_pull_run_and_install_as_box_root_from_a_local_registry(
     deb = make_deb(tmp_path / "ws")
     env = {**os.environ, "CORRAL_IMAGE_STORE": str(store.root)}
     argv = [sys.executable, "-m", "corral.cli", "run", "--workspace", str(deb.parent)]
+    if backend != "bwrap":
+        argv += chosen
     cmd = subprocess.run(
         [*argv, "--image", ref], capture_output=True, text=True, timeout=120, env=env
     )
