@@ -18,7 +18,7 @@ import select
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from conftest import BACKENDS, backend_policy
 from corral import Sandbox
 from corral.backends import backend_for, base
 from corral.backends.host import ucounts
-from corral.backends.users import OWNER_UID_BASE
+from corral.backends.users import OWNER_UID_BASE, own_block
 
 pytestmark = [pytest.mark.attack("processes"), pytest.mark.needs_bwrap]
 
@@ -38,7 +38,7 @@ from corral import Policy, Sandbox
 async def main():
     sb = Sandbox(Policy(**json.loads(sys.argv[1])))
     await sb.start()
-    await sb.spawn("sleep 300")
+    await sb.spawn(sys.argv[2] if len(sys.argv) > 2 else "sleep 300")
     box = sb._box
     print(json.dumps({"owner": box._owner.uid, "state": str(box._spec.state_dir)}), flush=True)
     await asyncio.Event().wait()
@@ -47,17 +47,23 @@ asyncio.run(main())
 """
 
 
-def start_and_kill_host(settings: dict[str, object]) -> tuple[int, Path]:
+def start_and_kill_host(
+    settings: dict[str, object],
+    command: str = "sleep 300",
+    before_kill: Callable[[int], object] = lambda slot: None,
+) -> tuple[int, Path]:
     """A host process starts a box (full network: pasta runs as the box's namespace owner)
-    with a command in it, and is SIGKILLed: the box's slot (its owner uid) and state dir."""
+    with a command in it, and is SIGKILLed: the box's slot (its owner uid) and state dir.
+    ``before_kill(slot)`` runs while the host still lives."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOST, json.dumps(settings)], stdout=subprocess.PIPE
+        [sys.executable, "-c", HOST, json.dumps(settings), command], stdout=subprocess.PIPE
     )
     try:
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         assert ready, "the host process did not start its box within 120 s"
         line = proc.stdout.readline()
+        before_kill(int(json.loads(line)["owner"]) - OWNER_UID_BASE)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -120,3 +126,49 @@ async def test_a_killed_hosts_box_leaves_nothing_under_its_uids_for_the_next_box
         owner_json.write_bytes(record)  # the usual sweep removes the dead box's state
         monkeypatch.setattr(base, "_last_sweep", {})
         await backend_for(policy).prepare()  # type: ignore[attr-defined]
+
+
+OTHER_UID = 1234
+DETACHED = (
+    "python3 -c 'import os, time\n"
+    "if os.fork() == 0:\n"
+    f"    os.setsid(); os.setgid({OTHER_UID}); os.setuid({OTHER_UID})\n"
+    "    if os.fork() == 0: time.sleep(300)\n"
+    "    os._exit(0)\n"
+    "time.sleep(300)'"
+)
+
+
+async def test_a_process_under_another_box_uid_does_not_outlive_a_killed_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A box whose commands are box root (bwrap only) may take any box uid: a detached
+    process as box uid 1234 (its own session, double-forked) must be gone once the host
+    process that started the box is SIGKILLed (the box's PID namespace ends with its init;
+    the next start's sweep kills what still runs under the slot's block of ids)."""
+    backend_policy("bwrap")
+    seen: dict[str, set[int]] = {}
+
+    def find(slot: int) -> None:
+        uid = own_block(OWNER_UID_BASE + slot) + OTHER_UID
+        for _ in range(100):  # the command is spawned; its grandchild comes a moment later
+            seen["pids"] = {
+                p for p, found in ucounts._slot_scan().get(slot, {}).items() if uid in found
+            }
+            if seen["pids"]:
+                return
+            select.select([], [], [], 0.05)
+
+    start_and_kill_host({"user": "root"}, DETACHED, find)
+    assert seen.get("pids"), "no process ran as box uid 1234: the attack tested nothing"
+    fds = list(pidfds(seen["pids"]))
+    try:
+        monkeypatch.setattr(base, "_last_sweep", {})
+        async with Sandbox(backend_policy("bwrap")) as sb:
+            assert (await sb.run("true")).exit_code == 0
+            assert all_exited(fds, 10), seen["pids"]
+    finally:
+        for fd in fds:
+            os.close(fd)
+        monkeypatch.setattr(base, "_last_sweep", {})
+        await backend_for(backend_policy("bwrap")).prepare()  # type: ignore[attr-defined]

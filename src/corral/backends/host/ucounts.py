@@ -41,7 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from corral.backends.layout import SYSTEM_PATH
-from corral.backends.users import COMMAND_UID_BASE, OWNER_SLOTS, OWNER_UID_BASE, command_id
+from corral.backends.users import (
+    COMMAND_UID_BASE,
+    ID_RANGE,
+    OWNER_SLOTS,
+    OWNER_UID_BASE,
+    ROOT_BOX_ID_BASE,
+    command_id,
+)
 from corral.errors import BackendError
 
 OWNERS_DIR = Path("/run/corral/owners")
@@ -115,25 +122,36 @@ def claim_owner(folder: Path = OWNERS_DIR) -> BoxOwner:
 
 
 def slot_of(uid: int) -> int | None:
-    """The slot whose owner uid or command uid ``uid`` is, else None."""
+    """The slot whose owner uid or command uid ``uid`` is, or whose block of ids (a box
+    whose commands are box root: :func:`corral.backends.users.own_block`) holds it; else
+    None. The other box ids of every other box share one range (``HOST_UID_BASE``) that no
+    process of theirs can take: commands run as uid 1000 without capabilities, and only
+    box-root commands (whose ids are their slot's block) may change uid."""
     for base in (OWNER_UID_BASE, COMMAND_UID_BASE):
         if base <= uid < base + OWNER_SLOTS:
             return uid - base
+    if ROOT_BOX_ID_BASE <= uid < ROOT_BOX_ID_BASE + OWNER_SLOTS * ID_RANGE:
+        return (uid - ROOT_BOX_ID_BASE) // ID_RANGE
     return None
 
 
 def slot_processes() -> dict[int, set[int]]:
-    """slot -> pids of the live (not zombie) processes that have the slot's owner uid or
-    command uid as their real, effective, saved or filesystem uid. One read of
+    """slot -> pids of the live (not zombie) processes that have one of the slot's uids
+    (:func:`slot_of`) as their real, effective, saved or filesystem uid. One read of
     ``/proc/PID/status`` per process."""
-    found: dict[int, set[int]] = {}
+    return {slot: set(pids) for slot, pids in _slot_scan().items()}
+
+
+def _slot_scan() -> dict[int, dict[int, set[int]]]:
+    """slot -> pid -> the slot's uids that process has."""
+    found: dict[int, dict[int, set[int]]] = {}
     for pid, uids, state in _processes():
         if state == "Z":
             continue
         for uid in uids:
             slot = slot_of(uid)
             if slot is not None:
-                found.setdefault(slot, set()).add(pid)
+                found.setdefault(slot, {}).setdefault(pid, set()).add(uid)
     return found
 
 
@@ -170,44 +188,50 @@ def sweep_free_slots(folder: Path = OWNERS_DIR) -> list[int]:
     swept: list[int] = []
     if os.geteuid() != 0:
         return swept  # slots are root's (rootless boxes take none) and so are their uids
-    leftovers = slot_processes()
+    leftovers = _slot_scan()
     if not leftovers:
         return swept
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for slot, pids in sorted(leftovers.items()):
+    for slot, found in sorted(leftovers.items()):
         fd = _try_slot(folder, slot)
         if fd < 0:
             continue  # a running box's: its host process lives
         try:
-            _kill_slot(slot, pids)
+            _kill_slot(slot, found)
         finally:
             os.close(fd)
         swept.append(slot)
     return swept
 
 
-def _kill_slot(slot: int, pids: set[int]) -> None:
-    """SIGKILL everything running as the slot's two uids and wait for it to end.
+def _kill_slot(slot: int, found: dict[int, set[int]]) -> None:
+    """SIGKILL everything running as the slot's two uids (and the ids of its block that
+    ``found``, pid -> uids, shows in use) and wait for it to end.
 
     ``kill(-1, SIGKILL)`` run as each uid reaches every process of that uid in one pass
     under the kernel's task list lock, so a process forking meanwhile cannot slip past
     (a kill of pid after pid could miss the children). A pidfd per process seen tells
     when it is gone; a second pass catches what was between two uids."""
+    uids = {OWNER_UID_BASE + slot, COMMAND_UID_BASE + slot}
+    uids |= {uid for held in found.values() for uid in held}
+    pids = set(found)
     for _ in range(3):
         pidfds = []
         for pid in pids:
             with contextlib.suppress(OSError):
                 pidfds.append(os.pidfd_open(pid))
         try:
-            for uid in (OWNER_UID_BASE + slot, COMMAND_UID_BASE + slot):
+            for uid in sorted(uids):  # with the ids of its block that processes had
                 _kill_all_of(uid)
             _wait_gone(pidfds, SWEEP_WAIT)
         finally:
             for fd in pidfds:
                 os.close(fd)
-        pids = slot_processes().get(slot, set())
-        if not pids:
+        found = _slot_scan().get(slot, {})
+        if not found:
             return
+        pids = set(found)
+        uids |= {uid for held in found.values() for uid in held}
 
 
 def _kill_all_of(uid: int) -> None:
