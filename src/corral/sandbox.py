@@ -892,17 +892,20 @@ class Sandbox:
 
     def _export_workspace(self, dest: Path) -> int:
         """The workspace as a layer tar at ``dest`` (the store's scratch: no box writes
-        there). The box wrote it: read as hostile (:func:`write_layer`: no link followed,
-        device nodes and sockets left out, setuid bits dropped, hard links kept within). Its
-        files are recorded as uid/gid 0: whoever owns the workspace they are restored to.
-        Blocking."""
+        there), without what the box's ``deny_read`` masks hide. The box wrote it: read as
+        hostile (:func:`write_layer`: no link followed, device nodes and sockets left out,
+        setuid bits dropped, hard links kept within). Its files are recorded as uid/gid 0:
+        whoever owns the workspace they are restored to. Blocking."""
         from corral.backends.host.safepath import open_regular
         from corral.images.export import write_layer
 
         assert self.workspace is not None
+        # What the box's masks hide is not the snapshot's to keep: a box restored from it
+        # (any policy) would read it.
+        hidden = maskfollow.masked_objects(self.policy, self.workspace)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         with open(open_regular(dest, flags, 0o600), "wb") as out:
-            return write_layer(self.workspace, out, lambda _: 0)
+            return write_layer(self.workspace, out, lambda _: 0, skip_ids=hidden)
 
     async def fork(
         self,

@@ -152,3 +152,30 @@ async def test_a_parent_renamed_while_the_box_starts_fails_closed(
     with pytest.raises(PolicyError):
         async with Sandbox(_with(box_policy, deny_read=("secrets/key",)), workspace=workspace):
             pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="writable image roots run on bwrap as root")
+async def test_a_snapshot_of_the_workspace_keeps_nothing_a_mask_hides(
+    workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``snapshot(workspace=True)`` copies the workspace on the host, as root: a masked
+    key (by its path, renamed by an earlier box, hard-linked before it was masked) would
+    reach every box restored from the snapshot, under any policy. It is left out."""
+    from oci_images import busybox_root, dir_tar, write_layout
+
+    monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
+    root = busybox_root(tmp_path / "rootfs")
+    (root / "etc").mkdir(exist_ok=True)
+    write_layout(tmp_path / "layout", [dir_tar(root)])
+    image = str(tmp_path / "layout")
+    _plant(workspace)
+    plain = Policy(image=image, user="root")
+    await _run(plain, workspace, "ln hl/key2 /workspace/leak && echo ok")
+    masked = _with(plain, deny_read=("secrets/key", "deep/creds", ".config/gcloud", "hl/key2"))
+    await _run(masked, workspace, "mv /workspace/deep /workspace/d2 && echo ok")
+    async with Sandbox(masked, workspace=workspace) as sb:
+        snap = await sb.snapshot("localhost/corral-test/masked:1", workspace=True)
+    async with Sandbox.restore(snap, plain) as restored:
+        r = await restored.run("cat -- $(find /workspace -type f) 2>&1; find /workspace")
+    assert SECRET not in r.stdout, r.stdout
+    assert "/workspace/conf/settings" in r.stdout  # the rest of the workspace is there

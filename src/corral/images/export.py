@@ -63,11 +63,14 @@ def write_layer(
     out: IO[bytes],
     box_id: Callable[[int], int] | None = None,
     skip: Collection[str] = (),
+    skip_ids: Collection[tuple[int, int]] = (),
 ) -> int:
     """Write ``upper`` (an overlay upper directory) to ``out`` as an uncompressed OCI layer
     tar; return the number of entries. ``box_id`` maps the host uids and gids the upper's
     files have to the ids the layer records (a box's: ``RootLayer.box_id``); ``skip``
-    names entries left out, relative (a box's own mount points)."""
+    names entries left out, relative (a box's own mount points); ``skip_ids`` the
+    ``(st_dev, st_ino)`` of objects left out wherever they are, under any name or link (a
+    box's masked files and directories, with all they hold)."""
     ids = box_id or (lambda host: host)
     root = os.open(upper, _DIR_FLAGS)
     count = 0
@@ -81,6 +84,8 @@ def write_layer(
                 if path in skip:
                     continue
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) in skip_ids:
+                    continue
                 info = tarfile.TarInfo(path)
                 info.mode = stat.S_IMODE(st.st_mode) & 0o1777
                 info.uid, info.gid, info.mtime = ids(st.st_uid), ids(st.st_gid), int(st.st_mtime)

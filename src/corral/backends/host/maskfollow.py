@@ -368,6 +368,26 @@ def recheck(policy: Policy, workspace: str | os.PathLike[str], home: str | None 
                     )
 
 
+def masked_objects(policy: Policy, workspace: str | os.PathLike[str]) -> set[Ident]:
+    """``(st_dev, st_ino)`` of every object a ``deny_read`` mask hides inside the
+    workspace, wherever it lies now (:func:`locate`: renamed, hard-linked): what a copy of
+    the workspace made on the host (a snapshot's) must leave out, or a box restored from
+    it, under any policy, would read what this one could not."""
+    locate(policy, workspace)
+    roots, entries = _entries(policy, workspace, None)
+    found: set[Ident] = set()
+    if not roots or roots[0] is None:
+        return found
+    recorded = _Records(record_dir()).load(*roots[0])
+    for _, read, area, rel in entries:
+        if read and area == 0:
+            found |= {obj.ident for obj in recorded.get(rel, [])}
+            current = _lstat_beneath(roots[0][0], rel)
+            if current is not None:
+                found.add(_ident(current))
+    return found
+
+
 def locate(
     policy: Policy, workspace: str | os.PathLike[str], home: str | None = None
 ) -> tuple[Moved, list[str]]:
