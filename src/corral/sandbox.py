@@ -815,6 +815,12 @@ class Sandbox:
         ``processes="warn"`` (the default) makes a filesystem-only snapshot and says so in
         :attr:`Snapshot.warnings`; ``processes="error"`` refuses with
         :class:`ProcessStateUnavailable`, naming why their state cannot be saved."""
+        return await self._snapshot(name, processes, workspace, durable=True)
+
+    async def _snapshot(
+        self, name: str, processes: SnapshotProcesses, workspace: bool, *, durable: bool
+    ) -> Snapshot:
+        """:meth:`snapshot`; ``durable``: synced to disk (a fork's own need not be)."""
         from corral.images.registry import parse_ref
         from corral.images.store import ImageStore
 
@@ -845,7 +851,12 @@ class Sandbox:
                     subvolume, skip = root.subvolume, root.mount_points
                     await blocking(
                         lambda: store.commit_cow(
-                            ref, base, subvolume, mount_points=skip, workspace=kept
+                            ref,
+                            base,
+                            subvolume,
+                            mount_points=skip,
+                            workspace=kept,
+                            durable=durable,
                         )
                     )
                 else:  # a tmpfs upper: copied out as a layer
@@ -922,10 +933,11 @@ class Sandbox:
         in each fork's :attr:`warnings`). Closing them is the caller's."""
         if n < 1:
             raise _invalid(f"fork(n) needs n >= 1, not {n}")
-        snap = await self.snapshot(
+        snap = await self._snapshot(
             name or f"corral-fork.invalid/{self.sandbox_id}:{n}",
-            processes=processes,
-            workspace=workspace,
+            processes,
+            workspace,
+            durable=name is not None,  # a generated one serves these forks alone
         )
         boxes = [Sandbox.restore(snap, self.policy) for _ in range(n)]
         for box in boxes:

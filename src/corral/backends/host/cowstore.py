@@ -24,7 +24,9 @@ namespace owner is another host uid, sees them as the box that wrote them did.
 The filesystem is a sparse file (``<cache>/cow.btrfs``, ``CORRAL_COW_SIZE`` bytes, default
 half the free space of its filesystem, 8-64 GiB) made with ``mkfs.btrfs`` (Debian's
 ``btrfs-progs``) on first use and loop-mounted by host root at ``<state>/cow`` (0700:
-nothing in it is reachable but through a box's mounts), with quotas on. Host code never
+nothing in it is reachable but through a box's mounts), with quotas on, without write
+barriers (a snapshot kept as an image is made durable by an explicit sync; a store that no
+longer mounts after a host crash is set aside and made anew). Host code never
 walks what a box wrote there: subvolumes are made, snapshotted and deleted by ioctls on
 their directory; a snapshot is exported (for consumers that need a plain root) by
 :mod:`corral.images.export`, which reads it as hostile. Without btrfs (no ``mkfs.btrfs``,
@@ -237,12 +239,15 @@ def _mount() -> Path:
             os.rename(tmp, file)
         target.mkdir(parents=True, exist_ok=True)
         target.chmod(0o700)
-        subprocess.run(
-            ["mount", "-o", "loop,noatime,discard=async", str(file), str(target)],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
+        try:
+            _loop_mount(file, target)
+        except subprocess.CalledProcessError:
+            if fresh:
+                raise
+            # Unmountable (a host crash under nobarrier): a cache, made again. Its snapshots'
+            # images say their changes are gone; the old file is kept aside, once.
+            os.replace(file, file.with_name("cow.btrfs.unmountable"))
+            return _mount()
         target.chmod(0o700)
         for sub in ("boxes", "snaps"):
             (target / sub).mkdir(mode=0o700, exist_ok=True)
@@ -250,6 +255,33 @@ def _mount() -> Path:
         return target
     finally:
         os.close(lock)
+
+
+def _loop_mount(file: Path, target: Path) -> None:
+    # nobarrier: a transaction commit (each snapshot) would otherwise fsync the file on the
+    # host's disk (~5-10 ms here); what must outlive a crash is made durable by
+    # :func:`persist` (a snapshot kept as an image), the boxes' own layers need not be.
+    subprocess.run(
+        ["mount", "-o", "loop,noatime,nobarrier,discard=async", str(file), str(target)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def persist(store: Path) -> None:
+    """Make everything written to the store so far durable: commit it (syncfs), then fsync
+    the file it lives in (the loop device sends no flush: nobarrier)."""
+    fd = os.open(store, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        mounts.libc().syncfs(fd)
+    finally:
+        os.close(fd)
+    fd = os.open(image_file(), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # -- boxes -------------------------------------------------------------------------------
