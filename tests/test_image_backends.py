@@ -152,3 +152,26 @@ async def test_backends_without_images_refuse_naming_the_field(
     with pytest.raises(BackendUnavailable, match=r"policy\.user"):
         async with Sandbox(backend_policy(backend, user="root")):
             pass
+
+
+@pytest.mark.parametrize("backend", IMAGE_BACKENDS[1:])
+async def test_pause_snapshot_and_fork_on_oci(
+    backend: str, layout: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime's cgroup freezes the box for a snapshot; forks start from it on the same
+    backend and diverge."""
+    monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
+    policy = backend_policy(backend, image=str(layout), user="root")
+    async with Sandbox(policy) as sb:
+        await sb.run("mkdir -p /data && echo base > /data/f")
+        await sb.pause()
+        await sb.resume()
+        forks = await sb.fork(2)
+        seen = []
+        for i, fork in enumerate(forks):
+            async with fork:
+                await fork.run(f"echo fork{i} >> /data/f")
+                seen.append((await fork.run("cat /data/f")).stdout.split())
+                assert (await fork.info())["backend"] == "oci"
+        assert seen == [["base", "fork0"], ["base", "fork1"]], seen
+        assert (await sb.run("cat /data/f")).stdout == "base\n"

@@ -540,6 +540,20 @@ class OciBox(CgroupAccounting, BoxBase):
             facts["rootless"] = dict(self.rootless)
         return facts
 
+    async def freeze(self, frozen: bool) -> None:
+        """The box's cgroup (the runtime's, or the rootless box's delegated one) frozen or
+        thawed, as on bwrap."""
+        if self._cgroup is None:
+            await super().freeze(frozen)  # BackendUnavailable: no cgroup of its own
+            return
+        if not await self._cgroup.freeze_async(frozen):
+            if frozen:  # half-frozen is no state to leave a box in
+                await self._cgroup.freeze_async(False)
+            raise BackendError(
+                f"the box's processes could not be {'frozen' if frozen else 'thawed'} (its "
+                "cgroup has no freezer here, or a process did not stop within a second)"
+            )
+
     async def diagnose(self) -> str:
         """What the runtime or the agent wrote to stderr before the box failed."""
         try:
@@ -752,7 +766,7 @@ class OciBackend(BackendBase):
         policy = spec.policy
         from corral.images import resolve_image
 
-        resolved = resolve_image(policy.image)
+        resolved = resolve_image(policy.image, cow=policy.filesystem.root_size is not None)
         if resolved.rootfs is None:
             return None
         if not resolved.rootfs.is_dir():
@@ -774,8 +788,12 @@ class OciBackend(BackendBase):
             size=policy.filesystem.root_size,
             # The image's WorkingDir is the default cwd: made as Docker makes a WORKDIR.
             workdir=resolved.config.workdir if policy.workdir == DEFAULT_WORKDIR else None,
+            seed=resolved.cow,
+            release=shared.binds.after,
         )
-        layer = None if root.upper is None else RootLayer(root.upper, tuple(uids))
+        layer = None
+        if root.upper is not None:
+            layer = RootLayer(root.upper, tuple(uids), subvolume=root.subvolume)
         return _Image(root, hidden, layer)
 
     def _refuse_or_plan(self, spec: BoxSpec) -> LimitPlan:
