@@ -271,7 +271,8 @@ class BoxBase:
         the backend cannot."""
         raise BackendUnavailable(
             f"pausing a box is not available on the {self._spec.policy.backend} backend "
-            "(it needs the box's own cgroup with a freezer: bwrap, or oci with runc or crun, as root)"
+            "(it needs the box's own cgroup with a freezer: bwrap, or oci with runc or crun, "
+            "as root)"
         )
 
     async def close(self) -> None:
