@@ -3,8 +3,11 @@ diverge; the box snapshotted goes on; filesystem state only."""
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,22 @@ async def test_snapshot_and_fork_through_the_server(image: str, tmp_path: Path) 
                 assert any("filesystem-only" in w for w in fork.warnings)
                 assert (await fork.run("cat /workspace/w")).stdout == "mine\n"
                 forks.append(fork)
+                corral_cli = [sys.executable, "-m", "corral"]
+                cli = functools.partial(
+                    subprocess.run, env=served.env, capture_output=True, text=True, timeout=120
+                )
+                done = cli([*corral_cli, "snapshot", sb.id, "localhost/corral-test/cli:1"])
+                assert done.returncode == 0, done
+                assert done.stdout == "localhost/corral-test/cli:1\n"
+                assert "corral: warning: filesystem-only snapshot: 1 process" in done.stderr
+                done = cli([*corral_cli, "snapshot", sb.id, "x/y:1", "--processes", "error"])
+                assert done.returncode == 125 and "process_state_unavailable" in done.stderr, done
+                done = cli([*corral_cli, "fork", sb.id, "-n", "2", "--workspace"])
+                assert done.returncode == 0 and "warning: filesystem-only" in done.stderr, done
+                for box_id in done.stdout.split():
+                    r = cli([*corral_cli, "exec", box_id, "--", "cat", "/workspace/w"])
+                    assert r.stdout == "mine\n", r
+                    assert cli([*corral_cli, "rm", box_id]).returncode == 0
                 for fork in forks:
                     await fork.aclose()
             assert await remote.boxes() == []

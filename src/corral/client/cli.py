@@ -5,7 +5,9 @@
 - Boxes that outlive one call, as with docker: ``corral create`` (prints an id),
   ``corral exec ID -- CMD``, ``corral ps [ID]``, ``corral cp SRC DST`` (one side
   ``ID:PATH``), ``corral logs ID PID [-f]``, ``corral rm ID...``, and ``corral port ID
-  [PORT]`` (expose a box port; prints its host URL and preview URL). These need a server.
+  [PORT]`` (expose a box port; prints its host URL and preview URL), ``corral snapshot ID
+  NAME`` and ``corral fork ID [-n N]`` (a box on an image: its filesystem kept as an image,
+  new boxes from it). These need a server.
 
 Host paths in the flags (``--workspace``, ``--policy``, ``-v HOST:BOX``) are made absolute
 here, against this shell's directory, before they reach the server; ``-e NAME`` takes
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SERVER_COMMANDS", "main", "remote_main", "server_parser"]
 
-SERVER_COMMANDS = ("create", "exec", "ps", "cp", "logs", "rm", "port")
+SERVER_COMMANDS = ("create", "exec", "ps", "cp", "logs", "rm", "port", "snapshot", "fork")
 TERMINAL_COMMANDS = ("shell", "attach", "sessions")
 """Commands of the in-process CLI that go through a server when one is running."""
 EXIT_USAGE, EXIT_SANDBOX = 2, 125
@@ -336,7 +338,63 @@ def server_parser() -> argparse.ArgumentParser:
     port.add_argument("--rm", action="store_true", help="stop exposing PORT")
     port.add_argument("--json", action="store_true")
     port.set_defaults(func=_port)
+    keeps = Parser(add_help=False)
+    keeps.add_argument("--workspace", action="store_true", help="keep its workspace too")
+    keeps.add_argument(
+        "--processes",
+        choices=("warn", "error"),
+        default="warn",
+        help="processes running whose state cannot be kept: warn (the default) or fail",
+    )
+    keeps.add_argument("--json", action="store_true")
+    snap = sub.add_parser(
+        "snapshot", parents=[keeps], help="a box's filesystem as an image: prints its ref"
+    )
+    snap.add_argument("box")
+    snap.add_argument("name", help="the image's ref, e.g. localhost/task/step:1")
+    snap.set_defaults(func=_snapshot)
+    fork = sub.add_parser(
+        "fork", parents=[keeps], help="new boxes from a box's filesystem: prints their ids"
+    )
+    fork.add_argument("box")
+    fork.add_argument("-n", type=int, default=1, help="how many (default 1)")
+    fork.add_argument("--label", action="append", default=[], metavar="K=V")
+    fork.set_defaults(func=_fork)
     return parser
+
+
+def _warn(warnings: list[str]) -> None:
+    for warning in warnings:
+        print(f"corral: warning: {warning}", file=sys.stderr)
+
+
+def _snapshot(conn: Conn, args: argparse.Namespace) -> int:
+    body = {"name": args.name, "processes": args.processes, "workspace": args.workspace}
+    snap = conn.json("POST", f"/v1/boxes/{q(args.box)}/snapshot", body)
+    if args.json:
+        print(json.dumps(snap))
+        return 0
+    _warn(snap.get("warnings", []))
+    print(snap["ref"])
+    return 0
+
+
+def _fork(conn: Conn, args: argparse.Namespace) -> int:
+    labels = dict(item.partition("=")[::2] for item in args.label)
+    body = {
+        "n": args.n,
+        "labels": labels,
+        "processes": args.processes,
+        "workspace": args.workspace,
+    }
+    boxes = conn.json("POST", f"/v1/boxes/{q(args.box)}/fork", body)
+    if args.json:
+        print(json.dumps(boxes))
+        return 0
+    _warn(boxes[0].get("warnings", []) if boxes else [])
+    for box in boxes:
+        print(box["id"])
+    return 0
 
 
 def _create(conn: Conn, args: argparse.Namespace) -> int:
