@@ -224,37 +224,41 @@ def _mount() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process makes and mounts it
         if _is_btrfs(target):
             return target
-        fresh = not file.exists()
-        if fresh:
-            tmp = file.with_name(f"cow.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                f.truncate(_size(file))
-            subprocess.run(
-                ["mkfs.btrfs", "-q", "-f", "-m", "single", "-d", "single", str(tmp)],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
-            tmp.chmod(0o600)
-            os.rename(tmp, file)
-        target.mkdir(parents=True, exist_ok=True)
-        target.chmod(0o700)
         try:
-            _loop_mount(file, target)
+            return _make_and_mount(file, target)
         except subprocess.CalledProcessError:
-            if fresh:
+            if not file.exists():
                 raise
             # Unmountable (a host crash under nobarrier): a cache, made again. Its snapshots'
             # images say their changes are gone; the old file is kept aside, once.
             os.replace(file, file.with_name("cow.btrfs.unmountable"))
-            return _mount()
-        target.chmod(0o700)
-        for sub in ("boxes", "snaps"):
-            (target / sub).mkdir(mode=0o700, exist_ok=True)
-        _enable_quota(target)  # idempotent: a no-op when already on
-        return target
+            return _make_and_mount(file, target)
     finally:
         os.close(lock)
+
+
+def _make_and_mount(file: Path, target: Path) -> Path:
+    """Format ``file`` when it does not exist yet, and mount it at ``target``."""
+    if not file.exists():
+        tmp = file.with_name(f"cow.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.truncate(_size(file))
+        subprocess.run(
+            ["mkfs.btrfs", "-q", "-f", "-m", "single", "-d", "single", str(tmp)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        tmp.chmod(0o600)
+        os.rename(tmp, file)
+    target.mkdir(parents=True, exist_ok=True)
+    target.chmod(0o700)
+    _loop_mount(file, target)
+    target.chmod(0o700)
+    for sub in ("boxes", "snaps"):
+        (target / sub).mkdir(mode=0o700, exist_ok=True)
+    _enable_quota(target)  # idempotent: a no-op when already on
+    return target
 
 
 def _loop_mount(file: Path, target: Path) -> None:
