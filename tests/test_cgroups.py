@@ -620,3 +620,19 @@ def test_create_with_unusable_support_raises_unavailable() -> None:
     with pytest.raises(BackendUnavailable, match="no write permission") as info:
         Cgroup.create("x", CgroupLimits(), s)
     assert info.value.code == "backend_unavailable"
+
+
+def test_v1_groups_are_made_with_their_parent_the_first_time(tmp_path: Path) -> None:
+    """The group is made first and ``corral/`` only when missing: a fresh hierarchy gets
+    both, a second group just its own directory, a taken name a BackendError."""
+    mounts = {c: str(tmp_path / c) for c in ("memory", "pids", "freezer")}
+    for path in mounts.values():
+        Path(path).mkdir()
+    support = CgroupSupport("v1", frozenset(mounts), str(tmp_path), "fake", mounts)
+    first = Cgroup.create("cb-first", CgroupLimits(), support)
+    second = Cgroup.create("cb-second", CgroupLimits(), support)
+    for path in mounts.values():
+        assert sorted(p.name for p in Path(path, "corral").iterdir()) == ["cb-first", "cb-second"]
+    assert set(first.paths) == set(second.paths) == set(mounts)
+    with pytest.raises(BackendError, match="already exists"):
+        Cgroup.create("cb-first", CgroupLimits(), support)

@@ -929,21 +929,37 @@ def _mkdir(d: Path) -> None:
 
 
 def _mkdir_group(d: Path) -> None:
+    """Make the group ``d`` (and its parent, ``corral/``, the first time): the group first,
+    the parent only when the kernel says it is missing. Trying the parent every time was a
+    failing mkdir per hierarchy on every box start (five here, ~0.2 ms)."""
+    try:
+        _mkdir(d)
+        return
+    except FileNotFoundError:
+        pass
+    except FileExistsError as e:
+        raise _exists(d) from e
+    except OSError as e:
+        raise _unavailable_or_error(e, d, "create") from e
     try:
         _mkdir(d.parent)
     except FileExistsError:
-        pass
+        pass  # made by another start meanwhile
     except OSError as e:
         raise _unavailable_or_error(e, d.parent, "create") from e
     try:
         _mkdir(d)
     except FileExistsError as e:
-        raise BackendError(
-            f"cgroup {d} already exists: another sandbox uses the name {d.name!r}, or a "
-            "previous run crashed (sweep_orphans() removes such leftovers)"
-        ) from e
+        raise _exists(d) from e
     except OSError as e:
         raise _unavailable_or_error(e, d, "create") from e
+
+
+def _exists(d: Path) -> BackendError:
+    return BackendError(
+        f"cgroup {d} already exists: another sandbox uses the name {d.name!r}, or a "
+        "previous run crashed (sweep_orphans() removes such leftovers)"
+    )
 
 
 def _enable_controllers(d: Path, want: Iterable[str]) -> set[str]:
