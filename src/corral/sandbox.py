@@ -815,12 +815,6 @@ class Sandbox:
         ``processes="warn"`` (the default) makes a filesystem-only snapshot and says so in
         :attr:`Snapshot.warnings`; ``processes="error"`` refuses with
         :class:`ProcessStateUnavailable`, naming why their state cannot be saved."""
-        return await self._snapshot(name, processes, workspace, durable=True)
-
-    async def _snapshot(
-        self, name: str, processes: SnapshotProcesses, workspace: bool, *, durable: bool
-    ) -> Snapshot:
-        """:meth:`snapshot`; ``durable``: synced to disk (a fork's own need not be)."""
         from corral.images.registry import parse_ref
         from corral.images.store import ImageStore
 
@@ -856,7 +850,6 @@ class Sandbox:
                             subvolume,
                             mount_points=skip,
                             workspace=kept,
-                            durable=durable,
                         )
                     )
                 else:  # a tmpfs upper: copied out as a layer
@@ -933,11 +926,10 @@ class Sandbox:
         in each fork's :attr:`warnings`). Closing them is the caller's."""
         if n < 1:
             raise _invalid(f"fork(n) needs n >= 1, not {n}")
-        snap = await self._snapshot(
+        snap = await self.snapshot(
             name or f"corral-fork.invalid/{self.sandbox_id}:{n}",
-            processes,
-            workspace,
-            durable=name is not None,  # a generated one serves these forks alone
+            processes=processes,
+            workspace=workspace,
         )
         boxes = [Sandbox.restore(snap, self.policy) for _ in range(n)]
         for box in boxes:

@@ -322,14 +322,11 @@ class ImageStore:
         *,
         mount_points: frozenset[str] = frozenset(),
         workspace: Path | None = None,
-        durable: bool = True,
     ) -> ImageRecord:
         """A snapshot kept in the copy-on-write store: a read-only snapshot of the box's
         ``subvolume`` (O(1)) recorded as ``ref`` over ``base``'s root (``base`` itself when
         it is such a snapshot: the box's upper already holds all it changed). The box must
-        be paused. ``mount_points``: the backend's, left out if it is ever made plain.
-        ``durable``: synced to disk before it is recorded (a fork's own snapshot need not
-        outlive a host crash)."""
+        be paused. ``mount_points``: the backend's, left out if it is ever made plain."""
         from corral.backends.host import cowstore
 
         store = cowstore.root()
@@ -338,8 +335,6 @@ class ImageStore:
         with self._locked():
             name = f"{os.getpid()}-{secrets.token_hex(8)}"
             cowstore.take_snapshot(store, subvolume, name, self.root, sorted(mount_points))
-            if durable:
-                cowstore.persist(store)
             kept = ""
             if workspace is not None:
                 kept = f"{_key(ref)}-{secrets.token_hex(6)}.tar"

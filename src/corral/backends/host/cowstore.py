@@ -25,8 +25,9 @@ The filesystem is a sparse file (``<cache>/cow.btrfs``, ``CORRAL_COW_SIZE`` byte
 half the free space of its filesystem, 8-64 GiB) made with ``mkfs.btrfs`` (Debian's
 ``btrfs-progs``) on first use and loop-mounted by host root at ``<state>/cow`` (0700:
 nothing in it is reachable but through a box's mounts), with quotas on, without write
-barriers (a snapshot kept as an image is made durable by an explicit sync; a store that no
-longer mounts after a host crash is set aside and made anew). Host code never
+barriers: it is a cache of box state. A host crash may cost it (a store that no longer
+mounts is set aside and made anew; the images of the snapshots it held then say their changes
+are gone: ``corral image rm`` them), never the image store's own layers. Host code never
 walks what a box wrote there: subvolumes are made, snapshotted and deleted by ioctls on
 their directory; a snapshot is exported (for consumers that need a plain root) by
 :mod:`corral.images.export`, which reads it as hostile. Without btrfs (no ``mkfs.btrfs``,
@@ -263,29 +264,14 @@ def _make_and_mount(file: Path, target: Path) -> Path:
 
 def _loop_mount(file: Path, target: Path) -> None:
     # nobarrier: a transaction commit (each snapshot) would otherwise fsync the file on the
-    # host's disk (~5-10 ms here); what must outlive a crash is made durable by
-    # :func:`persist` (a snapshot kept as an image), the boxes' own layers need not be.
+    # host's disk (7-9 ms of each fork box's start here, 2-3 ms without): the store is a
+    # cache, which a host crash may cost (see the module's docstring).
     subprocess.run(
         ["mount", "-o", "loop,noatime,nobarrier,discard=async", str(file), str(target)],
         check=True,
         capture_output=True,
         timeout=60,
     )
-
-
-def persist(store: Path) -> None:
-    """Make everything written to the store so far durable: commit it (syncfs), then fsync
-    the file it lives in (the loop device sends no flush: nobarrier)."""
-    fd = os.open(store, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        mounts.libc().syncfs(fd)
-    finally:
-        os.close(fd)
-    fd = os.open(image_file(), os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- boxes -------------------------------------------------------------------------------
