@@ -12,7 +12,7 @@ A box on a busybox image with a writable root writes ``--mb`` MB (64 files) unde
 * ``sb.fork(1)`` and ``sb.fork(K)``: a snapshot and boxes started from it, ready to run;
 * ``Sandbox.restore(ref).start()``: a box on a snapshot;
 * closing the forks;
-* a new box on the image started (the floor of any fork: a box's start).
+* a new box on the image started, and ``K`` at once (the floor of a fork: boxes' starts).
 
 Each figure is quoted as a ratio of the ``cp -a`` of the same round, and of a new box's start.
 Where the copy-on-write store is off (``CORRAL_COW=0``: a tmpfs upper) a snapshot copies the
@@ -60,6 +60,7 @@ async def main() -> None:
         "restore (start)": [],
         f"close {args.forks} forks": [],
         "new box (start)": [],
+        f"{args.forks} new boxes at once": [],
     }
     try:
         root = busybox_root(tmp / "root")
@@ -111,6 +112,11 @@ async def main() -> None:
                 await fresh.start()
                 figures["new box (start)"].append(time.perf_counter() - t)
                 await fresh.aclose()
+                t = time.perf_counter()
+                news = [Sandbox(policy) for _ in range(args.forks)]
+                await asyncio.gather(*(b.start() for b in news))
+                figures[f"{args.forks} new boxes at once"].append(time.perf_counter() - t)
+                await asyncio.gather(*(b.aclose() for b in news))
         load = os.getloadavg()[0]
         print(
             f"{args.mb} MB in {files} files changed above the image, {args.rounds} rounds "

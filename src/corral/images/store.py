@@ -310,8 +310,9 @@ class ImageStore:
                 cow=cow,
                 plain=keep is not None,
             )
+            replaced = self.get(ref)
             self._record(record)
-            self._gc_workspaces()  # a ref replaced: its old workspace copy goes
+            self._drop_replaced(replaced)
             return record
 
     def commit_cow(
@@ -350,9 +351,9 @@ class ImageStore:
                 cow=name,
                 plain=False,
             )
+            replaced = self.get(ref)
             self._record(record)
-            self._gc_workspaces()
-            self._gc_cows()
+            self._drop_replaced(replaced)
             return record
 
     def cow_of(self, record: ImageRecord) -> Path | None:
@@ -509,6 +510,20 @@ class ImageStore:
                 remove_tree(entry)
         self._gc_workspaces()
         self._gc_cows()
+
+    def _drop_replaced(self, old: ImageRecord | None) -> None:
+        """What only ``old`` (a record just replaced under its ref) used: its workspace copy,
+        its snapshot in the copy-on-write store."""
+        if old is None or not (old.workspace or old.cow):
+            return
+        from corral.backends.host import cowstore
+
+        records = self.list()
+        if old.workspace and all(r.workspace != old.workspace for r in records):
+            (self.root / "workspaces" / old.workspace).unlink(missing_ok=True)
+        store = cowstore.root() if old.cow else None
+        if store is not None and all(r.cow != old.cow for r in records):
+            cowstore.drop_snapshot(store, old.cow)
 
     def _gc_cows(self) -> None:
         """Drop this store's snapshots in the copy-on-write store that no image records."""
