@@ -416,3 +416,23 @@ def test_an_image_link_on_a_mount_destination_is_found(tmp_path: Path) -> None:
     (root / "srv").mkdir()
     args = bwrap_argv(policy, replace(inputs(), image_root=root, image_writable=True))
     assert bwrap_args.image_link_in_the_way(args, root, True) is None
+
+
+def test_one_translation_looks_at_each_host_path_once() -> None:
+    """Masks compare their ancestors with every bound directory by (st_dev, st_ino): each
+    path is looked at once per translation (and again in the next one: nothing is kept)."""
+    looked: list[str] = []
+    ids = {"/root": (1, 2), "/root/.ssh": (1, 3), "/ws": (1, 2)}
+
+    def ident(path: str) -> tuple[int, int] | None:
+        looked.append(path)
+        return ids.get(path)
+
+    host = replace(fake_host(), ident=ident)
+    policy = Policy()  # its masks: /etc/shadow, /etc/ssh, ~/.ssh, ...
+    binds = triples(bwrap_argv(policy, inputs(), host), "--ro-bind")
+    assert ("/run/corral/shared/masked-dir", "/workspace/.ssh") in binds  # still followed
+    assert looked and len(looked) == len(set(looked))
+    first = len(looked)
+    bwrap_argv(policy, inputs(), host)
+    assert len(looked) == 2 * first

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from corral.backends.users import GUEST_HOME
@@ -266,6 +266,7 @@ def policy_binds(
     ``allow_write`` and ``mounts`` (by their idmapped mount points)."""
     fs = policy.filesystem
     src = sources or {}
+    host = _looking_once(host)
     binds = [Bind(str(workspace), policy.workdir, writable=True)]
     for raw in fs.allow_write:
         path = expand(raw, host.home)
@@ -368,6 +369,21 @@ def _no_link_below(
             )
         if not host.lexists(current):
             return
+
+
+def _looking_once(host: HostView) -> HostView:
+    """``host`` whose ``ident`` stats each path once in this translation: every deny entry
+    compares its ancestors (``/etc``, ``/``) with every bound directory, which statted the
+    same few paths ~30 times a box start. Nothing outlives the call."""
+    seen: dict[str, tuple[int, int] | None] = {}
+    ident = host.ident
+
+    def once(path: str) -> tuple[int, int] | None:
+        if path not in seen:
+            seen[path] = ident(path)
+        return seen[path]
+
+    return replace(host, ident=once)
 
 
 def _everywhere(source: str, guest: str, shown: list[tuple[str, str]], host: HostView) -> list[str]:
