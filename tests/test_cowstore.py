@@ -30,6 +30,7 @@ def own_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     monkeypatch.setattr(cowstore, "image_file", lambda: file)
     monkeypatch.setenv("CORRAL_COW_SIZE", str(1 << 30))
     monkeypatch.setattr(cowstore, "_ready", None)
+    monkeypatch.setattr(cowstore, "_failed", None)
     try:
         yield target
     finally:

@@ -23,7 +23,7 @@ namespace owner is another host uid, sees them as the box that wrote them did.
 
 The filesystem is a sparse file (``<cache>/cow.btrfs``, ``CORRAL_COW_SIZE`` bytes, default
 half the free space of its filesystem, 8-64 GiB) made with ``mkfs.btrfs`` (Debian's
-``btrfs-progs``) on first use and loop-mounted by host root at ``<state>/cow`` (0700:
+``btrfs-progs``) on first use and loop-mounted by host root at ``<cache>/cow`` (0700:
 nothing in it is reachable but through a box's mounts), with quotas on, without write
 barriers: it is a cache of box state. A host crash may cost it (a store that no longer
 mounts is set aside and made anew; the images of the snapshots it held then say their changes
@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from corral.backends.host import mounts
-from corral.backends.host.state import cache_root, pid_alive, state_root
+from corral.backends.host.state import cache_root, pid_alive
 
 _IOC_WRITE, _IOC_READ = 1, 2
 
@@ -151,7 +151,9 @@ def _enable_quota(root: Path) -> None:
 
 
 def mount_point() -> Path:
-    return state_root() / "cow"
+    """Beside the file it mounts (``<cache>/cow``): one file, one mount, whatever
+    ``CORRAL_STATE_DIR`` two processes have (two loop devices on one file would corrupt it)."""
+    return cache_root() / "cow"
 
 
 def image_file() -> Path:
@@ -198,19 +200,21 @@ def _unusable() -> str | None:
 
 
 _ready: Path | None = None
+_failed: str | None = None
 
 
 def root() -> Path | None:
     """The mounted store (made and mounted on first use), or None where there is none (the
     caller falls back to a tmpfs). Blocking."""
-    global _ready
-    if _ready is not None or _unusable() is not None:
+    global _ready, _failed
+    if _ready is not None or _failed is not None or _unusable() is not None:
         return _ready
     with _lock:
-        if _ready is None:
+        if _ready is None and _failed is None:
             try:
                 _ready = _mount()
-            except (OSError, subprocess.SubprocessError):
+            except (OSError, subprocess.SubprocessError) as exc:
+                _failed = str(exc)  # not tried again by this process: tmpfs uppers
                 return None
             sweep()
     return _ready
