@@ -67,6 +67,37 @@ def test_mapped_mode_runs_bwrap_as_the_command_user_and_opens_the_agents_parent(
     assert options[options.index("/run", options.index("--remount-ro")) - 1] == "--remount-ro"
 
 
+def test_a_writable_image_root_keeps_run_sealed_and_the_interpreter_reachable(
+    tmp_path: Path,
+) -> None:
+    """On a writable image root (the overlay bound as ``/``, no ``--remount-ro /``) /run is
+    still sealed, and the hidden interpreter's parent is made listable for the agent."""
+    from corral.backends.host.python import HOST_PREFIX, HiddenPython
+
+    hidden = HiddenPython("/usr", (HOST_PREFIX + "/usr/lib/ld.so", HOST_PREFIX + "/usr/bin/py"))
+    (tmp_path / "etc").mkdir()
+    inputs = BwrapInputs(
+        workspace=Path("/ws"),
+        agent_dir=Path("/opt/corral/agent"),
+        python="/usr/bin/python3.11",
+        masked_file=Path("/tmp/corral-1000/shared/masked-file"),
+        masked_dir=Path("/tmp/corral-1000/shared/masked-dir"),
+        passwd_file=Path("/tmp/corral-1000/shared/passwd"),
+        fds=BwrapFds(info=5, userns_block=6, seccomp=7),
+        agent_args=("{}",),
+        image_root=tmp_path,
+        image_writable=True,
+        hidden=hidden,
+    )
+    argv = rootless_argv(bwrap_argv(Policy(image=str(tmp_path)), inputs), mapped=True)
+    options = argv[: argv.index("--")]
+    assert options[options.index("--remount-ro") + 1] == "/run"
+    assert "/" not in [options[i + 1] for i, o in enumerate(options) if o == "--remount-ro"]
+    prefix = options.index(HOST_PREFIX)
+    assert options[prefix - 3 : prefix] == ["--perms", "0755", "--dir"]
+    assert prefix < options.index(HOST_PREFIX + "/usr")
+
+
 def test_single_id_mode_keeps_no_capability() -> None:
     argv = rootless_argv(_argv(), mapped=False)
     options = argv[: argv.index("--")]

@@ -1287,7 +1287,9 @@ class Sandbox:
             info["image"] = {
                 "ref": self.policy.image,
                 "digest": self.image_config.digest if self.image_config else None,
-                "writable": self._box.root_layer is not None,
+                # Every backend that runs images makes the root writable when it has a size
+                # (a rootless box's upper lives in its own namespace: no root_layer then).
+                "writable": self.policy.filesystem.root_size is not None,
                 "cwd": self.default_cwd,
             }
         if self.published:

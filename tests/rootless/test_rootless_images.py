@@ -73,3 +73,56 @@ def test_an_ordinary_user_unpacks_read_only_directories_and_removes_them(
     assert os.listdir(store.root / "tmp") == []
     store.remove(record.ref)
     assert os.listdir(store.root / "roots") == []
+
+
+async def test_a_box_runs_on_an_image_with_a_writable_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bwrap-rootless on an image without Python from the user's own store: the overlay
+    mounted in the box's own user namespace (a tmpfs of root_size above the image), the
+    agent run by the host's interpreter; what the box changes is gone with it, the image in
+    the store unchanged; a read-only root; box root refused naming the field."""
+    import shutil
+
+    from corral import BackendUnavailable, Policy, Sandbox
+
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    if not os.path.exists(busybox):
+        pytest.skip("busybox-static is not installed")
+    monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
+    root = tmp_path / "root"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(busybox, root / "bin" / "busybox")
+    for applet in ("sh", "cat", "echo", "rm", "dd", "id"):
+        (root / "bin" / applet).symlink_to("busybox")
+    (root / "etc").mkdir()
+    (root / "etc" / "hello").write_text("from the image\n")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path in sorted(root.rglob("*")):
+            tar.add(path, arcname=str(path.relative_to(root)), recursive=False)
+    _layout(tmp_path / "img", [buf.getvalue()])
+    policy = Policy(image=str(tmp_path / "img"), filesystem={"root_size": "2M"})
+    async with Sandbox(policy) as sb:
+        r = await sb.run(
+            "cat /etc/hello; command -v python3 || echo no-python; echo changed > /etc/hello "
+            "&& rm /bin/dd && cat /etc/hello; busybox dd if=/dev/zero of=/etc/big bs=1M "
+            "count=8 2>&1; echo dd=$?",
+            cwd="/",
+        )
+        assert r.stdout.startswith("from the image\nno-python\nchanged\n"), r
+        assert "No space left on device" in r.stdout and "dd=1" in r.stdout, r
+        assert (await sb.info())["image"]["writable"] is True
+    store = ImageStore(tmp_path / "store")
+    record = store.resolve(str(tmp_path / "img"))
+    assert record is not None
+    stored = store.rootfs(record)
+    assert (stored / "etc" / "hello").read_text() == "from the image\n"
+    assert (stored / "bin" / "dd").is_symlink()
+    read_only = Policy(image=str(tmp_path / "img"), filesystem={"root_size": None})
+    async with Sandbox(read_only) as sb:
+        r = await sb.run("cat /etc/hello; (echo x > /etc/hello) 2>&1", cwd="/")
+        assert r.stdout.startswith("from the image\n") and "Read-only" in r.stdout, r
+    with pytest.raises(BackendUnavailable, match=r"policy\.user"):
+        async with Sandbox(Policy(image=str(tmp_path / "img"), user="root")):
+            pass

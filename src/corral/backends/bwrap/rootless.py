@@ -51,13 +51,26 @@ from corral.backends.base import (
     BoxSpec,
     agent_config,
     channel_pair,
-    refuse_image,
 )
 from corral.backends.bwrap import args as bwrap_args
 from corral.backends.bwrap.box import BwrapBackend, BwrapBox, _Bwrap, _Held, _read_info
-from corral.backends.host import cgroups, devpts, idmap, maskfollow, safepath, seccomp, subids
+from corral.backends.host import (
+    cgroups,
+    devpts,
+    idmap,
+    maskfollow,
+    overlay,
+    safepath,
+    seccomp,
+    subids,
+)
 from corral.backends.host.boxfiles import shared_files
-from corral.backends.host.python import ensure_agent_compiled, find_python
+from corral.backends.host.python import (
+    HOST_PREFIX,
+    ensure_agent_compiled,
+    find_python,
+    hidden_python,
+)
 from corral.backends.host.state import make_private_dir, state_root, write_owner
 from corral.backends.host.subids import SINGLE_ID_WARNING
 from corral.backends.host.threads import blocking
@@ -70,7 +83,7 @@ from corral.backends.layout import (
 )
 from corral.backends.limits import LimitPlan, agent_rlimits, plan_limits
 from corral.backends.users import BOX_UID, rootless_ranges
-from corral.errors import BackendError, BackendUnavailable, PolicyError
+from corral.errors import BackendError, BackendUnavailable, ImageError, PolicyError
 
 PTY_UNCAPPED = (
     "rootless: the box's PTYs come from bwrap's own devpts, without a cap (kernel.pty.max is "
@@ -89,10 +102,14 @@ def rootless_argv(argv: list[str], mapped: bool) -> list[str]:
     box keeps no capability at all (no second id to switch to)."""
     out: list[str] = []
     i = 0
+    sealed = "--remount-ro" in argv
     while i < len(argv):
         arg = argv[i]
         if arg == "--":
             return out + argv[i:]
+        if arg == "--seccomp" and not sealed:
+            out += ["--remount-ro", "/run"]  # a writable image root: /run sealed all the same
+            sealed = True
         if arg in ("--uid", "--gid") and mapped:
             out += [arg, str(BOX_UID)]
             i += 2
@@ -108,6 +125,8 @@ def rootless_argv(argv: list[str], mapped: bool) -> list[str]:
         if arg == "--ro-bind" and argv[i + 2 : i + 3] == [GUEST_AGENT_DIR] and mapped:
             # Its parent would be bwrap's, 0700: box root (the agent) could not enter it.
             out += ["--perms", "0755", "--dir", posixpath.dirname(GUEST_AGENT_DIR)]
+        if arg == "--ro-bind" and argv[i + 2 : i + 3] == [HOST_PREFIX + "/usr"] and mapped:
+            out += ["--perms", "0755", "--dir", HOST_PREFIX]  # the agent's interpreter: idem
         out.append(arg)
         i += 1
     return out
@@ -176,7 +195,7 @@ class RootlessBwrapBackend(BackendBase):
         )
 
     async def start(self, spec: BoxSpec) -> BwrapBox:
-        refuse_image(spec, "bwrap-rootless")
+        self._refuse(spec)
         policy = spec.policy
         await blocking(make_private_dir, state_root())
         await self.prepare()
@@ -197,9 +216,10 @@ class RootlessBwrapBackend(BackendBase):
             info=info_w, userns_block=block_r, seccomp=sec_r, block=None if setup_r < 0 else setup_r
         )
         proc: _Bwrap | None = None
+        writable: list[list[str]] = []  # the command mounting a writable image root, if any
         try:
             argv = await blocking(
-                self._prepare_box, spec, limits, held, fds, sec_w, guest_end.fileno()
+                self._prepare_box, spec, limits, held, fds, sec_w, guest_end.fileno(), writable
             )
             sec_w = -1
             pass_fds = (guest_end.fileno(), info_w, block_r, sec_r, held.args_fd, *held.bind_fds)
@@ -216,8 +236,7 @@ class RootlessBwrapBackend(BackendBase):
             child = int(info["child-pid"])
             write_owner(spec.state_dir, "bwrap", bwrap_pid=proc.pid)
             await self._map_ids(child, proc)
-            if None not in self.devpts_tools:  # in the box's namespaces: maps written first
-                await self._mount_devpts(child, proc)
+            await self._box_mounts(child, proc, writable)
             net = spec.network
             if net is not None and net.needs_attach:
                 await net.attach(child)  # full mode: fence the netns first (as in root mode)
@@ -305,11 +324,57 @@ class RootlessBwrapBackend(BackendBase):
                     "(`corral doctor` says what it found)"
                 )
 
+    def _refuse(self, spec: BoxSpec) -> None:
+        """BackendUnavailable, naming the field and the way out, for what a rootless box
+        cannot be: box root's commands (box root is the agent's id here), or a writable
+        image root without the tools that mount it in the box's namespace."""
+        if spec.policy.user == "root" or spec.user == "root":
+            raise BackendUnavailable(
+                "policy.user 'root': the bwrap-rootless backend runs commands as the box user "
+                "only (box root is the guest agent's id there); box root runs on the bwrap "
+                "and oci (runc, crun) backends as root"
+            )
+        writable = spec.policy.filesystem.root_size is not None
+        if spec.policy.image != "host" and writable and None in self.devpts_tools:
+            raise BackendUnavailable(
+                f"policy.image {spec.policy.image!r}: a writable root is mounted in the box's "
+                "own namespace with nsenter and mount (util-linux), which are not installed; "
+                "as root run once: apt-get install util-linux mount (or set "
+                "filesystem.root_size to null for a read-only root)"
+            )
+
+    async def _box_mounts(self, child: int, proc: _Bwrap, writable: list[list[str]]) -> None:
+        """What the host mounts in the box's namespaces (the maps written, bwrap waiting to
+        build the box): its capped devpts, and a writable image root's overlay where bwrap
+        binds it from as the box's ``/``."""
+        if None not in self.devpts_tools:
+            await self._mount_devpts(child, proc)
+        if writable:
+            await self._in_box_namespaces(child, proc, writable[0], "the image's root")
+
     async def _mount_devpts(self, child: int, proc: _Bwrap) -> None:
         """The box's capped devpts on :func:`devpts.mount_point`, in the box's mount
         namespace, mounted as box root through the box's user namespace (the user owns it)."""
-        nsenter, mount = self.devpts_tools
-        assert nsenter is not None and mount is not None
+        _, mount = self.devpts_tools
+        assert mount is not None
+        command = [
+            mount,
+            "-t",
+            "devpts",
+            "-o",
+            f"nosuid,noexec,{devpts.OPTIONS}",
+            "devpts",
+            str(devpts.mount_point()),
+        ]
+        await self._in_box_namespaces(child, proc, command, "the box's PTY pool (devpts)")
+
+    async def _in_box_namespaces(
+        self, child: int, proc: _Bwrap, command: list[str], what: str
+    ) -> None:
+        """Run ``command`` as box root in the box's user and mount namespaces (the user owns
+        them), while bwrap waits to build the box's mounts; BackendError naming ``what``."""
+        nsenter, _ = self.devpts_tools
+        assert nsenter is not None
         # nsenter takes box root (setgroups, setuid 0); with one id the user is box root
         # already, and setgroups is denied in its namespace: it keeps its ids then.
         keep = () if self.probe.mapped else ("--preserve-credentials",)
@@ -320,13 +385,7 @@ class RootlessBwrapBackend(BackendBase):
             "--mount",
             *keep,
             "--",
-            mount,
-            "-t",
-            "devpts",
-            "-o",
-            f"nosuid,noexec,{devpts.OPTIONS}",
-            "devpts",
-            str(devpts.mount_point()),
+            *command,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
@@ -335,7 +394,37 @@ class RootlessBwrapBackend(BackendBase):
         _, err = await run.communicate()
         if run.returncode != 0:
             said = err.decode(errors="replace").strip() or await proc.stderr()
-            raise BackendError(f"the box's PTY pool (devpts) could not be mounted: {said}")
+            raise BackendError(f"{what} could not be mounted: {said}")
+
+    def _image(self, spec: BoxSpec, writable: list[list[str]] | None) -> tuple[Path, Path] | None:
+        """``(the image's root in the user's store, what bwrap binds the box's root from)``
+        for ``policy.image``, or None for the host's system. A writable root is an overlay
+        the box's own namespace mounts (:func:`overlay.userns_root_argv`, its command put in
+        ``writable``) at a directory of the box's state dir, where bwrap then finds it; a
+        read-only one is the image's entries bound as they are. Blocking (may pull)."""
+        policy = spec.policy
+        if policy.image == "host":
+            return None
+        from corral.images import resolve_image
+
+        resolved = resolve_image(policy.image)
+        lower = resolved.rootfs
+        if lower is None:
+            return None
+        if not lower.is_dir():
+            raise BackendError(f"policy.image {policy.image!r}: {lower} is not a directory")
+        size = policy.filesystem.root_size
+        if size is None or writable is None:
+            return lower, lower
+        sh = shutil.which("sh", path=SYSTEM_PATH) or "/bin/sh"
+        merged, upper = spec.state_dir / "root", spec.state_dir / "root-upper"
+        merged.mkdir(mode=0o700)
+        upper.mkdir(mode=0o700)
+        try:
+            writable.append(overlay.userns_root_argv(sh, lower, upper, merged, size))
+        except ValueError as exc:
+            raise BackendUnavailable(f"policy.image {policy.image!r}: {exc}") from None
+        return lower, merged
 
     @staticmethod
     def _map_single(child: int) -> None:
@@ -351,8 +440,10 @@ class RootlessBwrapBackend(BackendBase):
         fds: bwrap_args.BwrapFds,
         sec_w: int,
         channel_fd: int,
+        writable: list[list[str]] | None = None,
     ) -> list[str]:
-        """Everything before bwrap runs (blocking); what it makes goes into ``held``."""
+        """Everything before bwrap runs (blocking); what it makes goes into ``held``; the
+        command mounting a writable image root goes into ``writable``."""
         policy = spec.policy
         try:
             os.write(sec_w, seccomp.build_filter(policy.security.preset))
@@ -382,8 +473,14 @@ class RootlessBwrapBackend(BackendBase):
         }
         config["become_root" if mapped else "undumpable"] = True
         net = spec.network
+        image = self._image(spec, writable)
+        lower = image[0] if image else None
         config["landlock"] = landlock_rules(
-            policy, self.python, [g for _, g in net.binds()] if net else ()
+            policy,
+            self.python,
+            [g for _, g in net.binds()] if net else (),
+            image_top=None if lower is None else overlay.image_dirs(lower),
+            image_writable=bool(writable),
         )
         if net is not None:
             config["forwarders"] = net.forwarders()
@@ -401,11 +498,22 @@ class RootlessBwrapBackend(BackendBase):
             extra_binds=tuple(Bind(h, g) for h, g in net.binds()) if net else (),
             sources=shared.sources,
             devpts=None if None in self.devpts_tools else devpts.mount_point(),
+            image_root=image[1] if image else None,
+            image_writable=bool(writable),
+            hidden=hidden_python(self.python) if image else None,
         )
         make = safepath.placeholder_maker(spec.workspace, shared.workspace, shared.sources)
         argv = bwrap_args.bwrap_argv(
             policy, inputs, maskfollow.host_view(policy, spec.workspace, make)
         )
+        if lower is not None:  # the overlay starts as the image: look in the image itself
+            link = bwrap_args.image_link_in_the_way(argv, lower, bool(writable))
+            if link is not None:
+                raise ImageError(
+                    f"policy.image {policy.image!r}: {link} passes through a symbolic link "
+                    "of the image, where corral mounts the box's own; corral does not follow "
+                    "an image's links on the host (make it a directory in the image)"
+                )
         argv = rootless_argv(argv, mapped)
         if not mapped:
             argv[1:1] = ["--cap-drop", "ALL"]

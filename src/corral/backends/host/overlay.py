@@ -265,3 +265,42 @@ def _cow_upper(
     finally:
         os.close(source)
     return sub
+
+
+USERNS_OVERLAY_OPTIONS = "userxattr,redirect_dir=nofollow,index=off,metacopy=off,xino=off"
+"""A writable root mounted inside the box's own user namespace (rootless, Linux 5.11+):
+overlayfs keeps its markers in ``user.overlay.*`` xattrs there (``userxattr``), which rules
+out ``redirect_dir=off``; ``nofollow`` neither makes nor follows a redirect."""
+
+_USERNS_SCRIPT = (
+    'mount -t tmpfs -o "nosuid,nodev,mode=0700,size=$1,nr_inodes=$2" corral-root "$4" '
+    '&& mkdir "$4/upper" "$4/work" '
+    '&& chown --reference="$3" "$4/upper" && chmod --reference="$3" "$4/upper" '
+    '&& mount -t overlay -o "nosuid,nodev,lowerdir=$3,upperdir=$4/upper,workdir=$4/work,$6" '
+    'corral-root "$5"'
+)
+
+
+def userns_root_argv(sh: str, lower: Path, upper_fs: Path, merged: Path, size: int) -> list[str]:
+    """The command that, run as box root inside the box's user and mount namespaces (nsenter,
+    before bwrap builds the box's mounts), mounts a writable root: a tmpfs of ``size`` bytes
+    at ``upper_fs`` holding the upper and work directories (the upper taking the image root's
+    owner and mode), and an overlay of the image at ``lower`` at ``merged``. Both mounts live
+    in the box's mount namespace alone and go with it. The image's own links are never
+    followed (only ``lower`` itself, a directory of the store, is named). ValueError for a
+    path overlayfs cannot take in its options (``,`` or ``:``)."""
+    for path in (lower, upper_fs, merged):
+        if {",", ":", "\n"} & set(str(path)):
+            raise ValueError(f"{path}: overlayfs cannot take a path holding ',' or ':'")
+    return [
+        sh,
+        "-c",
+        _USERNS_SCRIPT,
+        "corral-root",
+        str(size),
+        str(root_inodes(size)),
+        str(lower),
+        str(upper_fs),
+        str(merged),
+        USERNS_OVERLAY_OPTIONS,
+    ]
