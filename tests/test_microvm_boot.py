@@ -57,6 +57,25 @@ def test_the_payload_carries_script_config_and_clock() -> None:
     assert boot["agent_dir"] == initramfs.GUEST_AGENT_DIR
 
 
+def test_the_guest_checks_the_masks_a_box_could_redirect() -> None:
+    """Masks inside a writable share are checked by the guest after its mounts; masks on
+    the read-only root, or covered by another mask, are not (nothing can swap them, or
+    they are not visible)."""
+    plan = replace(
+        PLAN,
+        checked=("/workspace", "/data"),
+        deny_read=("/etc/shadow", "/workspace/secrets", "/workspace/secrets/key", "/data/k"),
+        deny_write=("/workspace/.git", "/workspace/secrets/x", "/srv/ro"),
+    )
+    checks = initramfs.mask_checks(plan)
+    assert checks == {
+        "hidden": ["/workspace/secrets", "/data/k"],
+        "read_only": ["/workspace/.git"],
+    }
+    boot = json.loads(initramfs.boot_payload(plan, 0.0).partition(b"\n")[2])
+    assert boot["checks"] == checks
+
+
 def test_the_init_starts_the_agent_from_the_initramfs() -> None:
     init = initramfs.init_script("/usr/bin/python3.11")
     assert init.splitlines()[3].startswith('if [ "$corralmode" = raw ]')  # before any work

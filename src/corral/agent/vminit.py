@@ -77,6 +77,7 @@ def vm_init(port: str) -> dict[str, Any]:
         f.write(boot["script"])
     if subprocess.run(["/bin/sh", "-e", "/boot.sh"]).returncode != 0:
         raise SystemExit("corral-init: the box's mounts failed (see the console above)")
+    check_masks(boot.get("checks", {}))
     set_clock(float(boot["clock"]), received)
     libc = ctypes.CDLL(None, use_errno=True)
     os.chdir("/newroot")  # switch_root, in this process: the box's root becomes /
@@ -87,6 +88,62 @@ def vm_init(port: str) -> dict[str, Any]:
     sys.path[0] = str(boot["agent_dir"])  # the agent's files inside the box, for later imports
     config: dict[str, Any] = boot["config"]
     return config
+
+
+def check_masks(checks: dict[str, list[str]]) -> None:
+    """Each mask inside a share a box can write must be a mount of its own at its path,
+    reached from the box's root without following a link, unreadable (``hidden``) or
+    read-only (``read_only``). The script mounted them by path over 9p: a box running on
+    the same workspace could have swapped a link into a path meanwhile (the mask would
+    then sit on the link's target, and the real path stay open once swapped back). The
+    same check the host makes from ``/proc/PID/root`` on the other backends; here nothing
+    of the box runs yet, so the guest's word is the host's. Fails the boot otherwise."""
+    if not any(checks.values()):
+        return
+    if TYPE_CHECKING:
+        from corral.agent import files
+    else:
+        import files
+    opener = files._Openat2()
+    root = os.open("/newroot", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for kind, dests in checks.items():
+            for dest in dests:
+                rel = dest.strip("/")
+                try:
+                    fd = opener.open(root, rel, os.O_PATH, 0, no_symlinks=True)
+                except OSError as exc:
+                    raise SystemExit(
+                        f"corral-init: the mask at {dest} cannot be reached without a link "
+                        f"({exc.strerror}; swapped in by another box?): not started"
+                    ) from None
+                try:
+                    parent = opener.open(root, os.path.dirname(rel) or ".", os.O_PATH, 0, True)
+                    try:
+                        ok = _mount_id(fd) != _mount_id(parent)
+                    finally:
+                        os.close(parent)
+                    if kind == "hidden":
+                        ok = ok and os.fstat(fd).st_mode & 0o777 == 0
+                    else:
+                        ok = ok and bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
+                finally:
+                    os.close(fd)
+                if not ok:
+                    raise SystemExit(
+                        f"corral-init: {dest} is not masked ({kind}) after the mounts (its "
+                        "path changed while they were made?): not started"
+                    )
+    finally:
+        os.close(root)
+
+
+def _mount_id(fd: int) -> int:
+    with open(f"/newroot/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    raise SystemExit("corral-init: no mnt_id in fdinfo")
 
 
 def uptime() -> float:

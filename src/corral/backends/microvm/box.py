@@ -265,6 +265,7 @@ def boot_plan(
         agent_config=json.dumps(config, separators=(",", ":")),
         deny_read=deny_read,
         deny_write=deny_write,
+        checked=(policy.workdir, *(e[1] for e in extra if not e[2])),
         minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
         root_dirs=view_dirs(policy, host),
         passwd=passwd_text(uid, gid),

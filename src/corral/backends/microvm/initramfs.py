@@ -373,6 +373,9 @@ class BootPlan:
     shared with ``mapped-xattr`` so the ownership lives in an xattr, not on the host)."""
     deny_read: tuple[str, ...] = ()
     deny_write: tuple[str, ...] = ()
+    checked: tuple[str, ...] = ()
+    """The shares a box can write (guest paths): every mask inside one is checked in the
+    guest once all are mounted (:func:`mask_checks`)."""
     msize: int = 512 * 1024
     seccomp: bytes = b""
     """The compiled filter the agent installs on itself (written to ``seccomp.bpf``)."""
@@ -521,6 +524,29 @@ def _minimal_root(entries: tuple[tuple[str, str], ...]) -> list[str]:
     return lines
 
 
+def mask_checks(plan: BootPlan) -> dict[str, list[str]]:
+    """The masks the guest checks once its mounts are made (``hidden``: ``deny_read``,
+    ``read_only``: ``deny_write``): those inside a share a box can write, where a box
+    running on the same workspace could swap a link into the path while this VM mounts
+    there (the guest resolves the path over 9p and would mount on the link's target). One
+    covered by another mask is not visible to check, nor needs to be."""
+
+    def inside(path: str, roots: tuple[str, ...] | list[str], strict: bool) -> bool:
+        return any(
+            (path == r and not strict) or path.startswith(r.rstrip("/") + "/") for r in roots
+        )
+
+    hidden = [d for d in plan.deny_read if inside(d, plan.checked, False)]
+    return {
+        "hidden": [d for d in hidden if not inside(d, hidden, True)],
+        "read_only": [
+            d
+            for d in plan.deny_write
+            if inside(d, plan.checked, False) and not inside(d, plan.deny_read, False)
+        ],
+    }
+
+
 def boot_payload(plan: BootPlan, clock: float) -> bytes:
     """What the host sends at the snapshot point: ``<size>\\n`` and a JSON object with the
     box's script (its mounts, run by the agent with ``sh -e``), the agent's config, where the
@@ -531,6 +557,7 @@ def boot_payload(plan: BootPlan, clock: float) -> bytes:
             "config": json.loads(plan.agent_config),
             "agent_dir": GUEST_AGENT_DIR,
             "clock": clock,
+            "checks": mask_checks(plan),
         }
     ).encode()
     return b"%d\n" % len(body) + body
