@@ -285,3 +285,12 @@ def test_the_console_tail_reads_no_link_and_no_fifo_qemu_leaves(tmp_path: Path) 
     real.write_text("x" * 3000 + "the end\n")
     tail = microvm_box.console_tail(real)
     assert tail.endswith("the end") and len(tail) <= 1500
+
+
+def test_the_console_tail_keeps_the_inits_sentence_before_a_panic(tmp_path: Path) -> None:
+    """The init's refusal (a mask not where it must be) comes before the kernel's panic
+    trace, longer than the tail: the error still says why."""
+    log = tmp_path / "console.log"
+    log.write_text("boot\ncorral-init: the mask at /workspace/x cannot be reached\n" + "t" * 3000)
+    tail = microvm_box.console_tail(log)
+    assert tail.startswith("corral-init: the mask at /workspace/x cannot be reached ... ttt")

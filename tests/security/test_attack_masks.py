@@ -179,3 +179,16 @@ async def test_a_snapshot_of_the_workspace_keeps_nothing_a_mask_hides(
         r = await restored.run("cat -- $(find /workspace -type f) 2>&1; find /workspace")
     assert SECRET not in r.stdout, r.stdout
     assert "/workspace/conf/settings" in r.stdout  # the rest of the workspace is there
+
+
+async def test_a_masked_object_moved_to_a_name_that_is_not_utf8_fails_closed(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """A name no OCI config can carry (runc and crun failed on the mangled path; gVisor
+    laid the mask at another name and the key was readable): the start is refused."""
+    _plant(workspace)
+    masked = _with(box_policy, deny_read=("secrets/key",))
+    out = await _run(masked, workspace, "mv secrets \"$(printf 'a\\377b')\" && echo ok")
+    assert "ok" in out, out
+    with pytest.raises(PolicyError, match="not UTF-8"):
+        await _run(masked, workspace, "cat a*/key")

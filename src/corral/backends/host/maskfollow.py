@@ -179,12 +179,13 @@ def _walk(area: str, wanted: set[Ident], budget: _Budget, why: str) -> dict[Iden
                                 continue  # gone, or swapped for a link meanwhile
                             ident = _ident(os.fstat(child))
                             if ident in wanted:
+                                _refuse_unmountable(path, area, why)
                                 found.setdefault(ident, []).append(path)
                             if depth + 1 >= MAX_DEPTH:
                                 os.close(child)
                                 raise errors.PolicyError(
                                     f"{why}: a masked object is no longer at its path in "
-                                    f"{area} and {path} is deeper than {MAX_DEPTH} levels, "
+                                    f"{area} and {path!a} is deeper than {MAX_DEPTH} levels, "
                                     "where corral does not search; the box was not started "
                                     "rather than start without the mask. Move the object "
                                     "back to its path, or flatten that tree"
@@ -196,6 +197,7 @@ def _walk(area: str, wanted: set[Ident], budget: _Budget, why: str) -> dict[Iden
                             except OSError:
                                 continue
                             if _ident(st) in wanted and not stat.S_ISLNK(st.st_mode):
+                                _refuse_unmountable(path, area, why)
                                 found.setdefault(_ident(st), []).append(path)
             finally:
                 os.close(fd)
@@ -204,6 +206,20 @@ def _walk(area: str, wanted: set[Ident], budget: _Budget, why: str) -> dict[Iden
             os.close(fd)
         raise
     return found
+
+
+def _refuse_unmountable(place: str, area: str, why: str) -> None:
+    """A PolicyError for a place a mask cannot be mounted at on every backend: a name that
+    is not UTF-8 (an OCI config is JSON: runc and crun mangle it and fail, gVisor mounted
+    the mask at another name and left the object open)."""
+    try:
+        place.encode()
+    except UnicodeEncodeError:
+        raise errors.PolicyError(
+            f"{why}: the masked object now lies at {place!a} in {area} (renamed by an earlier "
+            "box?), a name that is not UTF-8, where a mask cannot be laid on every backend; "
+            "the box was not started. Rename it (or move it back to its path)"
+        ) from None
 
 
 def _inner_links(area: str, rel: str, budget: _Budget, why: str) -> list[_Object]:

@@ -1052,10 +1052,16 @@ def console_tail(path: Path, size: int = 1500) -> str:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return ""
-            f.seek(max(0, st.st_size - size))
-            return f.read(size).decode(errors="replace").strip()
+            window = max(size, 64 << 10)  # the init's own sentence, before a panic's trace
+            f.seek(max(0, st.st_size - window))
+            text = f.read(window).decode(errors="replace")
         except OSError:
             return ""
+    tail = text[-size:].strip()
+    said = text.rfind("corral-init:")
+    if said >= 0 and said < len(text) - size:
+        return text[said:].split("\n", 1)[0].strip() + " ... " + tail
+    return tail
 
 
 async def _read_marker(channel: socket.socket) -> None:
