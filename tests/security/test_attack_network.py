@@ -329,6 +329,64 @@ def _host_of(head: bytes) -> bytes:
     return b"vhost none\n"
 
 
+HOST_VARIANTS = (
+    # (request line target, header lines): each names secret.test some other way
+    ("http://allowed.test:{port}/", "HOST: secret.test"),
+    ("http://allowed.test:{port}/", "Host: allowed.test\r\nHost: secret.test"),
+    ("http://allowed.test:{port}/", "Host:\tsecret.test"),
+    ("http://allowed.test:{port}/", "Host: allowed.test\r\n secret.test"),
+    ("http://allowed.test:{port}/", "X-Forwarded-Host: secret.test\r\nForwarded: host=secret.test"),
+    ("http://secret.test@allowed.test:{port}/", ""),
+    ("http://allowed.test:{port}@secret.test/", ""),
+    ("http://allowed.test:{port}#@secret.test/", ""),
+    ("HTTP://ALLOWED.TEST:{port}/", "Host: secret.test"),
+    ("http://allowed.test.:{port}/", "Host: secret.test"),
+    ("/", "Host: secret.test"),
+    ("http://allowed.test:{port}/\nHost: secret.test", ""),
+)
+
+
+async def test_no_spelling_of_host_reaches_another_virtual_host(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """Host header variants through the proxy by hand (case, duplicates, a tab, a folded
+    line, forwarding headers, userinfo and fragments in an absolute-form target, a trailing
+    dot, origin form, a bare LF): the server behind an allowed address never sees another
+    name (every request head it received is kept and checked)."""
+    vhosts = await LoopbackHttp(_host_of).start()
+    port = vhosts.port
+    names = StaticResolver({"allowed.test": "127.0.0.1"})
+    requests = [
+        (f"GET {target.format(port=port)} HTTP/1.1\r\n" + (f"{extra}\r\n" if extra else ""))
+        + "Connection: close\r\n\r\n"
+        for target, extra in HOST_VARIANTS
+    ]
+    code = (
+        "import os, socket\n"
+        f"reqs = {requests!r}\n"
+        "port = int(os.environ['CORRAL_PROXY'].rsplit(':', 1)[1])\n"
+        "res = []\n"
+        "for req in reqs:\n"
+        "    s = socket.create_connection(('127.0.0.1', port), timeout=10)\n"
+        "    s.sendall(req.encode())\n"
+        "    data = b''\n"
+        "    while chunk := s.recv(65536):\n"
+        "        data += chunk\n"
+        "    res.append(data.decode(errors='replace'))\n"
+        "    s.close()"
+    )
+    try:
+        async with Sandbox(_allowlist(box_policy), workspace=workspace, resolver=names) as sb:
+            replies = await box_py(sb, code, timeout=60)
+    finally:
+        await vhosts.close()
+    assert len(replies) == len(HOST_VARIANTS)
+    leaked = [h for h in vhosts.heads if b"secret" in h.lower()]
+    assert leaked == [], leaked
+    assert not any("vhost secret" in r for r in replies), replies
+    assert vhosts.hits > 0  # the allowed host itself was reached: the proxy was tried
+
+
 async def test_an_allowed_address_does_not_open_its_other_virtual_hosts(
     box_policy: Policy, workspace: Path
 ) -> None:
@@ -359,7 +417,8 @@ async def test_an_allowed_address_does_not_open_its_other_virtual_hosts(
             # Through a CONNECT tunnel (curl -p) and a SOCKS5 one, plain HTTP inside.
             for flags in ("-p", "--proxy $ALL_PROXY"):
                 r = await sb.run(
-                    f"curl -sS {flags} -H 'Host: secret.test' http://allowed.test:{port}/",
+                    f"curl -sS {flags} -H 'Host: secret.test' -H 'X-Forwarded-Host: secret.test'"
+                    f" -H 'Forwarded: host=secret.test' http://allowed.test:{port}/",
                     timeout=20,
                 )
                 assert r.stdout == f"vhost allowed.test:{port}\n", (flags, r.stdout, r.stderr)

@@ -8,6 +8,8 @@ after the request may follow it down the connection, so:
 - the ``Host`` header is rewritten from the URL (RFC 9112, section 3.2.2: a proxy ignores the
   client's ``Host`` for an absolute-form request); without this, any virtual host served on
   an allowed address was reachable by sending its name in ``Host``;
+- headers naming another host to a reverse proxy (``Forwarded``, ``X-Forwarded-Host``,
+  ``X-Original-URL``...: :data:`HOST_OVERRIDES`) are dropped;
 - hop-by-hop headers (``Connection``, ``Keep-Alive``, ``Upgrade``, ``TE``, ``Trailer``, every
   ``Proxy-*`` and whatever ``Connection`` lists) are dropped and ``Connection: close`` sent;
 - exactly one request body is forwarded, framed by ``Content-Length`` or chunked encoding; a
@@ -27,6 +29,21 @@ DROPPED = frozenset(
     {b"connection", b"keep-alive", b"te", b"trailer", b"upgrade", b"host", b"http2-settings"}
 )
 """Headers never forwarded: hop-by-hop ones, and ``Host`` (written from the URL instead)."""
+HOST_OVERRIDES = frozenset(
+    {
+        b"forwarded",
+        b"x-forwarded-host",
+        b"x-forwarded-server",
+        b"x-host",
+        b"x-original-host",
+        b"x-http-host-override",
+        b"x-original-url",
+        b"x-rewrite-url",
+    }
+)
+"""Headers that name another host (or path) to a server behind a reverse proxy: frameworks
+and load balancers that trust them route by them, so a client's would reach another virtual
+host of an allowed address, as a forged ``Host`` did. Only a proxy sets them: dropped."""
 MAX_CHUNK_LINE = 4096
 
 HTTP_REASONS = {
@@ -156,7 +173,9 @@ def origin_request(
     lines = [line.encode("latin-1") for line in out]
     for name, value in headers:
         lower = name.lower()
-        if lower in DROPPED or lower in listed or lower.startswith(b"proxy-"):
+        if lower in DROPPED or lower in HOST_OVERRIDES or lower in listed:
+            continue
+        if lower.startswith(b"proxy-"):
             continue
         lines.append(name + b": " + value)
     lines.append(b"Connection: close")

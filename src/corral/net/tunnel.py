@@ -24,7 +24,7 @@ import asyncio
 import re
 import struct
 
-from corral.net.http import body_framing, copy_body, parse_request
+from corral.net.http import HOST_OVERRIDES, body_framing, copy_body, parse_request
 from corral.net.rules import normalize_host
 
 MAX_HELLO = 64 * 1024
@@ -201,7 +201,11 @@ async def _http_requests(
         version = head.split(b"\r\n", 1)[0].rsplit(b" ", 1)[1].decode("latin-1")
         lines = [f"{method} {target} {version}", f"Host: {authority(host, port)}"]
         out = [line.encode("latin-1") for line in lines]
-        out += [n + b": " + v for n, v in headers if n.lower() != b"host"]
+        out += [
+            n + b": " + v
+            for n, v in headers
+            if n.lower() != b"host" and n.lower() not in HOST_OVERRIDES
+        ]
         upstream.write(b"\r\n".join(out) + b"\r\n\r\n")
         await copy_body(framing, source, upstream, chunk)
 
