@@ -77,8 +77,9 @@ def test_the_store_is_made_swept_and_made_anew(own_store: Path, tmp_path: Path) 
     # A store that no longer mounts (a host crash without barriers): set aside, made anew
     mounts.umount_all(str(root))
     file = cowstore.image_file()
-    with open(file, "r+b") as f:
-        f.write(b"\0" * (1 << 20))  # no superblock
+    file.unlink()  # a new inode: a loop device the kernel has not let go yet is not reused
+    with open(file, "wb") as f:
+        f.truncate(1 << 30)  # no superblock
     cowstore._ready = None
     again = cowstore.root()
     assert again == own_store and cowstore._is_btrfs(again)

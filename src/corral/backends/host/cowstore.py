@@ -386,6 +386,7 @@ def sweep() -> list[str]:
         with contextlib.suppress(OSError):
             release_box(store, name)
             removed.append(name)
+    recorded: dict[Path, set[str]] = {}  # each image store's refs read once
     for entry in (store / "snaps").glob("*.json"):
         try:
             owner = Path(json.loads(entry.read_text())["store"])
@@ -394,7 +395,9 @@ def sweep() -> list[str]:
         name = entry.name.removesuffix(".json")
         if _young(entry):
             continue  # being taken now: its image is recorded next
-        if not _recorded(owner, name):
+        if owner not in recorded:
+            recorded[owner] = _recorded(owner)
+        if name not in recorded[owner]:
             with contextlib.suppress(OSError):
                 drop_snapshot(store, name)
                 removed.append(name)
@@ -408,14 +411,15 @@ def _young(entry: Path) -> bool:
         return True
 
 
-def _recorded(owner: Path, name: str) -> bool:
+def _recorded(owner: Path) -> set[str]:
+    """The snapshots the image store at ``owner`` records."""
+    names: set[str] = set()
     refs = owner / "refs"
-    if not refs.is_dir():
-        return False
-    for path in refs.glob("*.json"):
+    for path in refs.glob("*.json") if refs.is_dir() else ():
         try:
-            if json.loads(path.read_text()).get("cow") == name:
-                return True
+            cow = json.loads(path.read_text()).get("cow")
         except (OSError, ValueError, AttributeError):
             continue
-    return False
+        if isinstance(cow, str) and cow:
+            names.add(cow)
+    return names
