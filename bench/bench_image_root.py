@@ -1,15 +1,18 @@
 """What a box on an image root costs next to one on the host's root, measured in one run.
 
-    python bench/bench_image_root.py [--runs N] [--mb M]
+    python bench/bench_image_root.py [--runs N] [--mb M] [--backends bwrap,oci-crun,oci-runc]
 
 Start to ready and close, each box closed before the next starts; the kinds take turns round
-by round, so a noisy neighbour on this shared machine slows all of them alike:
+by round, so a noisy neighbour on this shared machine slows all of them alike. Per backend:
 
-* ``host``: today's default (the host's system, read-only): the baseline;
+* ``host``: today's default (the host's system, read-only): that backend's baseline;
 * ``image ro``: a busybox image from the store, read-only (``root_size = None``);
 * ``image rw``: the same image with a writable root (the default: idmapped lower, tmpfs upper,
   overlay);
-* ``image rw root``: the same, commands as box root.
+* ``image rw root``: the same, commands as box root (not on ``bwrap-rootless``).
+
+As an ordinary user ``--backends bwrap-rootless`` measures rootless bwrap (the overlay mounted
+in the box's own namespace) the same way; export figures need root.
 
 Then, in one box with a writable root, ``--mb`` MB written under ``/opt`` (64 files) and
 ``Sandbox.export_root`` of them as a layer, next to ``tar -cf`` of the same files on the host
@@ -87,7 +90,15 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--mb", type=int, default=100)
+    parser.add_argument("--backends", default="bwrap,oci-crun,oci-runc")
+    parser.add_argument("--no-export", action="store_true")
     args = parser.parse_args()
+    backends = {
+        "bwrap": {},
+        "bwrap-rootless": {},
+        "oci-crun": {"backend": "oci", "runtime": "crun"},
+        "oci-runc": {"backend": "oci", "runtime": "runc"},
+    }
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-image-"))
     os.environ["CORRAL_IMAGE_STORE"] = str(tmp / "store")
     try:
@@ -95,12 +106,14 @@ async def main() -> None:
         layout = str(write_layout(tmp / "layout", [dir_tar(root)]).path)
         workspace = tmp / "ws"
         workspace.mkdir()
-        kinds = {
-            "host": Policy(),
-            "image ro": Policy(image=layout, filesystem={"root_size": None}),
-            "image rw": Policy(image=layout),
-            "image rw root": Policy(image=layout, user="root"),
-        }
+        kinds: dict[str, Policy] = {}
+        for b in args.backends.split(","):
+            on = backends[b]
+            kinds[f"{b} host"] = Policy(**on)
+            kinds[f"{b} image ro"] = Policy(image=layout, filesystem={"root_size": None}, **on)
+            kinds[f"{b} image rw"] = Policy(image=layout, **on)
+            if b != "bwrap-rootless":
+                kinds[f"{b} image rw root"] = Policy(image=layout, user="root", **on)
         ready: dict[str, list[float]] = {k: [] for k in kinds}
         close: dict[str, list[float]] = {k: [] for k in kinds}
         for policy in kinds.values():  # warm up: the store import, the interpreter's caches
@@ -112,15 +125,16 @@ async def main() -> None:
                 close[name].append(c)
         load = os.getloadavg()[0]
         print(f"create-to-ready and close, {args.runs} rounds, kinds in turn (load {load:.1f}):")
-        base = line("host: ready", ready["host"])
-        for name in list(kinds)[1:]:
-            p50 = line(f"{name}: ready", ready[name])
-            print(f"  {'':<34} x{p50 / base:.2f} of host")
-        base = line("host: close", close["host"])
-        for name in list(kinds)[1:]:
-            p50 = line(f"{name}: close", close[name])
-            print(f"  {'':<34} x{p50 / base:.2f} of host")
-        await export_figures(layout, workspace, tmp, args.mb)
+        for what, figures in (("ready", ready), ("close", close)):
+            base = 0.0
+            for name in kinds:
+                p50 = line(f"{name}: {what}", figures[name])
+                if name.endswith(" host"):
+                    base = p50
+                else:
+                    print(f"  {'':<34} x{p50 / base:.2f} of {name.split()[0]} host")
+        if not args.no_export and os.geteuid() == 0:
+            await export_figures(layout, workspace, tmp, args.mb)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
