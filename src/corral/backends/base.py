@@ -134,9 +134,10 @@ def agent_config(spec: BoxSpec, *, uid: int = BOX_UID, gid: int = BOX_UID) -> di
     }
 
 
-def refuse_image(spec: BoxSpec, backend: str) -> None:
-    """BackendUnavailable, naming the field, for a box on an image (or whose commands run
-    as box root) where ``backend`` has neither yet."""
+def refuse_image(spec: BoxSpec, backend: str, why: str = "") -> None:
+    """BackendUnavailable, naming the field, the cause (``why``) and the way out, for a box
+    on an image (or whose commands run as box root) where ``backend`` has neither yet."""
+    cause = f" ({why})" if why else ""
     if spec.policy.user == "root" or spec.user == "root":
         raise BackendUnavailable(
             f"policy.user 'root': the {backend} backend runs commands as the box user only "
@@ -145,8 +146,8 @@ def refuse_image(spec: BoxSpec, backend: str) -> None:
     if spec.policy.image != "host":
         raise BackendUnavailable(
             f"policy.image {spec.policy.image!r}: the {backend} backend runs boxes on the "
-            "host's system only for now; images run on the bwrap and oci (runc, crun) "
-            "backends (as root)"
+            f"host's system only for now{cause}; images run on the bwrap backend (as root or "
+            "as a user) and the oci backend with runc or crun (as root)"
         )
 
 

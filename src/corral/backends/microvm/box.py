@@ -184,6 +184,12 @@ def box_devices(boot: Boot, shares: list[HostShare]) -> list[str]:
     return argv
 
 
+MICROVM_NO_IMAGE = (
+    "its guest agent, moved into the box's root, loads the rest of the host's Python and the "
+    "libraries it links from there, which an image does not hold"
+)
+
+
 def limit_plan(policy: Policy) -> LimitPlan:
     """The box's limits, held by the guest kernel's cgroup, in a VM sized for them."""
     caps = Capabilities(
@@ -687,7 +693,7 @@ class MicroVmBackend(BackendBase):
 
     async def start(self, spec: BoxSpec) -> MicroVmBox:
         """Restore the saved VM of this shape when there is one, else boot (and save it)."""
-        refuse_image(spec, "microvm")
+        refuse_image(spec, "microvm", MICROVM_NO_IMAGE)
         limits = limit_plan(spec.policy)  # a refusal comes before anything starts
         boot = await self.boot_mode()
         if self.rootless:
