@@ -16,13 +16,14 @@ import platform
 import shutil
 import subprocess
 
+_CANDIDATES = ("/usr/sbin/criu", "/sbin/criu")
+"""Where Debian puts it, should ``PATH`` lack ``/usr/sbin``."""
+
 
 @functools.cache
 def criu_check() -> tuple[bool, str]:
     """``(passes, what it said)``: ``criu check`` run once (as this process's user)."""
-    criu = shutil.which("criu") or next(
-        (p for p in ("/usr/sbin/criu", "/sbin/criu") if shutil.which(p)), None
-    )
+    criu = shutil.which("criu") or next((p for p in _CANDIDATES if shutil.which(p)), None)
     if criu is None:
         return False, "criu is not installed (apt-get install criu)"
     try:
