@@ -8,6 +8,7 @@ and masks them where they are now (:mod:`corral.backends.host.maskfollow`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -192,3 +193,14 @@ async def test_a_masked_object_moved_to_a_name_that_is_not_utf8_fails_closed(
     assert "ok" in out, out
     with pytest.raises(PolicyError, match="not UTF-8"):
         await _run(masked, workspace, "cat a*/key")
+
+
+async def test_boxes_starting_at_once_on_one_workspace_all_mask(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """Each start records the masked objects: several at once on one workspace (an agent's
+    parallel sessions) neither fail on each other's record nor leave the key open."""
+    _plant(workspace)
+    masked = _with(box_policy, deny_read=("secrets/key", "deep/creds"))
+    outs = await asyncio.gather(*(_run(masked, workspace, "cat secrets/key") for _ in range(4)))
+    assert all(SECRET not in out for out in outs), outs

@@ -29,12 +29,14 @@ masks each place found as it masks the spelled path (and wherever a share shows 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import logging
 import os
 import stat
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,9 +297,16 @@ class _Records:
             "ident": list(area_ident),
             "entries": {k: [o.to_json() for o in v] for k, v in entries.items()},
         }
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, path)
+        # One temporary file per writer: two boxes may start at once on one workspace.
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=path.stem, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(body))
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         if not _Records.pruned:
             _Records.pruned = True
             self.prune()
