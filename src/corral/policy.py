@@ -155,6 +155,19 @@ class FilesystemPolicy(_Model):
     """Paths masked inside: neither readable nor listable."""
     mounts: tuple[Mount, ...] = ()
     """Host directories shared into the box."""
+
+    @field_validator("deny_read", "deny_write")
+    @classmethod
+    def _no_patterns(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """A glob would be taken as a literal path and mask nothing, silently: refused."""
+        for raw in value:
+            if any(c in raw for c in "*?["):
+                raise ValueError(
+                    f"{raw!r} is a pattern: masks are paths (a pattern would mask nothing); "
+                    "list each path, or mask the directory that holds them"
+                )
+        return value
+
     tmp_size: Size = 256 << 20
     """Size cap of the private ``/tmp`` (a tmpfs)."""
     root_size: Annotated[Size, Field(ge=MIN_ROOT_SIZE)] | None = 1 << 30

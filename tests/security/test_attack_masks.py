@@ -204,3 +204,11 @@ async def test_boxes_starting_at_once_on_one_workspace_all_mask(
     masked = _with(box_policy, deny_read=("secrets/key", "deep/creds"))
     outs = await asyncio.gather(*(_run(masked, workspace, "cat secrets/key") for _ in range(4)))
     assert all(SECRET not in out for out in outs), outs
+
+
+@pytest.mark.parametrize("field", ["deny_read", "deny_write"])
+def test_a_mask_written_as_a_glob_is_refused_not_skipped(field: str) -> None:
+    """``secrets/*.pem`` was taken as a literal path that does not exist: nothing was
+    masked, silently. Refused, naming the entry."""
+    with pytest.raises(PolicyError, match=r"secrets/\*\.pem"):
+        Policy.from_dict({"filesystem": {field: ["secrets/*.pem"]}})
