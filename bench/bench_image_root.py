@@ -2,7 +2,9 @@
 
     python bench/bench_image_root.py [--runs N] [--mb M] [--backends bwrap,oci-crun,oci-runc]
 
-Start to ready and close, each box closed before the next starts; the kinds take turns round
+Start to ready, close, and the host CPU time of both (this process's threads and its reaped
+children: the runtime, bwrap's monitor; not the box's own processes), each box closed before
+the next starts; the kinds take turns round
 by round, so a noisy neighbour on this shared machine slows all of them alike. Per backend:
 
 * ``host``: today's default (the host's system, read-only): that backend's baseline;
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -39,14 +42,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from oci_images import busybox_root, dir_tar, write_layout
 
 
-async def measure(policy: Policy, workspace: Path) -> tuple[float, float]:
+def _cpu() -> float:
+    """CPU seconds of this process (every thread: the host's mounts) and of its reaped
+    children (the runtime, bwrap's monitor): steadier than wall-clock on a loaded host."""
+    me, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+async def measure(policy: Policy, workspace: Path) -> tuple[float, float, float]:
     box = Sandbox(policy, workspace=workspace)
+    cpu = _cpu()
     t = time.perf_counter()
     await box.start()
     ready = time.perf_counter() - t
     t = time.perf_counter()
     await box.aclose()
-    return ready, time.perf_counter() - t
+    return ready, time.perf_counter() - t, _cpu() - cpu
 
 
 def _tar(src: Path, dest: Path) -> None:
@@ -116,16 +130,18 @@ async def main() -> None:
                 kinds[f"{b} image rw root"] = Policy(image=layout, user="root", **on)
         ready: dict[str, list[float]] = {k: [] for k in kinds}
         close: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
         for policy in kinds.values():  # warm up: the store import, the interpreter's caches
             await measure(policy, workspace)
         for _ in range(args.runs):
             for name, policy in kinds.items():
-                r, c = await measure(policy, workspace)
+                r, c, used = await measure(policy, workspace)
                 ready[name].append(r)
                 close[name].append(c)
+                cpu[name].append(used)
         load = os.getloadavg()[0]
         print(f"create-to-ready and close, {args.runs} rounds, kinds in turn (load {load:.1f}):")
-        for what, figures in (("ready", ready), ("close", close)):
+        for what, figures in (("ready", ready), ("close", close), ("host CPU", cpu)):
             base = 0.0
             for name in kinds:
                 p50 = line(f"{name}: {what}", figures[name])
