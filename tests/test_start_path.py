@@ -69,3 +69,26 @@ async def test_the_id_maps_written_through_one_proc_descriptor(user: str) -> Non
         expected = "allow" if user == "root" else "deny"
         assert Path(f"/proc/{init}/setgroups").read_text().strip() == expected
         assert (await sb.run("id -u")).stdout.strip() == ("0" if user == "root" else "1000")
+
+
+def test_peel_detaches_stacked_mounts_by_the_kernels_word(tmp_path: Path) -> None:
+    """peel (a box close's staging release) unmounts until the kernel says the path is no
+    mount point (EINVAL), with no read of the mount table: True for two stacked binds, a
+    plain directory, a missing path; a parent's mount is never touched."""
+    from corral.backends.host import mounts
+
+    source, target = tmp_path / "src", tmp_path / "target"
+    source.mkdir()
+    target.mkdir()
+    (source / "mark").write_text("x")
+    mounts.bind(str(source), str(target))
+    mounts.bind(str(source), str(target))
+    assert mounts.is_mountpoint(str(target))
+    inside = target / "sub"
+    (source / "sub").mkdir()
+    assert mounts.peel(str(inside))  # no mount point: nothing unmounted
+    assert mounts.is_mountpoint(str(target))
+    assert mounts.peel(str(target))
+    assert not mounts.is_mountpoint(str(target)) and not (target / "mark").exists()
+    assert mounts.peel(str(target))  # again: nothing there
+    assert mounts.peel(str(tmp_path / "missing"))

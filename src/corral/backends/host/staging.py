@@ -72,8 +72,7 @@ def _young(entry: Path) -> bool:
 def release_staging(entry: Path) -> bool:
     """Peel the mounts off a staging directory and remove it; never deletes contents."""
     ws = entry / "ws"
-    mounts.umount_all(str(ws))
-    if mounts.is_mountpoint(str(ws)):
+    if not mounts.peel(str(ws)):
         return False
     with contextlib.suppress(FileNotFoundError):
         (entry / "owner.json").unlink()
