@@ -62,7 +62,11 @@ async def test_masks_follow_objects_a_box_renamed_moved_or_linked(
         deny_read=("secrets/key", "deep/creds", str(workspace / ".config" / "gcloud"), "hl/key2"),
         deny_write=("conf/settings",),
     )
-    out = await _run(box_policy, workspace, "ln hl/key2 leak && ln deep/creds/id leak2 && echo ok")
+    out = await _run(
+        box_policy,
+        workspace,
+        "ln hl/key2 leak && ln deep/creds/id leak2 && ln conf/settings alias && echo ok",
+    )
     assert "ok" in out, out
     out = await _run(
         masked,
@@ -72,7 +76,9 @@ async def test_masks_follow_objects_a_box_renamed_moved_or_linked(
     )
     assert "moved" in out and SECRET not in out, out
     probe = "cat s2/key x/y/deep/creds/id cfg/gcloud/token leak leak2; ls x/y/deep/creds"
-    out = await _run(masked, workspace, f"{probe}; echo evil >> c2/settings; mv s2 s3")
+    out = await _run(
+        masked, workspace, f"{probe}; echo evil >> c2/settings; echo evil >> alias; mv s2 s3"
+    )
     assert SECRET not in out, out
     assert "id" not in out.split(), out
     assert (workspace / "c2" / "settings").read_text() == "trusted\n"
