@@ -49,6 +49,12 @@ NOT_FOR_A_RUN = {
     "corral.cli.doctor",
     "corral.cli.audit",
     "corral.cli.image",
+    # what pydantic's plugin loader and asyncio's TLS transports import (corral.cli.lean)
+    "importlib.metadata",
+    "email",
+    "zipfile",
+    "ssl",
+    "_ssl",
 }
 PARSE_ONLY = """
 import json, sys
@@ -116,3 +122,37 @@ print(json.dumps(sorted(sys.modules)))
 def test_importing_corral_imports_none_of_its_parts() -> None:
     loaded = loaded_after("import corral, json, sys; print(json.dumps(sorted(sys.modules)))")
     assert {"pydantic", "corral.policy", "corral.sandbox", "asyncio"}.isdisjoint(loaded)
+
+
+LEAN = """
+import json, sys
+from corral.cli.lean import lean_imports
+lean_imports()
+from corral.policy import Policy
+Policy(limits={"memory_bytes": "64M"})
+import asyncio
+assert asyncio.sslproto.ssl is None
+import ssl  # still importable by whatever else wants it
+ssl.create_default_context()
+from pydantic.plugin._loader import get_plugins
+assert tuple(get_plugins()) == ()
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_lean_imports_leave_out_pydantic_plugins_and_asyncio_ssl() -> None:
+    loaded = loaded_after(LEAN)
+    assert {"importlib.metadata", "email", "zipfile"}.isdisjoint(loaded)
+
+
+def test_lean_imports_change_nothing_already_imported() -> None:
+    script = """
+import asyncio, json, sys, pydantic
+from corral.cli.lean import lean_imports
+loader = sys.modules.get("pydantic.plugin._loader")
+lean_imports()
+assert sys.modules.get("pydantic.plugin._loader") is loader
+assert asyncio.sslproto.ssl is sys.modules["ssl"]
+print(json.dumps(sorted(sys.modules)))
+"""
+    assert "ssl" in loaded_after(script)

@@ -263,6 +263,9 @@ def plan_run(args: argparse.Namespace) -> RunPlan:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from corral.cli.lean import lean_imports
+
+    lean_imports()  # before pydantic and asyncio are first imported
     from corral.sandbox import Sandbox
 
     plan = plan_run(args)
