@@ -140,7 +140,7 @@ async def test_an_image_link_where_corral_mounts_is_refused(backend: str, tmp_pa
     assert not (Path("/etc") / "workspace").exists()
 
 
-@pytest.mark.parametrize("backend", ["oci-runsc", "microvm"])
+@pytest.mark.parametrize("backend", ["oci-runsc"])
 async def test_backends_without_images_refuse_naming_the_field(
     backend: str, tmp_path: Path
 ) -> None:

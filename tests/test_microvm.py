@@ -257,3 +257,48 @@ async def test_the_caller_chooses_how_long_a_start_waits_for_readiness(tmp_path:
         await sb.start()
     assert time.monotonic() - started < 60  # a boot, then 0.05 s: not the 90 s TCG default
     assert not (state_root() / "boxes" / sb.sandbox_id).exists()
+
+
+async def test_a_box_on_an_image_without_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image's entries are the VM's root share (bound read-only on a staging point qemu's
+    uid reaches), under the guest's tmpfs overlay of ``root_size``; the agent runs on the
+    initramfs's own Python. Config honoured (Env, a WorkingDir the image lacks made), the cap
+    holds, the image in the store unchanged. (Same VM shape as the others: restored.)"""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from oci_images import busybox_root, dir_tar, write_layout
+
+    monkeypatch.setenv("CORRAL_IMAGE_STORE", str(tmp_path / "store"))
+    root = busybox_root(tmp_path / "root")
+    (root / "scratch").mkdir(mode=0o1777)
+    (root / "scratch").chmod(0o1777)
+    config: dict[str, object] = {"Env": ["PATH=/bin", "FROM=image"], "WorkingDir": "/srv/task"}
+    layout = write_layout(tmp_path / "layout", [dir_tar(root)], config=config).path
+    policy = POLICY.model_copy(
+        update={
+            "image": str(layout),
+            "filesystem": POLICY.filesystem.model_copy(update={"root_size": 2 << 20}),
+        }
+    )
+    async with Sandbox(policy, workspace=tmp_path / "root" / "etc") as sb:
+        r = await sb.run(
+            'cat /etc/hello; echo "$FROM"; pwd; id -u; command -v python3 || echo no-python; '
+            "dd if=/dev/zero of=/scratch/big bs=1M count=8 2>&1; echo dd=$?"
+        )
+        assert r.stdout.splitlines()[:5] == [
+            "hello from the image",
+            "image",
+            "/srv/task",
+            "1000",
+            "no-python",
+        ], r
+        assert "No space left on device" in r.stdout and "dd=1" in r.stdout, r
+        assert (await sb.info())["image"]["writable"] is True
+    from corral.images import resolve_image
+
+    stored = resolve_image(str(layout)).rootfs
+    assert stored is not None and not (stored / "scratch" / "big").exists()
+    assert not (stored / "srv").exists()

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import os
+import posixpath
 import re
 import shutil
 import socket
@@ -61,7 +62,7 @@ from corral.backends.base import (
     refuse_image,
     sweep_boxes,
 )
-from corral.backends.host import cgroups, idmap, maskfollow, safepath, seccomp, staging
+from corral.backends.host import cgroups, idmap, maskfollow, mounts, safepath, seccomp, staging
 from corral.backends.host.python import find_python
 from corral.backends.host.state import BOX_PREFIX, cache_root, state_root, write_owner
 from corral.backends.host.threads import blocking
@@ -71,6 +72,7 @@ from corral.backends.layout import (
     HostView,
     Symlink,
     expand,
+    image_entries,
     policy_binds,
     root_entries,
 )
@@ -79,7 +81,7 @@ from corral.backends.microvm import initramfs, jail, vmsnap
 from corral.backends.users import BOX_UID, group_text, passwd_text
 from corral.errors import BackendError, BackendUnavailable
 from corral.net import vmlink
-from corral.policy import Policy, vm_memory_mb
+from corral.policy import DEFAULT_WORKDIR, Policy, vm_memory_mb
 
 T = TypeVar("T")
 QEMU = "qemu-system-x86_64"
@@ -184,12 +186,6 @@ def box_devices(boot: Boot, shares: list[HostShare]) -> list[str]:
     return argv
 
 
-MICROVM_NO_IMAGE = (
-    "its guest agent, moved into the box's root, loads the rest of the host's Python and the "
-    "libraries it links from there, which an image does not hold"
-)
-
-
 def limit_plan(policy: Policy) -> LimitPlan:
     """The box's limits, held by the guest kernel's cgroup, in a VM sized for them."""
     caps = Capabilities(
@@ -223,8 +219,41 @@ def _masks(spec: BoxSpec, shared: idmap.SharedPaths) -> tuple[tuple[str, ...], t
     return hidden, read_only
 
 
+def _image_of(spec: BoxSpec, shared: idmap.SharedPaths) -> tuple[Path, str | None] | None:
+    """The root directory of ``policy.image`` as qemu's jail binds it from, and its
+    ``WorkingDir`` (to make when the policy keeps the default workdir), or None for the
+    host's system. As root the store is host root's alone (0700): the image is bound
+    read-only (nosuid, nodev) on a staging mount point qemu's uid can reach, released with
+    the box's shared paths. Blocking."""
+    if spec.policy.image == "host":
+        return None
+    from corral.images import resolve_image
+
+    resolved = resolve_image(spec.policy.image)
+    if resolved.rootfs is None:
+        return None
+    if not resolved.rootfs.is_dir():
+        raise BackendError(
+            f"policy.image {spec.policy.image!r}: {resolved.rootfs} is not a directory"
+        )
+    workdir = resolved.config.workdir if spec.policy.workdir == DEFAULT_WORKDIR else None
+    root = resolved.rootfs
+    if os.geteuid() == 0:
+        if shared.binds is None:
+            shared.binds = idmap.IdmappedBinds(spec.sandbox_id)
+        entry = staging.new_entry("mnt", f"{spec.sandbox_id}.vmimage")
+        shared.binds.entries.append(entry)  # released with the box's shares
+        mounts.bind(str(root), str(entry / "ws"))
+        mounts.read_only(str(entry / "ws"))
+        root = entry / "ws"
+    return root, posixpath.join("/", workdir) if workdir else None
+
+
 def boot_plan(
-    spec: BoxSpec, shared: idmap.SharedPaths, limits: LimitPlan
+    spec: BoxSpec,
+    shared: idmap.SharedPaths,
+    limits: LimitPlan,
+    image: tuple[Path, str | None] | None = None,
 ) -> tuple[initramfs.BootPlan, list[HostShare], list[jail.Share]]:
     """The guest's mounts, the qemu exports they come from (paths in the jail) and the host
     directories bound into the jail for them (pure but for ``HostView``'s stats).
@@ -272,8 +301,11 @@ def boot_plan(
         deny_read=deny_read,
         deny_write=deny_write,
         checked=(policy.workdir, *(e[1] for e in extra if not e[2])),
-        minimal_root=None if fs.inherit_readable else minimal_root(policy, host),
-        root_dirs=view_dirs(policy, host),
+        minimal_root=None if fs.inherit_readable or image else minimal_root(policy, host),
+        root_dirs=() if image else view_dirs(policy, host),
+        root_size=fs.root_size if image else None,
+        read_only_root=image is not None and fs.root_size is None,
+        make_dirs=(image[1],) if image and image[1] and fs.root_size is not None else (),
         passwd=passwd_text(uid, gid),
         group=group_text(gid),
         memory_max=limits.memory_max,
@@ -693,7 +725,8 @@ class MicroVmBackend(BackendBase):
 
     async def start(self, spec: BoxSpec) -> MicroVmBox:
         """Restore the saved VM of this shape when there is one, else boot (and save it)."""
-        refuse_image(spec, "microvm", MICROVM_NO_IMAGE)
+        if spec.policy.user == "root" or spec.user == "root":
+            refuse_image(spec, "microvm")
         limits = limit_plan(spec.policy)  # a refusal comes before anything starts
         boot = await self.boot_mode()
         if self.rootless:
@@ -717,7 +750,8 @@ class MicroVmBackend(BackendBase):
                 f"{shared.warning}: qemu would run as host root with this root-owned "
                 "workspace; use a workspace owned by a regular user"
             )
-        plan, shares, jail_shares = boot_plan(spec, shared, limits)
+        image = await blocking(_image_of, spec, shared)
+        plan, shares, jail_shares = boot_plan(spec, shared, limits, image)
         plan = replace(plan, seccomp=seccomp.build_filter(policy.security.preset))
         devices = box_devices(boot, shares)
         shape = vmsnap.Shape(
@@ -737,7 +771,12 @@ class MicroVmBackend(BackendBase):
         notes: list[str] = [shared.warning] if shared.warning else []
         if self.rootless:
             notes.append(ROOTLESS_NOTE)
-        vm = _VmStart(self, spec, boot, plan, limits, devices, jail_shares, shared)
+        view = (
+            system_view(policy, HostView())
+            if image is None
+            else jail.view_entries(image_entries(image[0]))
+        )
+        vm = _VmStart(self, spec, boot, plan, limits, devices, jail_shares, shared, view)
         if snapshot is not None and snapshot.exists():
             try:
                 return await vm.run(restore=snapshot, notes=notes)
@@ -774,6 +813,8 @@ class _VmStart:
     devices: list[str]
     shares: list[jail.Share]
     shared: idmap.SharedPaths
+    view: list[Bind | Symlink]
+    """What the guest's root is made of: the system view, or an image's entries."""
 
     def _run_dir(self) -> Path:
         """The run directory, owned by qemu's host uid (0700): made anew for each qemu."""
@@ -803,7 +844,7 @@ class _VmStart:
                     fds=fds,
                     run_dir=str(self.spec.state_dir / RUN_DIR),
                     boot_files=[str(self.boot.image), str(b.base)],
-                    view=system_view(self.spec.policy, HostView()),
+                    view=self.view,
                     shares=self.shares,
                     info_fd=info_w,
                     block_fd=block_r,

@@ -388,6 +388,15 @@ class BootPlan:
     root_dirs: tuple[str, ...] = ()
     """Directories of the system view made by the jail (qemu's uid): chowned to root."""
     """The box's /etc/group (and :attr:`passwd` its /etc/passwd), on every root."""
+    root_size: int | None = None
+    """A box on an image (the ``root`` share is the image's entries): the cap of the tmpfs
+    above it (``filesystem.root_size``)."""
+    read_only_root: bool = False
+    """A box on an image with ``root_size = null``: the root is remounted read-only once
+    the box's mounts are made."""
+    make_dirs: tuple[str, ...] = ()
+    """Directories to make in the root when missing (an image's ``WorkingDir``), in the
+    guest (its links resolve in the VM)."""
     memory_max: int | None = None
     pids_max: int | None = None
     cpu_max_us: int | None = None
@@ -404,7 +413,9 @@ def boot_script(plan: BootPlan) -> str:
     lines = [
         "set -e",
         f"mount -t 9p -o {opts},ro,cache=loose root /mnt/lower",
-        "mount -t tmpfs -o mode=0755 upper /mnt/upper",
+        "mount -t tmpfs -o mode=0755"
+        + ("" if plan.root_size is None else f",size={plan.root_size}")
+        + " upper /mnt/upper",
         "mkdir /mnt/upper/u /mnt/upper/w",
         ": > /mnt/upper/masked",
         "chmod 000 /mnt/upper/masked",
@@ -422,6 +433,8 @@ def boot_script(plan: BootPlan) -> str:
     else:
         lines += _minimal_root(plan.minimal_root)
     # The box's own accounts, on every root: the overlay's upper layer holds them.
+    lines.append("mkdir -p $R/etc")  # an image may have none
+    lines += [f"mkdir -p $R{q(d)}" for d in plan.make_dirs]
     lines.append(f"printf %s {q(plan.passwd)} > $R/etc/passwd")
     lines.append(f"printf %s {q(plan.group)} > $R/etc/group")
     lines += [
@@ -478,6 +491,8 @@ def boot_script(plan: BootPlan) -> str:
             f"if [ -d {target} ]; then mount -t tmpfs -o mode=000,size=4k deny {target};"
             f" elif [ -e {target} ]; then mount --bind /mnt/upper/masked {target}; fi"
         )
+    if plan.read_only_root:
+        lines.append("mount -o remount,ro $R")
     cgroup = f"$R{GUEST_CGROUP}"
     lines += [
         "mount -t cgroup2 cgroup2 $R/sys/fs/cgroup",
