@@ -297,6 +297,11 @@ async def test_a_box_on_an_image_without_python(
         ], r
         assert "No space left on device" in r.stdout and "dd=1" in r.stdout, r
         assert (await sb.info())["image"]["writable"] is True
+        entry = state_root() / "mnt" / f"{sb.sandbox_id}.vmimage"
+        if os.geteuid() == 0:  # as root the store is root's: the image staged for qemu
+            st = entry.stat()  # not readable by other users through it
+            assert st.st_mode & 0o777 == 0o700 and st.st_uid != 0, oct(st.st_mode)
+    assert not entry.exists()  # released with the box
     from corral.images import resolve_image
 
     stored = resolve_image(str(layout)).rootfs

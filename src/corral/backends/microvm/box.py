@@ -243,6 +243,9 @@ def _image_of(spec: BoxSpec, shared: idmap.SharedPaths) -> tuple[Path, str | Non
             shared.binds = idmap.IdmappedBinds(spec.sandbox_id)
         entry = staging.new_entry("mnt", f"{spec.sandbox_id}.vmimage")
         shared.binds.entries.append(entry)  # released with the box's shares
+        # qemu's uid alone may enter (the store keeps images from other users: 0700)
+        os.chown(entry, shared.uid, shared.gid)
+        entry.chmod(0o700)
         mounts.bind(str(root), str(entry / "ws"))
         mounts.read_only(str(entry / "ws"))
         root = entry / "ws"
