@@ -107,3 +107,21 @@ def test_the_live_filter_holds_sequences_split_across_chunks() -> None:
         out = b"".join(shown.feed(data[i : i + size]) for i in range(0, len(data), size))
         out += shown.flush()
         assert out == for_terminal(HOSTILE).encode(), size
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "from corral.cli import _fail; _fail(M, 'sandbox_broken', 125, False)",
+        "from corral.client.cli import _say_error; from corral.client.fast import ServerError; "
+        "_say_error(ServerError('sandbox_broken', M, 500))",
+    ],
+)
+def test_an_error_message_on_a_terminal_strips_what_attacks_it(tmp_path: Path, call: str) -> None:
+    """An error message may carry what a box or a compromised agent wrote (an agent's error
+    reply is passed on as its message): printed to the operator's terminal it is sanitized
+    like output, in the CLI of this process and the one that goes through a server."""
+    code = f"M = {HOSTILE!r}\n{call}"
+    seen = _on_pty([sys.executable, "-c", code], tmp_path)
+    assert not any(d in seen for d in DANGEROUS), seen
+    assert b"before" in seen and b"after" in seen

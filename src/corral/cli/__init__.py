@@ -110,9 +110,12 @@ def _fail(message: str, code: str, status: int, as_json: bool) -> int:
 
         print(json.dumps({"error": {"code": code, "message": message}}))
     else:
-        print(
-            f"corral: {message}" if not message.startswith("corral") else message, file=sys.stderr
-        )
+        text = f"corral: {message}" if not message.startswith("corral") else message
+        if sys.stderr.isatty():  # a message may carry what a box or its agent wrote
+            from corral.output import for_terminal
+
+            text = for_terminal(text)
+        print(text, file=sys.stderr)
     return status
 
 

@@ -55,7 +55,7 @@ def add_raw_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def terminal_safe(text: str, stream: TextIO, args: argparse.Namespace) -> str:
+def terminal_safe(text: str, stream: TextIO, args: argparse.Namespace | None) -> str:
     """``text`` for ``stream``: as is to a pipe or file (or with ``--raw``); to a terminal,
     without the escape sequences a box could use against it (OSC 52, titles, ...)."""
     if getattr(args, "raw", False) or not stream.isatty():

@@ -309,7 +309,7 @@ def _spawn_failed(exc: errors.SpawnFailed, as_json: bool) -> int:
     if as_json:
         print(json.dumps({**exc.to_dict(), "exit_code": status}))
     else:
-        print(f"corral: {exc.message}", file=sys.stderr)
+        print(terminal_safe(f"corral: {exc.message}", sys.stderr, None), file=sys.stderr)
     return status
 
 

@@ -115,8 +115,18 @@ def _guarded(call: Any) -> int:
         return 141
 
 
+def _on_stderr(text: str) -> str:
+    """``text`` for stderr: to a terminal without what could drive it (an error message may
+    carry what a box or a compromised agent wrote: OSC 52, titles)."""
+    if not sys.stderr.isatty():
+        return text
+    from corral.output import for_terminal
+
+    return for_terminal(text)
+
+
 def _say_error(exc: ServerError) -> int:
-    print(f"corral: [{exc.code}] {exc.message}", file=sys.stderr)
+    print(_on_stderr(f"corral: [{exc.code}] {exc.message}"), file=sys.stderr)
     usage = exc.code in ("invalid_input", "invalid_policy")
     return EXIT_USAGE if usage else EXIT_SANDBOX
 
@@ -208,8 +218,9 @@ def _play(response: Any, raw: bool) -> int:
                 out(data)
             elif kind == frames.STDERR:
                 err(data)
-            elif kind == frames.NOTE:
-                print(data.decode("utf-8", "replace"), file=sys.stderr, flush=True)
+            elif kind == frames.NOTE:  # a network refusal may quote what the box sent
+                note = data.decode("utf-8", "replace")
+                print(note if raw else _on_stderr(note), file=sys.stderr, flush=True)
             elif kind == frames.END:
                 end = json.loads(data)
                 return int(end.get("status", end.get("exit_code", 0)))
@@ -515,7 +526,7 @@ def _rm(conn: Conn, args: argparse.Namespace) -> int:
         try:
             conn.request("DELETE", f"/v1/boxes/{q(box)}").read()
         except ServerError as exc:
-            print(f"corral: [{exc.code}] {exc.message}", file=sys.stderr)
+            print(_on_stderr(f"corral: [{exc.code}] {exc.message}"), file=sys.stderr)
             status = 1
     return status
 
