@@ -53,6 +53,16 @@ def test_the_store_is_made_swept_and_made_anew(own_store: Path, tmp_path: Path) 
     root = cowstore.root()
     assert root == own_store and cowstore._is_btrfs(root)
     assert (root.stat().st_mode & 0o777) == 0o700
+    # its dirty data is capped (what a snapshot flushes first)
+    loop = subprocess.run(
+        ["findmnt", "-no", "SOURCE", str(root)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    (fs,) = [
+        p for p in Path("/sys/fs/btrfs").glob("*-*") if (p / "devices" / Path(loop).name).exists()
+    ]
+    if (fs / "bdi" / "max_bytes").exists():
+        assert (fs / "bdi" / "strict_limit").read_text().strip() == "1"
+        assert abs(int((fs / "bdi" / "max_bytes").read_text()) - cowstore.DIRTY_CAP) < 1 << 16
     # a box of a process that died, and a live one
     cowstore.new_box_subvolume(root, "box-dead", None, 1 << 20)
     (root / "boxes" / "box-dead.json").write_text(json.dumps({"host_pid": _dead_pid()}))
