@@ -436,3 +436,21 @@ def test_one_translation_looks_at_each_host_path_once() -> None:
     first = len(looked)
     bwrap_argv(policy, inputs(), host)
     assert len(looked) == 2 * first
+
+
+def test_the_hosts_sys_is_bound_after_the_system_and_before_the_policy() -> None:
+    """/sys (with its submounts) is bound once the system view, /dev and /proc are built
+    (bwrap re-reads the mount table after each bind: they read it without /sys's ~13
+    submounts), its cgroupfs covered right after, and before any policy bind, so a mask
+    below /sys still lands on it."""
+    host = replace(fake_host(), lexists=lambda p: p in EXISTING or p == "/sys/kernel/mm")
+    policy = Policy.from_dict({"filesystem": {"deny_read": ["/sys/kernel/mm"]}})
+    args = bwrap_argv(policy, inputs(), host)
+    at = next(i for i in range(len(args)) if args[i : i + 3] == ["--ro-bind", "/sys", "/sys"])
+    assert args[at + 3 : at + 9] == ["--perms", "0555", "--size", "4096", "--tmpfs", CGROUP_DIR]
+    before, after = args[:at], args[at:]
+    assert "/proc" in before and "/dev" in before and "/usr" in before
+    assert not any(a.startswith("/sys") for a in before)
+    mask = next(i for i, a in enumerate(after) if a == "/sys/kernel/mm")
+    assert after[mask - 2] == "--ro-bind" and mask > 3
+    assert after.index("/workspace") > 3  # the policy's binds all come after it

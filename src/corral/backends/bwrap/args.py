@@ -201,9 +201,19 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     if inp.devpts is not None:  # bwrap's own devpts has no max=: the host's capped one
         args += ["--dev-bind", str(inp.devpts), "/dev/pts"]
     args += ["--proc", "/proc"]
-    if any(args[i : i + 3] == ["--ro-bind", "/sys", "/sys"] for i in range(len(args))):
+    # The host's /sys is bound late (just before the policy's binds, which may lie below it):
+    # it brings its ~13 submounts (sysfs, the cgroup hierarchies), and bwrap re-reads the
+    # whole mount table after every bind: each bind before it reads 13 lines fewer (~0.5 ms
+    # of bwrap's CPU). Nothing else is mounted below /sys, so the box's tree is the same.
+    sys_at = next(
+        (i for i in range(len(args)) if args[i : i + 3] == ["--ro-bind", "/sys", "/sys"]), None
+    )
+    sys_args: list[str] = []
+    if sys_at is not None:
+        del args[sys_at : sys_at + 3]
         # The host's /sys comes with its cgroupfs: other boxes' ids and memory use.
-        args += ["--perms", "0555", "--size", "4096", "--tmpfs", CGROUP_DIR]
+        sys_args = ["--ro-bind", "/sys", "/sys"]
+        sys_args += ["--perms", "0555", "--size", "4096", "--tmpfs", CGROUP_DIR]
     for path in PROC_READ_ONLY:
         args += ["--ro-bind-try", path, path]
     args += ["--size", str(fs.tmp_size), "--tmpfs", "/tmp"]
@@ -217,6 +227,7 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
         interpreter = inp.hidden.argv
     for extra in inp.extra_binds:
         args += _render(extra)
+    args += sys_args
     binds = policy_binds(policy, inp.workspace, inp.masked_file, inp.masked_dir, host, inp.sources)
     if inp.image_root is not None:  # masks of the host's own files: not in an image's root
         binds = on_shared_paths(policy, binds)
