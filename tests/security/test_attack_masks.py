@@ -218,3 +218,21 @@ def test_a_mask_written_as_a_glob_is_refused_not_skipped(field: str) -> None:
     masked, silently. Refused, naming the entry."""
     with pytest.raises(PolicyError, match=r"secrets/\*\.pem"):
         Policy.from_dict({"filesystem": {field: ["secrets/*.pem"]}})
+
+
+def test_records_never_lie_where_the_box_writes(
+    workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rootless box with workspace = $HOME could edit ``~/.local/share/corral/masks`` and
+    make the next start forget what moved: records inside a writable area are kept in the
+    state root instead."""
+    _plant(workspace)
+    monkeypatch.setenv("CORRAL_DATA_DIR", str(workspace / "data"))
+    monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp_path / "state"))
+    policy = Policy.from_dict({"filesystem": {"deny_read": ["secrets/key"]}})
+    maskfollow.locate(policy, workspace)
+    assert not (workspace / "data").exists()
+    assert list((tmp_path / "state" / "masks").glob("*.json"))
+    (workspace / "secrets").rename(workspace / "s2")
+    moved, _ = maskfollow.locate(policy, workspace)
+    assert moved == {"secrets/key": (Place(0, "s2/key", False),)}

@@ -266,10 +266,12 @@ class _Records:
     pruned = False
     """Whether this process has pruned the folder (once is enough)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path | None) -> None:
         self.folder = folder
 
     def _file(self, area: str) -> Path:
+        if self.folder is None:
+            raise OSError(errno.EACCES, "every records folder lies in a writable area")
         return self.folder / (hashlib.sha256(area.encode()).hexdigest()[:32] + ".json")
 
     def load(self, area: str, area_ident: Ident) -> dict[str, list[_Object]]:
@@ -288,6 +290,7 @@ class _Records:
 
     def save(self, area: str, area_ident: Ident, entries: dict[str, list[_Object]]) -> None:
         path = self._file(area)
+        assert self.folder is not None
         if not entries:
             path.unlink(missing_ok=True)
             return
@@ -313,6 +316,8 @@ class _Records:
 
     def prune(self) -> None:
         """Drop the records of areas that no longer exist (temporary workspaces)."""
+        if self.folder is None:
+            return
         for entry in self.folder.glob("*.json"):
             try:
                 area = json.loads(entry.read_bytes()).get("area")
@@ -320,6 +325,18 @@ class _Records:
                     entry.unlink()
             except (OSError, ValueError, AttributeError):
                 continue
+
+
+def _records(roots: list[tuple[str, Ident] | None]) -> _Records:
+    """The records' folder, never inside an area the box can write (a rootless box with
+    workspace = ``$HOME`` would otherwise edit ``~/.local/share/corral/masks`` and make the
+    next start forget what moved): the state root then (``$XDG_RUNTIME_DIR``, lost at a
+    reboot), or no folder at all."""
+    areas = [root[0] for root in roots if root is not None]
+    for folder in (record_dir(), state.state_root() / "masks"):
+        if safepath.area_of(folder, areas) is None:
+            return _Records(folder)
+    return _Records(None)
 
 
 def _area_of(source: str, roots: list[tuple[str, Ident] | None]) -> tuple[int, str] | None:
@@ -376,7 +393,7 @@ def recheck(policy: Policy, workspace: str | os.PathLike[str], home: str | None 
     rename a parent between the search and the mount, so that the mask landed on nothing;
     after the mount the mask moves with the object (only a start can be fooled)."""
     roots, entries = _entries(policy, workspace, home)
-    records = _Records(record_dir())
+    records = _records(roots)
     for n, root in enumerate(roots):
         mine = [e for e in entries if e[2] == n]
         if root is None or not mine:
@@ -403,7 +420,7 @@ def masked_objects(policy: Policy, workspace: str | os.PathLike[str]) -> set[Ide
     found: set[Ident] = set()
     if not roots or roots[0] is None:
         return found
-    recorded = _Records(record_dir()).load(*roots[0])
+    recorded = _records(roots).load(*roots[0])
     for _, read, area, rel in entries:
         if read and area == 0:
             found |= {obj.ident for obj in recorded.get(rel, [])}
@@ -424,7 +441,7 @@ def locate(
     warnings: list[str] = []
     if not entries:
         return moved, warnings
-    records = _Records(record_dir())
+    records = _records(roots)
     budget = _Budget()
     for n, root in enumerate(roots):
         mine = [e for e in entries if e[2] == n]
