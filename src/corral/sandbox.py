@@ -21,6 +21,7 @@ import shlex
 import shutil
 import signal
 import tempfile
+import threading
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -97,6 +98,24 @@ def _resolve_image(policy: Policy) -> tuple[ImageConfig, BoxUser]:
 
 def _invalid(message: str) -> errors.SandboxError:
     return errors.SandboxError(message, code=errors.ErrorCode.INVALID_INPUT)
+
+
+def _forget_with_the_last(ref: str, n: int) -> Callable[[], None]:
+    """A close hook for ``n`` forks: the last one closed removes their snapshot ``ref`` from
+    the image store (its subvolume and workspace copy with it). Blocking."""
+    left, lock = [n], threading.Lock()
+
+    def hook() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        from corral.images.store import ImageStore
+
+        with contextlib.suppress(errors.SandboxError, OSError):
+            ImageStore().forget(ref)
+
+    return hook
 
 
 def _seed_workspace(image: str, workspace: Path) -> None:
@@ -923,7 +942,8 @@ class Sandbox:
         kept as ``name`` or a generated ref), each with its own writable root and a fresh
         workspace of its own (a copy of this box's with ``workspace=True``, else empty):
         they diverge independently. ``processes``: as for :meth:`snapshot` (its warning is
-        in each fork's :attr:`warnings`). Closing them is the caller's."""
+        in each fork's :attr:`warnings`). Closing them is the caller's; a generated
+        snapshot is removed from the store with the last of them."""
         if n < 1:
             raise _invalid(f"fork(n) needs n >= 1, not {n}")
         snap = await self.snapshot(
@@ -932,8 +952,11 @@ class Sandbox:
             workspace=workspace,
         )
         boxes = [Sandbox.restore(snap, self.policy) for _ in range(n)]
+        forget = _forget_with_the_last(str(snap), n) if name is None else None
         for box in boxes:
             box._notes = snap.warnings
+            if forget is not None:  # a generated snapshot serves these forks alone
+                box._after_close.append(forget)
         started = await asyncio.gather(*(b.start() for b in boxes), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:

@@ -511,6 +511,18 @@ class ImageStore:
         self._gc_workspaces()
         self._gc_cows()
 
+    def forget(self, ref: str) -> None:
+        """Remove the image ``ref`` (exactly) and what only it used, without the full
+        collection :meth:`remove` makes (a fork's own snapshot, when its forks are closed)."""
+        with self._locked():
+            record = self.get(ref)
+            if record is None:
+                return
+            (self.root / "refs" / f"{_key(ref)}.json").unlink(missing_ok=True)
+            self._drop_replaced(record)
+            if record.plain:  # its exported layer's root
+                self._gc()
+
     def _drop_replaced(self, old: ImageRecord | None) -> None:
         """What only ``old`` (a record just replaced under its ref) used: its workspace copy,
         its snapshot in the copy-on-write store."""
