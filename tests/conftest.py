@@ -27,11 +27,30 @@ PROMPT = r"\$ $"
 """The prompt of /bin/sh (dash) in a box's PTY session."""
 
 
+ROOTLESS_RUN = os.geteuid() != 0 and os.environ.get("CORRAL_TEST_ROOTLESS") == "1"
+"""This session is the rootless slice: tests/test_rootless.py runs the contract and attack
+suites as an unprivileged test user with ``CORRAL_TEST_ROOTLESS=1``. Their boxes are then
+rootless boxes (bwrap's rootless mode, crun and runc rootless)."""
+
+
+def rootless_skip(why: str) -> pytest.MarkDecorator:
+    """Skip in the rootless slice: ``why`` names the root-mode mechanism the test attacks
+    and what stands in for it in rootless mode (SECURITY.md, "Rootless")."""
+    return pytest.mark.skipif(ROOTLESS_RUN, reason=f"rootless: {why}")
+
+
 def _bwrap_unusable() -> str | None:
     if shutil.which("bwrap") is None:
         return "bubblewrap is not installed (apt-get install bubblewrap)"
-    if os.geteuid() != 0:
-        return "the bwrap backend needs root on the host"
+    if os.geteuid() != 0 and not ROOTLESS_RUN:
+        return (
+            "the bwrap backend needs root on the host (as a user, the contract and attack "
+            "suites run in the rootless slice: make test-rootless)"
+        )
+    if ROOTLESS_RUN:
+        from corral.backends.host import subids
+
+        return subids.userns_problem()
     return None
 
 
@@ -71,7 +90,18 @@ def backend_policy(name: str, **update: Any) -> Policy:
     return Policy(**{**BACKENDS[name], **update})
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if ROOTLESS_RUN:  # the slice: the attack suite, and the contract tests of other files
+        security = Path(__file__).parent / "security"
+        keep = [
+            i
+            for i in items
+            if i.path.is_relative_to(security) or "backend_name" in getattr(i, "fixturenames", ())
+        ]
+        if len(keep) != len(items):
+            kept = set(map(id, keep))
+            config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
+            items[:] = keep
     for item in items:
         if item.get_closest_marker("needs_bwrap") and BWRAP_SKIP:
             item.add_marker(pytest.mark.skip(reason=BWRAP_SKIP))

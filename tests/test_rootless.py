@@ -85,18 +85,17 @@ def _undelegate(root: Path) -> None:
     root.rmdir()
 
 
-@pytest.mark.parametrize(
-    ("user", "delegated"),
-    [("corral-rootless", False), ("corral-nosubid", False), ("corral-rootless", True)],
-)
-def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str, delegated: bool) -> None:
-    why = _skip_reason(user)
-    if why is not None:
-        pytest.skip(why)
+def _run_as(
+    user: str,
+    targets: list[str],
+    *,
+    env_extra: dict[str, str] | None = None,
+    cgroup: Path | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """pytest on ``targets`` (paths relative to the checkout, ``-k`` and the like) as
+    ``user``, through the checkout bound at a path the user can reach."""
     compile_agent(AGENT_DIR, find_python())  # the user cannot write the agent's .pyc
-    cgroup = _delegate(user) if delegated else None
-    if delegated and cgroup is None:
-        pytest.skip("no writable cgroup v2 hierarchy here to delegate a subtree of")
     holder = Path(tempfile.mkdtemp(prefix="corral-rootless-view-"))
     try:
         holder.chmod(0o755)
@@ -107,22 +106,38 @@ def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str, delegated:
             for k, v in os.environ.items()
             if not k.startswith(("CORRAL_", "PYTEST_", "XDG_")) and k not in ("TMPDIR", "HOME")
         }
-        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(view / "src"))
+        env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(view / "src"), **(env_extra or {}))
         script = 'mount --bind "$1" "$2" && shift 2 && exec runuser -u "$@"'  # bind, then user
         if cgroup is not None:
             env["CORRAL_CGROUP_DELEGATE"] = str(cgroup)
             script = f"echo $$ > {cgroup}/leaf/cgroup.procs && {script}"  # start in the leaf
+        args = [a if a.startswith("-") or "/" not in a else str(view / a) for a in targets]
         argv = [
             "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
             str(REPO), str(view), user, "--", _python_in(view), "-m", "pytest", "-q",
-            "-p", "no:cacheprovider", "--rootdir", str(view),
-            "--confcutdir", str(view / "tests" / "rootless"), str(view / "tests" / "rootless"),
+            "-p", "no:cacheprovider", "--rootdir", str(view), *args,
         ]  # fmt: skip
-        out = subprocess.run(
-            argv, cwd="/", env=env, capture_output=True, text=True, timeout=600, check=False
+        return subprocess.run(
+            argv, cwd="/", env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     finally:
         shutil.rmtree(holder, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("user", "delegated"),
+    [("corral-rootless", False), ("corral-nosubid", False), ("corral-rootless", True)],
+)
+def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str, delegated: bool) -> None:
+    why = _skip_reason(user)
+    if why is not None:
+        pytest.skip(why)
+    cgroup = _delegate(user) if delegated else None
+    if delegated and cgroup is None:
+        pytest.skip("no writable cgroup v2 hierarchy here to delegate a subtree of")
+    try:
+        out = _run_as(user, ["--confcutdir", "tests/rootless", "tests/rootless"], cgroup=cgroup)
+    finally:
         if cgroup is not None:
             _undelegate(cgroup)
     tail = (out.stdout + out.stderr)[-6000:]
@@ -131,3 +146,51 @@ def test_the_rootless_slice_passes_as_an_unprivileged_user(user: str, delegated:
     # Nothing skipped but the delegated-cgroup test when no subtree was delegated.
     assert " passed" in summary and ("skipped" not in summary or summary.count(" 1 skipped")), tail
     assert not (delegated and "skipped" in summary), tail
+
+
+# The attack suite and the backend contract as each test user (``CORRAL_TEST_ROOTLESS=1``:
+# tests/conftest.py then gives the contract fixtures rootless boxes and keeps only the attack
+# suite and the tests that take a backend). ``make test`` runs a subset on the default
+# rootless backend (bwrap): every attack category at least once. ``make test-rootless``
+# (``CORRAL_ROOTLESS_FULL=1``) runs both suites whole, on bwrap, runc and crun.
+SUBSET = [
+    "tests/security/test_attack_filesystem.py",
+    "tests/security/test_attack_privilege.py",
+    "tests/security/test_attack_processes.py",
+    "tests/security/test_attack_terminal.py",
+    "tests/security/test_attack_network.py",
+    "tests/security/test_attack_landlock.py",
+    "tests/security/test_attack_quotas.py",
+    "tests/security/test_exhaustion.py",
+    "tests/test_sandbox.py",
+    "tests/test_isolation.py",
+]
+FULL = ["tests"]
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_the_attack_and_contract_suites_hold_as_an_unprivileged_user(user: str) -> None:
+    why = _skip_reason(user)
+    if why is not None:
+        pytest.skip(why)
+    full = os.environ.get("CORRAL_ROOTLESS_FULL") == "1"
+    canary = Path(tempfile.mkdtemp(prefix="corral-rootless-canary-", dir="/opt"))
+    try:
+        canary.chmod(0o777)  # the user's canaries go in here: /opt is what every box sees
+        env = {
+            "CORRAL_TEST_ROOTLESS": "1",
+            "CORRAL_TEST_CANARY_PARENT": str(canary),
+            "CORRAL_TEST_BACKENDS": "bwrap,oci-runc,oci-crun" if full else "bwrap",
+        }
+        report = os.environ.get("CORRAL_ROOTLESS_REPORT")  # make security-report's rootless rows
+        if report:
+            env["CORRAL_SECURITY_REPORT"] = f"{report}.{user}.json"
+        out = _run_as(
+            user, ["-p", "no:logging", *(FULL if full else SUBSET)], env_extra=env, timeout=3000
+        )
+    finally:
+        shutil.rmtree(canary, ignore_errors=True)
+    tail = (out.stdout + out.stderr)[-8000:]
+    assert out.returncode == 0, tail
+    summary = out.stdout.splitlines()[-1]
+    assert " passed" in summary and " failed" not in summary, tail

@@ -106,7 +106,9 @@ class Canary:
 @pytest.fixture(scope="session")
 def canary() -> Iterator[Canary]:
     # /opt is part of the host system every box sees read-only (/var/tmp is the box's /tmp).
-    base = Path("/opt") / f"corral-canary-{secrets.token_hex(4)}"
+    # A rootless run's user cannot write /opt: the runner (root) made a 0777 directory there.
+    parent = Path(os.environ.get("CORRAL_TEST_CANARY_PARENT", "/opt"))
+    base = parent / f"corral-canary-{secrets.token_hex(4)}"
     base.mkdir(mode=0o755)
     content = f"canary {secrets.token_hex(8)}\n"
     file = base / "canary.txt"
