@@ -11,7 +11,7 @@ ROOTLESS_USER := corral-rootless
 NOSUBID_USER := corral-nosubid
 ROOTLESS_SUBIDS := 100000:65536
 
-.PHONY: setup rootless-users vendor demo test test-microvm test-runsc lint bench clean security-report
+.PHONY: setup rootless-users vendor demo test test-rootless test-microvm test-runsc lint bench clean security-report security-report-rootless
 
 setup: $(STAMP) rootless-users vendor
 
@@ -70,6 +70,11 @@ test: setup lint
 test-microvm: setup
 	CORRAL_TEST_BACKENDS=microvm $(VPY) -m pytest -q -k microvm tests
 
+# The attack suite and the backend contract whole, as each unprivileged test user, on bwrap,
+# runc and crun rootless (make test runs a subset: every attack category, on bwrap).
+test-rootless: setup
+	CORRAL_ROOTLESS_FULL=1 $(VPY) -m pytest -q tests/test_rootless.py -k attack_and_contract
+
 # The backend contract and attack suites on gVisor (runsc): the tests that take a box, with
 # the oci-runsc parameter only.
 test-runsc: setup
@@ -82,6 +87,15 @@ security-report: setup
 	@rm -f $(SECURITY_JSON)
 	CORRAL_STRESS=1 CORRAL_SECURITY_REPORT=$(SECURITY_JSON) $(VPY) -m pytest -q tests/security; \
 	status=$$?; $(VPY) tests/security/report.py $(SECURITY_JSON) $(REPORT_ARGS) || status=1; exit $$status
+
+# The rootless columns of SECURITY.md's attack table: make test-rootless's run, with its
+# reports (one per test user), rendered beside the root table.
+security-report-rootless: setup
+	@rm -f $(SECURITY_JSON).rootless.*
+	CORRAL_ROOTLESS_FULL=1 CORRAL_ROOTLESS_REPORT=$(SECURITY_JSON).rootless $(VPY) -m pytest -q \
+	  tests/test_rootless.py -k attack_and_contract; status=$$?; \
+	$(VPY) tests/security/report.py --rootless $(SECURITY_JSON).rootless.$(ROOTLESS_USER).json \
+	  $(SECURITY_JSON).rootless.$(NOSUBID_USER).json $(REPORT_ARGS) || status=1; exit $$status
 
 bench: setup
 	$(VPY) bench/run.py

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import PROMPT
+from conftest import PROMPT, rootless_skip
 from corral import Policy, Sandbox
 from corral.errors import SandboxError
 from corral.sessions import attach
@@ -242,6 +242,10 @@ async def test_sessions_are_served_on_a_private_socket(
 
 
 @pytest.mark.needs_bwrap
+@rootless_skip(
+    "this process cannot act as another user; a user's session sockets are in its own "
+    "private directory, and the server checks the peer's uid as in root mode"
+)
 async def test_other_users_are_refused(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
     # Somewhere another uid can reach (pytest's tmp dirs are 0700 all the way up).
     public = Path(tempfile.mkdtemp(prefix="corral-test-"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dead_pid
+from conftest import dead_pid, rootless_skip
 from corral import BackendError, FilesystemPolicy, Policy, Sandbox
 from corral.backends.host import idmap, mounts, staging
 from corral.backends.host.state import state_root
@@ -42,6 +42,10 @@ def _mnt_entries(sandbox_id: str) -> list[str]:
     return [name for name in names if name.startswith(sandbox_id)]
 
 
+@rootless_skip(
+    "no idmapped workspace rootless (mounting one needs root): commands act as the user "
+    "in it, so files of other owners are as on the host (README, Rootless)"
+)
 async def test_an_owners_workspace_is_the_box_users(box_policy: Policy, workspace: Path) -> None:
     os.chown(workspace, 4321, 4321)
     mine = workspace / "mine"
@@ -69,6 +73,10 @@ async def test_an_owners_workspace_is_the_box_users(box_policy: Policy, workspac
     assert not _mnt_entries(sandbox_id)
 
 
+@rootless_skip(
+    "no idmapped workspace rootless (mounting one needs root): commands act as the user "
+    "in it, so files of other owners are as on the host (README, Rootless)"
+)
 async def test_another_users_files_in_the_workspace_can_be_removed_as_on_the_host(
     box_policy: Policy, workspace: Path
 ) -> None:

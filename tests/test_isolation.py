@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import rootless_skip
 from corral import FilesystemPolicy, Mount, PathOutsideSandbox, Policy, PolicyError, Sandbox
 from corral.errors import FilePermissionDenied
 
@@ -205,6 +206,10 @@ async def test_a_nested_mount_is_reachable_by_commands(
         assert r.stdout == "shared755\n755\n", r.stderr
 
 
+@rootless_skip(
+    "an ordinary user cannot own a root-owned directory nor idmap a share: a rootless rw "
+    "share is the user's own directory, written as the user"
+)
 async def test_a_read_write_mount_of_a_root_owned_dir_is_the_box_users(
     box_policy: Policy, workspace: Path, tmp_path: Path
 ) -> None:

@@ -84,6 +84,7 @@ def stray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A host directory mounted rw at /stray, left out of the Landlock rules the backends
     send (the mount layer alone would let the box write it)."""
     from corral.backends.bwrap import box as bwrap_box
+    from corral.backends.bwrap import rootless as rootless_box
     from corral.backends.oci import box as oci_box
 
     host = tmp_path / "stray"
@@ -102,6 +103,7 @@ def stray(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     monkeypatch.setattr(bwrap_box, "landlock_rules", without_stray)
     monkeypatch.setattr(oci_box, "landlock_rules", without_stray)
+    monkeypatch.setattr(rootless_box, "landlock_rules", without_stray)
     return host
 
 

@@ -107,8 +107,26 @@ async def guest_cgroup(sb: Sandbox) -> dict[str, int | None]:
     }
 
 
+async def check_rootless_box(sb: Sandbox, info: dict[str, Any], name: str) -> None:
+    """Rootless without a delegated cgroup: the same numbers where an rlimit can hold them
+    (RLIMIT_AS per process for memory, RLIMIT_NPROC for the command user's processes), and
+    what none can (a CPU quota) listed as unenforced, never silently dropped."""
+    expected = EXPECTED[name]
+    memory, pids, quota = (expected[k] for k in ("memory_limit_bytes", "max_pids", "cpu_quota"))
+    rl = {**expected["rlimits"], "as": memory, **({} if pids is None else {"nproc": pids})}
+    assert info["rlimits"] == rl
+    unenforced = " ".join(info["unenforced"])
+    assert "memory_bytes" in unenforced and ("cpu_quota" in unenforced) is (quota is not None)
+    code = "from resource import *; print(getrlimit(RLIMIT_AS)[1], getrlimit(RLIMIT_NPROC)[1])"
+    r = await sb.run(["python3", "-c", code], timeout=60)
+    assert r.stdout.split() == [str(memory), str(-1 if pids is None else pids)], r
+
+
 async def check_box(sb: Sandbox, name: str, own_pids: int) -> None:
     info = await sb.info()
+    if (info.get("rootless") or {}).get("limits") == "rlimits":
+        await check_rootless_box(sb, info, name)
+        return
     expected = EXPECTED[name]
     assert {k: info[k] for k in expected} == expected
     assert not [w for w in info["unenforced"] if w.startswith("limits.")], info["unenforced"]
@@ -157,7 +175,10 @@ async def test_the_default_limits_agree(box_policy: Policy, workspace: Path) -> 
     async with Sandbox(box_policy, workspace=workspace) as sb:
         info = await sb.info()
     assert (info["memory_limit_bytes"], info["cpu_quota"], info["max_pids"]) == (1 << 30, None, 256)
-    assert info["rlimits"] == {"core": 0, "nofile": DEFAULT_NOFILE}
+    rlimits: dict[str, int] = {"core": 0, "nofile": DEFAULT_NOFILE}
+    if (info.get("rootless") or {}).get("limits") == "rlimits":  # no cgroup: per process
+        rlimits |= {"as": 1 << 30, "nproc": 256}
+    assert info["rlimits"] == rlimits
 
 
 async def test_a_limit_that_skipped_validation_is_refused_naming_it(

@@ -9,18 +9,21 @@ namespace."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from corral.backends.base import AGENT_DIR
 from corral.backends.host.python import compile_agent, find_python
+from corral.backends.users import BOX_UID
 
 REPO = Path(__file__).resolve().parents[1]
 USERS = ("corral-rootless", "corral-nosubid")
@@ -91,6 +94,7 @@ def _run_as(
     *,
     env_extra: dict[str, str] | None = None,
     cgroup: Path | None = None,
+    cwd: str = "/",
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
     """pytest on ``targets`` (paths relative to the checkout, ``-k`` and the like) as
@@ -118,7 +122,7 @@ def _run_as(
             "-p", "no:cacheprovider", "--rootdir", str(view), *args,
         ]  # fmt: skip
         return subprocess.run(
-            argv, cwd="/", env=env, capture_output=True, text=True, timeout=timeout, check=False
+            argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     finally:
         shutil.rmtree(holder, ignore_errors=True)
@@ -168,28 +172,70 @@ SUBSET = [
 FULL = ["tests"]
 
 
+@contextlib.contextmanager
+def _root_made(user: str) -> Iterator[dict[str, str]]:
+    """What the slice's user cannot make and its tests need, made here as root; the
+    variables that tell the tests where (tests/security/conftest.py, tests/test_host_view.py):
+
+    - a 0777 directory in /opt (the system view every box sees) for the canaries;
+    - ``root-only`` (root's, 0600), ``user-only`` (host uid 1000's, 0600) and
+      ``home/id_key`` (0644 in uid 1000's 0700 directory): other users' private files;
+    - a directory with a readable file in each place host data lives (/srv, /mnt, ...);
+    - a working directory the user may write (hypothesis keeps its database there)."""
+    made: list[Path] = []
+    try:
+        canary = Path(tempfile.mkdtemp(prefix="corral-rootless-canary-", dir="/opt"))
+        made.append(canary)
+        canary.chmod(0o777)
+        files = canary / "root-made"
+        files.mkdir(mode=0o755)
+        for name, owner in (("root-only", 0), ("user-only", BOX_UID)):
+            (files / name).write_text(f"SECRET-{name}\n")
+            (files / name).chmod(0o600)
+            os.chown(files / name, owner, owner)
+        (files / "home").mkdir(mode=0o700)
+        (files / "home" / "id_key").write_text("SECRET-key\n")
+        for path in (files / "home", files / "home" / "id_key"):
+            os.chown(path, BOX_UID, BOX_UID)
+        data = []
+        for top in ("/srv", "/mnt", "/media", "/home", "/root", "/var/lib", "/"):
+            if Path(top).is_dir():
+                where = Path(tempfile.mkdtemp(prefix="corral-view-", dir=top))
+                made.append(where)
+                where.chmod(0o755)
+                (where / "secret.txt").write_text("host data\n")
+                (where / "secret.txt").chmod(0o644)
+                data.append(str(where))
+        cwd = Path(tempfile.mkdtemp(prefix="corral-rootless-cwd-"))
+        made.append(cwd)
+        uid = pwd.getpwnam(user).pw_uid
+        os.chown(cwd, uid, -1)
+        yield {
+            "CORRAL_TEST_CANARY_PARENT": str(canary),
+            "CORRAL_TEST_ROOT_FILES": str(files),
+            "CORRAL_TEST_HOST_DATA": ":".join(data),
+            "cwd": str(cwd),
+        }
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("user", USERS)
 def test_the_attack_and_contract_suites_hold_as_an_unprivileged_user(user: str) -> None:
     why = _skip_reason(user)
     if why is not None:
         pytest.skip(why)
     full = os.environ.get("CORRAL_ROOTLESS_FULL") == "1"
-    canary = Path(tempfile.mkdtemp(prefix="corral-rootless-canary-", dir="/opt"))
-    try:
-        canary.chmod(0o777)  # the user's canaries go in here: /opt is what every box sees
-        env = {
-            "CORRAL_TEST_ROOTLESS": "1",
-            "CORRAL_TEST_CANARY_PARENT": str(canary),
-            "CORRAL_TEST_BACKENDS": "bwrap,oci-runc,oci-crun" if full else "bwrap",
-        }
-        report = os.environ.get("CORRAL_ROOTLESS_REPORT")  # make security-report's rootless rows
+    with _root_made(user) as env:
+        cwd = env.pop("cwd")
+        env["CORRAL_TEST_ROOTLESS"] = "1"
+        env["CORRAL_TEST_BACKENDS"] = "bwrap,oci-runc,oci-crun" if full else "bwrap"
+        report = os.environ.get("CORRAL_ROOTLESS_REPORT")  # the SECURITY.md rootless columns
         if report:
             env["CORRAL_SECURITY_REPORT"] = f"{report}.{user}.json"
-        out = _run_as(
-            user, ["-p", "no:logging", *(FULL if full else SUBSET)], env_extra=env, timeout=3000
-        )
-    finally:
-        shutil.rmtree(canary, ignore_errors=True)
+        targets = ["-p", "no:logging", "-rfEs", *(FULL if full else SUBSET)]
+        out = _run_as(user, targets, env_extra=env, cwd=cwd, timeout=3000)
     tail = (out.stdout + out.stderr)[-8000:]
     assert out.returncode == 0, tail
     summary = out.stdout.splitlines()[-1]

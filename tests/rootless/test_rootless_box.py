@@ -244,6 +244,16 @@ def test_corral_doctor_explains_rootless_mode(mapped: bool) -> None:
         assert "usermod --add-subuids" in checks["rootless ids"]["fix"]
     assert "RLIMIT_NPROC" in checks["rootless limits"]["detail"]
     assert checks["sandbox"]["ok"], checks["sandbox"]
+    # Every difference from root mode has its line, and no root-only check reads as broken.
+    differences = checks["rootless differences"]["detail"]
+    for what in ("no warm pool", "not idmapped", "kernel quotas", "PTY pool", "workspace_size"):
+        assert what in differences, (what, differences)
+    assert "bwrap's pid 1" in differences
+    for name in ("idmapped mounts", "cgroups"):
+        assert checks[name]["ok"] and checks[name]["detail"].startswith("rootless: "), name
+    assert "rootless too" in checks["landlock"]["detail"]
+    assert "pasta runs as you" in checks["network full"]["detail"]
+    assert checks["microvm: jail"]["detail"].startswith("rootless: qemu runs as you")
     for runtime in ("crun", "runc"):  # the oci backend runs rootless too, and says how
         assert checks[runtime]["ok"], checks[runtime]
         assert "rootless: " in checks[runtime]["detail"]
@@ -379,3 +389,22 @@ async def test_the_box_has_its_own_capped_pty_pool(box: Sandbox) -> None:
         assert (await sh.expect("42", 10)).matched
     finally:
         await sh.close()
+
+
+async def test_bwraps_pid_1_shares_the_commands_id_and_nothing_more(box: Sandbox) -> None:
+    """With subordinate ids bwrap (run by the user) is box uid 1000 in the box, as commands
+    are: what SECURITY.md's rootless table says a command can and cannot do to it."""
+    code = (
+        "import os, errno\n"
+        "def err(f):\n"
+        "    try: f(); return None\n"
+        "    except OSError as e: return errno.errorcode[e.errno]\n"
+        "print(open('/proc/1/comm').read().strip(), bool(os.listdir('/proc/1/fd')),"
+        " err(lambda: os.open('/proc/1/fd/0', os.O_RDONLY)),"
+        " err(lambda: open('/proc/1/environ', 'rb').read()),"
+        " err(lambda: os.open('/proc/1/mem', os.O_RDONLY)),"
+        " err(lambda: os.kill(1, 15)), err(lambda: os.kill(1, 10)))"
+    )
+    r = await box.run(["python3", "-c", code])
+    assert r.stdout.split() == ["bwrap", "True", "EACCES", "EACCES", "EACCES", "EPERM", "EPERM"]
+    assert (await box.run("echo alive")).stdout == "alive\n"

@@ -54,14 +54,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when != "call" and not (report.when == "setup" and report.outcome != "passed"):
         return
     if report.when == "call" or report.skipped or report.failed:
-        _ROWS.append(
-            {
-                "nodeid": report.nodeid,
-                "outcome": "xfailed" if hasattr(report, "wasxfail") else report.outcome,
-                "duration": round(report.duration, 3),
-                **dict(report.user_properties),
-            }
-        )
+        row = {
+            "nodeid": report.nodeid,
+            "outcome": "xfailed" if hasattr(report, "wasxfail") else report.outcome,
+            "duration": round(report.duration, 3),
+            **dict(report.user_properties),
+        }
+        if report.skipped and isinstance(report.longrepr, tuple):
+            row["reason"] = str(report.longrepr[2]).removeprefix("Skipped: ")
+        _ROWS.append(row)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -101,6 +102,14 @@ class Canary:
         st = self.file.stat() if self.file.exists() else None
         snapshot = (st.st_mode, st.st_mtime_ns, st.st_size, st.st_uid) if st else None
         return (entries, snapshot, read_host(str(self.file)))
+
+
+def root_made_files() -> Path | None:
+    """In the rootless slice, host files its user cannot make (tests/test_rootless.py makes
+    them as root): ``root-only`` (root's, 0600), ``user-only`` (uid 1000's, 0600) and
+    ``home/id_key`` (0644 in uid 1000's 0700 directory). None outside that slice."""
+    made = os.environ.get("CORRAL_TEST_ROOT_FILES")
+    return Path(made) if made else None
 
 
 @pytest.fixture(scope="session")

@@ -163,3 +163,11 @@ def read_host(path: str) -> str | None:
 
 def to_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
+
+
+async def rlimits_only(sb: Sandbox) -> bool:
+    """A rootless box without a delegated cgroup: memory and pids are per-process rlimits
+    (RLIMIT_AS, RLIMIT_NPROC), which refuse the allocation or the fork instead of an OOM kill
+    or a pids.max event the host would report."""
+    rootless = (await sb.info()).get("rootless")
+    return isinstance(rootless, dict) and rootless.get("limits") == "rlimits"

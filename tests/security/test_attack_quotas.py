@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOTLESS_RUN, rootless_skip
 from corral import BackendError, Policy, PolicyError, Sandbox
 from corral.backends.host import devpts
 from corral.backends.host.state import state_root
@@ -32,6 +33,15 @@ from security.helpers import box_py, gvisor
 pytestmark = [pytest.mark.attack("processes"), pytest.mark.needs_bwrap]
 
 libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _per_user(what: str) -> str:
+    """Why a per-box kernel pool test does not apply rootless."""
+    return (
+        "rootless boxes get no host uids of their own (per-box owner and command uids need "
+        f"root): {what} are counted against the user, shared by the user's boxes, not per "
+        "box; other users and root keep theirs (SECURITY.md, Rootless, kernel pools)"
+    )
 
 
 @pytest.fixture
@@ -92,6 +102,7 @@ sys.stdin.read()
 INOTIFY_ONE = "import ctypes; print(ctypes.CDLL(None).inotify_init1(0) >= 0)"
 
 
+@rootless_skip(_per_user("inotify instances"))
 async def test_inotify_instances_of_one_box_leave_the_others_theirs(
     sandbox: Sandbox, other_box: Sandbox
 ) -> None:
@@ -138,6 +149,7 @@ WATCH_ONE = (
 )
 
 
+@rootless_skip(_per_user("inotify watches"))
 async def test_inotify_watches_of_one_box_leave_the_others_theirs(
     sandbox: Sandbox, other_box: Sandbox
 ) -> None:
@@ -216,6 +228,7 @@ sys.stdin.read()
 PIPE_SIZE = "import fcntl, os; print(fcntl.fcntl(os.pipe()[1], 1032))"
 
 
+@rootless_skip(_per_user("pipe buffer pages"))
 async def test_pipe_buffers_of_one_box_leave_the_others_theirs(
     sandbox: Sandbox, other_box: Sandbox
 ) -> None:
@@ -273,6 +286,10 @@ def test_every_running_box_at_its_pty_cap_fits_in_the_kernels_pool() -> None:
         devpts.refuse_beyond_pool(fit)
 
 
+@rootless_skip(
+    "a rootless box takes no owner slot, so no start is refused for the kernel's PTY pool; "
+    "each box's devpts is still capped at 64 (the two tests beside this one run)"
+)
 async def test_a_start_the_pty_pool_cannot_hold_is_refused(
     box_policy: Policy, workspace: Path, other_box: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -342,6 +359,11 @@ async def test_a_capped_temporary_workspace_stops_a_filler(box_policy: Policy) -
     size, so filling it ends with ENOSPC there, not on the host's disk; it is gone at close."""
     fs = {"workspace_size": "4M", "workspace_inodes": 200, "tmp_size": "64M"}
     policy = Policy.from_dict({**box_policy.model_dump(exclude_unset=True), "filesystem": fs})
+    if ROOTLESS_RUN:  # the capped tmpfs is host root's mount: refused, naming the fields
+        with pytest.raises(BackendError, match=r"filesystem\.workspace_size/workspace_inodes"):
+            async with Sandbox(policy):
+                pass
+        return
     async with Sandbox(policy) as sb:
         ws = sb.workspace
         assert ws is not None
@@ -422,6 +444,7 @@ SIGQUEUE_ONE = (
 )
 
 
+@rootless_skip(_per_user("queued signals"))
 async def test_queued_signals_of_one_box_leave_the_others_theirs(
     sandbox: Sandbox, other_box: Sandbox
 ) -> None:

@@ -17,6 +17,7 @@ from corral.audit import AuditLog, read_records
 from corral.cli import main
 from corral.tools import Rule, Toolbox
 from corral.tools.approvals import ApprovalRequest
+from security.helpers import rlimits_only
 
 pytestmark = [pytest.mark.needs_bwrap]
 
@@ -65,6 +66,12 @@ async def test_violations_are_recorded(box_policy: Policy, workspace: Path, tmp_
         # SIGSYS at itself reads the same to the host.
         sys_kill = await sb.run(["python3", "-c", "import os; os.kill(os.getpid(), 31)"])
         bomb = await sb.run("b(){ b | b & }; b; while :; do :; done", timeout=1)
+        by_rlimits = await rlimits_only(sb)
+    if by_rlimits:  # rootless: RLIMIT_AS and RLIMIT_NPROC refuse; only seccomp kills
+        assert "MemoryError" in oom.stderr and "Cannot fork" in bomb.stderr
+        assert sys_kill.exit_code == -31
+        assert "seccomp" in {v["type"] for v in of_kind(log, "violation")}
+        return
     assert oom.oom_killed and bomb.pids_limited and sys_kill.exit_code == -31
     kinds = {v["type"] for v in of_kind(log, "violation")}
     assert {"oom", "pids_limit", "seccomp"} <= kinds

@@ -488,6 +488,8 @@ class BackendBase:
     least every :data:`SWEEP_EVERY` seconds."""
 
     name: str = ""
+    owner_name: str = ""
+    """The backend its boxes' ``owner.json`` names (the sweep's key), when not :attr:`name`."""
 
     def sweep_key(self) -> str:
         """What one sweep covers (a backend sweeping per runtime says which)."""
@@ -503,7 +505,7 @@ class BackendBase:
         key = (self.sweep_key(), str(state_root()))
         last = _last_sweep.get(key)
         if last is not None and time.monotonic() - last < SWEEP_EVERY:
-            if not _dead_owner_seen(self.name):
+            if not _dead_owner_seen(self.owner_name or self.name):
                 return
             last = None  # due now: someone's box was orphaned since
         await blocking(self._sweep_if_due, key, last)

@@ -116,9 +116,13 @@ def check_rootless() -> list[Check]:
         Check(
             "rootless differences",
             False,
-            "no warm pool (its staging mounts are root's); workspaces are not idmapped "
-            "(commands act as you in them); your boxes "
-            "share your kernel quotas (inotify, message queues); network full runs pasta as you",
+            "no warm pool (its staging mounts are root's: every claim starts a box); "
+            "workspaces and shares are not idmapped (commands act as you in them); no host "
+            "uids of a box's own, so your boxes share your kernel quotas (inotify, message "
+            "queues, queued signals, pipe pages) and take no PTY pool slot (each is still "
+            "capped at 64 PTYs); capped temporary workspaces (filesystem.workspace_size) and "
+            "images on bwrap are refused; bwrap's pid 1 in the box has the commands' id (they "
+            "can list its descriptor numbers, not open them); network full runs pasta as you",
             "run corral as root for these",
             required=False,
         )
@@ -144,6 +148,14 @@ def check_userns() -> Check:
 def check_cgroups() -> Check:
     from corral.backends.host import cgroups
 
+    if os.geteuid() != 0:
+        return Check(
+            "cgroups",
+            True,
+            "rootless: the host's cgroups are root's, not used; the 'rootless limits' check "
+            "says what holds a box's limits (a delegated subtree, or rlimits)",
+            required=False,
+        )
     support = cgroups.detect()
     if support.version == "none":
         return Check(
@@ -182,10 +194,12 @@ def check_landlock() -> Check:
             "boot with lsm=...,landlock",
             required=False,
         )
+    rootless = "; rootless too (the agent applies it, no privilege needed)"
     return Check(
         "landlock",
         True,
-        f"ABI {abi}: boxes enforce their view twice (security.landlock)",
+        f"ABI {abi}: boxes enforce their view twice (security.landlock)"
+        + (rootless if os.geteuid() != 0 else ""),
         required=False,
     )
 
@@ -315,7 +329,13 @@ def check_network_modes() -> list[Check]:
 def check_idmap() -> Check:
     """Idmapped workspaces: commands an unprivileged host uid even for a root-owned one."""
     if os.geteuid() != 0:
-        return Check("idmapped mounts", False, "not checked: needs root", required=False)
+        return Check(
+            "idmapped mounts",
+            True,
+            "rootless: not used (mounting them needs root): commands run as you (with "
+            "subordinate ids) or as box root = you (one id), so what they write is yours",
+            required=False,
+        )
     from corral.backends.host import idmap
     from corral.backends.users import COMMAND_UID_BASE
 

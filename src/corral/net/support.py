@@ -72,7 +72,11 @@ def mode_support() -> list[ModeSupport]:
             )
         )
     else:
-        modes.append(
-            ModeSupport("full", True, "pasta NAT, private ranges fenced by nftables in the box")
-        )
+        detail = "pasta NAT, private ranges fenced by nftables in the box"
+        if os.geteuid() != 0:
+            detail += (
+                "; rootless: pasta runs as you, the fence is loaded through the box's user "
+                "namespace (yours) before the agent starts (backend bwrap; oci refuses full)"
+            )
+        modes.append(ModeSupport("full", True, detail))
     return modes

@@ -39,6 +39,7 @@ import json
 import os
 import posixpath
 import shutil
+import signal
 import stat
 import subprocess
 import threading
@@ -135,15 +136,60 @@ def rootless_argv(argv: list[str], mapped: bool) -> list[str]:
 class RootlessBwrapBox(BwrapBox):
     backend = "bwrap-rootless"
     rootless: dict[str, str]
+    init_fd = -1
+    """A pidfd of the box's pid 1 (bwrap's child): without a cgroup to empty, the box ends
+    when its pid 1 does, and :meth:`_teardown` waits for that."""
 
     def _facts(self) -> dict[str, Any]:
         """``info()["rootless"]``: how commands are separated from the agent, and what
         enforces the limits (the warnings say what that leaves unenforced)."""
         return {**super()._facts(), "rootless": dict(self.rootless)}
 
+    def _kill_init(self) -> None:
+        """SIGKILL the box's pid 1 (the kernel then kills every process of its pid
+        namespace), besides bwrap, whose death reaches pid 1 only through its parent-death
+        signal, later."""
+        if self.init_fd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.init_fd, signal.SIGKILL)
+
+    def stop(self) -> None:
+        self._kill_init()
+        super().stop()
+
+    async def _teardown(self) -> None:
+        self._kill_init()
+        try:
+            await super()._teardown()
+            if self.init_fd >= 0:  # gone once its namespace is: nothing of the box runs on
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5):
+                        await _readable(self.init_fd)
+        finally:
+            if self.init_fd >= 0:
+                os.close(self.init_fd)
+                self.init_fd = -1
+
+
+async def _readable(fd: int) -> None:
+    """Until pidfd ``fd`` is readable: its process has exited."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+
 
 class RootlessBwrapBackend(BackendBase):
     name = "bwrap-rootless"
+    owner_name = "bwrap"  # its boxes' owner.json (bwrap's sweep removes what they leave)
 
     _found: ClassVar[RootlessBwrapBackend | None] = None
     _finding: ClassVar[threading.Lock] = threading.Lock()
@@ -217,6 +263,7 @@ class RootlessBwrapBackend(BackendBase):
         )
         proc: _Bwrap | None = None
         writable: list[list[str]] = []  # the command mounting a writable image root, if any
+        init_fd = -1
         try:
             argv = await blocking(
                 self._prepare_box, spec, limits, held, fds, sec_w, guest_end.fileno(), writable
@@ -234,6 +281,7 @@ class RootlessBwrapBackend(BackendBase):
             fd, info_r = info_r, -1
             info = await _read_info(fd, proc)
             child = int(info["child-pid"])
+            init_fd = os.pidfd_open(child)  # bwrap waits for its maps: the pid is its child's
             write_owner(spec.state_dir, "bwrap", bwrap_pid=proc.pid)
             await self._map_ids(child, proc)
             await self._box_mounts(child, proc, writable)
@@ -247,6 +295,8 @@ class RootlessBwrapBackend(BackendBase):
                 await BwrapBackend._add_to_cgroup(held.cgroup, child, proc)
                 os.write(setup_w, b"1")
         except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(init_fd)  # -1 (EBADF) when the start failed before it was opened
             if proc is not None:
                 proc.kill()
                 await proc.wait()
@@ -267,6 +317,7 @@ class RootlessBwrapBackend(BackendBase):
         box = RootlessBwrapBox(
             spec, proc, host_end, held.cgroup, tuple(held.warnings), limits, pins=(child, held.pins)
         )
+        box.init_fd, init_fd = init_fd, -1
         box.rootless = {
             "ids": "subordinate" if self.probe.mapped else "single",
             "limits": "rlimits" if held.cgroup is None else "delegated cgroup v2",

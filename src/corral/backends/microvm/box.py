@@ -1176,6 +1176,10 @@ def host_report() -> list[tuple[str, bool, str, str]]:
     detail = (
         f"qemu runs as an unprivileged uid in namespaces of its own (bwrap: {bwrap}), on a "
         "root of its own, under its -sandbox seccomp filter and a cgroup"
+        if bwrap and os.geteuid() == 0
+        else f"rootless: qemu runs as you in namespaces of its own (bwrap: {bwrap}), on a root "
+        "of its own, under its -sandbox seccomp filter; no host cgroup (the box's limits hold "
+        "in the guest, qemu's memory is bounded by the VM's RAM)"
         if bwrap
         else "bubblewrap is not installed: qemu cannot be jailed, the backend is unavailable"
     )
