@@ -23,8 +23,9 @@ from corral import Policy, Sandbox
 from corral.backends import unavailable_reason
 from corral.sessions.pty import PtySession
 
-PROMPT = r"\$ $"
-"""The prompt of /bin/sh (dash) in a box's PTY session."""
+PROMPT = r"[$#] $"
+"""The prompt of /bin/sh (dash) in a box's PTY session (``#`` where commands are box root:
+rootless with one id)."""
 
 
 ROOTLESS_RUN = os.geteuid() != 0 and os.environ.get("CORRAL_TEST_ROOTLESS") == "1"
@@ -37,6 +38,29 @@ def rootless_skip(why: str) -> pytest.MarkDecorator:
     """Skip in the rootless slice: ``why`` names the root-mode mechanism the test attacks
     and what stands in for it in rootless mode (SECURITY.md, "Rootless")."""
     return pytest.mark.skipif(ROOTLESS_RUN, reason=f"rootless: {why}")
+
+
+def _one_id() -> bool:
+    if not ROOTLESS_RUN:
+        return False
+    from corral.backends.host import subids
+
+    return not subids.probe().mapped
+
+
+ONE_ID = _one_id()
+"""The rootless slice's user has no subordinate ids: commands run as box root, the guest
+agent's id (with no capability at all), so they can signal the agent, ending their own box,
+and list its descriptor numbers (SECURITY.md, Rootless: "one id")."""
+
+
+def one_id_skip(what: str) -> pytest.MarkDecorator:
+    """Skip where commands would need an id other than the agent's: ``what`` they then can."""
+    return pytest.mark.skipif(
+        ONE_ID,
+        reason=f"rootless, one id: commands are box root, the agent's id (no capabilities): "
+        f"{what} (with subordinate ids this holds; SECURITY.md, Rootless)",
+    )
 
 
 def _bwrap_unusable() -> str | None:

@@ -133,10 +133,15 @@ def write_between_markers(path: Path, lines: list[str], begin: str = BEGIN, end:
 
 
 def _counts(report: dict[str, Any]) -> dict[tuple[str, str], dict[str, int]]:
+    """Outcomes per (category, backend), each test once (its last report: a rerun's)."""
+    last = {row["nodeid"]: row for row in report["tests"]}
     counts: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for row in report["tests"]:
+    for row in last.values():
         if row.get("kind") in ("attack", "exhaustion", "fault"):
-            counts[(row["category"], row.get("backend", "-"))][row["outcome"]] += 1
+            backend = row.get("backend", "-")
+            if backend == "-" and "test_attack_microvm" in row["nodeid"]:
+                backend = "microvm (one VM)"
+            counts[(row["category"], backend)][row["outcome"]] += 1
     return counts
 
 

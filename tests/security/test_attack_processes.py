@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import one_id_skip
 from corral import Policy, Sandbox
 from security.helpers import box_py, gvisor, host_pids_mentioning
 
@@ -50,6 +51,10 @@ async def test_host_processes_are_invisible(
     assert proc.poll() is None
 
 
+@one_id_skip(
+    "kill -1 reaches the agent too and ends their own box; the host stays out of reach "
+    "(test_host_processes_are_invisible)"
+)
 async def test_kill_everything_reachable(
     sandbox: Sandbox, host_process: tuple[subprocess.Popen[bytes], str]
 ) -> None:
@@ -63,6 +68,7 @@ async def test_kill_everything_reachable(
     assert (await sandbox.run("echo alive")).stdout == "alive\n"
 
 
+@one_id_skip("they can signal the agent, which ends their own box")
 async def test_signal_the_guest_agent(sandbox: Sandbox) -> None:
     code = "import signal\nres = [err(os.kill, agent_pid(), s) for s in (9, 15, 19)]"
     assert await box_py(sandbox, code) == ["EPERM"] * 3
