@@ -54,6 +54,10 @@ agent's id (with no capability at all), so they can signal the agent, ending the
 and list its descriptor numbers (SECURITY.md, Rootless: "one id")."""
 
 
+COMMAND_UID = "0" if ONE_ID else "1000"
+"""The commands' uid inside a box (box root in the rootless slice with one id)."""
+
+
 def one_id_skip(what: str) -> pytest.MarkDecorator:
     """Skip where commands would need an id other than the agent's: ``what`` they then can."""
     return pytest.mark.skipif(

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from conftest import COMMAND_UID
 from corral import FileNotFound, FileTooLarge, Policy, Sandbox
 from corral.backends.host import hostfiles
 from corral.errors import (
@@ -105,7 +106,7 @@ async def test_tmp_is_private_and_usable(sandbox: Sandbox) -> None:
 async def test_files_written_by_the_tool_are_the_command_users(sandbox: Sandbox) -> None:
     await sandbox.files.write("mine.txt", "x")
     r = await sandbox.run("stat -c %u mine.txt && echo more >> mine.txt && cat mine.txt")
-    assert r.stdout.split() == ["1000", "xmore"]
+    assert r.stdout.split() == [COMMAND_UID, "xmore"]
 
 
 async def test_removing_the_workspace_root_is_refused(sandbox: Sandbox) -> None:
@@ -168,7 +169,7 @@ async def test_large_files_move_through_the_host_byte_exact(
     big = size > HOST_IO_OVER
     assert (spy.writes, spy.reads) == ((2, 3) if big else (0, 1))  # the doubled file: host
     r = await sandbox.run("stat -c '%u %a %s' d/f.bin")
-    assert r.stdout.split() == ["1000", "644", str(2 * size)]
+    assert r.stdout.split() == [COMMAND_UID, "644", str(2 * size)]
 
 
 async def test_large_files_in_the_boxs_tmp_go_through_the_agent(

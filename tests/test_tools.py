@@ -317,7 +317,7 @@ async def test_shell_batch_runs_send_expect_steps(sandbox: Sandbox) -> None:
         {"type": "send", "input": "echo one\n"},
         # Typed before the first prompt, the line is echoed first and "$ " lands before "one".
         # Waiting for the next prompt too keeps "echo two" from racing a prompt the same way.
-        {"type": "expect", "pattern": r"^(\$ )?one\r?\n\$ ", "timeout_secs": 5},
+        {"type": "expect", "pattern": r"^([$#] )?one\r?\n[$#] ", "timeout_secs": 5},  # # as root
         {"type": "send", "input": "echo two\n"},
         {
             "type": "expect_cases",
