@@ -603,18 +603,28 @@ def _run_detached(
     # A runtime started without a terminal hands its stdio to the box's process: the
     # channel is the agent's fd 0, and stderr.log gets the runtime's errors, then the
     # agent's own stderr (diagnose()).
-    stderr = os.open(spec.state_dir / "stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    # Read back through the same descriptor: rootless crun hands the file to box root (a
+    # subordinate id), after which the user could no longer open it by path.
+    stderr = os.open(spec.state_dir / "stderr.log", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         code = runtime.run_sync(*args, spec.sandbox_id, stdin=channel_fd, stderr=stderr).returncode
+        if code != 0:
+            os.lseek(stderr, 0, os.SEEK_SET)
+            detail = _read_all(stderr).decode(errors="replace").strip()
+            raise BackendError(f"`{runtime.name} {step}` failed to start the box: {detail[-4000:]}")
     except subprocess.TimeoutExpired:
         raise BackendError(
             f"`{runtime.name} {step}` did not finish within {RUNTIME_TIMEOUT:g} s"
         ) from None
     finally:
         os.close(stderr)
-    if code != 0:
-        detail = (spec.state_dir / "stderr.log").read_text(errors="replace").strip()
-        raise BackendError(f"`{runtime.name} {step}` failed to start the box: {detail[-4000:]}")
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _read_pid(path: Path) -> int:
