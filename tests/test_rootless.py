@@ -161,44 +161,24 @@ SUBSET = [
     *(
         f"tests/security/test_{name}.py"
         for name in (
-            "attack_filesystem",
-            "attack_host_paths",
-            "attack_landlock",
-            "attack_privilege",
-            "attack_processes",
-            "attack_terminal",
-            "attack_network",
-            "attack_protocol",
-            "exhaustion",
-            "faults",
+            "attack_filesystem", "attack_host_paths", "attack_privilege", "attack_processes",
+            "attack_terminal", "attack_network", "attack_protocol", "exhaustion", "faults",
         )
     ),
     "tests/test_sandbox.py",
     "-k",
     " or ".join(
         (
-            "read_a_root_only_host_file",
-            "write_kernel_core_pattern",
-            "mask_path_swapped",
-            "stray_mount_open_write_create",
-            "commands_hold_none_of_the_agents_ids",
-            "read_the_agents_fds",
-            "signal_the_guest_agent",
-            "double_fork_daemon",
-            "tiocsti_injection",
-            "host_unix_sockets_in_private_dirs",
-            "another_local_user",
-            "oversize_and_zero_lengths",
-            "fork_bomb",
-            "memory_bomb",
-            "sigkill_the_host_process",
-            "info_reports_the_box",
+            "read_a_root_only_host_file", "mask_path_swapped", "read_the_agents_fds",
+            "double_fork_daemon", "tiocsti_through_dev_tty",
+            "host_unix_sockets_in_private_dirs", "oversize_and_zero_lengths", "fork_bomb",
+            "sigkill_the_host_process", "info_reports_the_box",
         )
     ),
-]
-"""``make test``'s share: one or two attacks of every category (filesystem, privilege,
-processes, terminal, network, protocol, exhaustion, faults) and a contract test, on bwrap,
-about 25 tests per user (the whole run: ``make test-rootless``)."""
+]  # fmt: skip
+"""``make test``'s share: an attack or two of every category (filesystem, privilege,
+processes, terminal, network, protocol, exhaustion, faults) and a contract test, on bwrap
+(the whole run: ``make test-rootless``)."""
 FULL = ["tests"]
 
 
@@ -260,6 +240,10 @@ def test_the_attack_and_contract_suites_hold_as_an_unprivileged_user(user: str) 
     with _root_made(user) as env:
         cwd = env.pop("cwd")
         env["CORRAL_TEST_ROOTLESS"] = "1"
+        # The slice judges isolation; the event-loop watch judges the same library code in
+        # the root run. Two users' boxes on top of the root run's load go over 20 ms at
+        # random, so the watch here only catches real blocking.
+        env["CORRAL_SLOW_CALLBACK_MS"] = "100"
         env["CORRAL_TEST_BACKENDS"] = "bwrap,oci-runc,oci-crun" if full else "bwrap"
         report = os.environ.get("CORRAL_ROOTLESS_REPORT")  # the SECURITY.md rootless columns
         if report:
