@@ -342,9 +342,9 @@ def test_an_image_staging_entry_is_host_roots_until_its_mount_is_made(
     any host path. Every mount onto it must find it root's, 0700; the box gets it after."""
     if os.geteuid() != 0:
         pytest.skip(
-            "rootless: no host-root mount onto a staging entry exists; a rootless bwrap box "
-            "takes no image (refused, naming the way out) and rootless OCI images are "
-            "unpacked and mounted by the user (tests/rootless/test_rootless_images.py)"
+            "rootless: no host-root mount onto a staging entry exists; a rootless box's image "
+            "is the user's own store, mounted by box root inside the box's own namespaces "
+            "(tests/rootless/test_rootless_images.py)"
         )
     from corral.backends.host import mounts, overlay, staging
     from corral.backends.users import HOST_UID_BASE, ID_RANGE, OWNER_UID_BASE

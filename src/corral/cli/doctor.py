@@ -120,8 +120,8 @@ def check_rootless() -> list[Check]:
             "workspaces and shares are not idmapped (commands act as you in them); no host "
             "uids of a box's own, so your boxes share your kernel quotas (inotify, message "
             "queues, queued signals, pipe pages) and take no PTY pool slot (each is still "
-            "capped at 64 PTYs); capped temporary workspaces (filesystem.workspace_size) and "
-            "images on bwrap are refused; bwrap's pid 1 in the box has the commands' id (they "
+            "capped at 64 PTYs); capped temporary workspaces (filesystem.workspace_size) are "
+            "refused; bwrap's pid 1 in the box has the commands' id (they "
             "can list its descriptor numbers, not open them); network full runs pasta as you",
             "run corral as root for these",
             required=False,
