@@ -410,7 +410,7 @@ class Sandbox:
                 raise errors.BackendError(await self._not_ready(exc, box)) from None
             box.check_layout()  # mounts made by path are what the host meant
             if not self._workspace_prepared:  # masked objects still where they were masked
-                maskfollow.recheck(self.policy, self.workspace)
+                await blocking(maskfollow.recheck, self.policy, self.workspace)
             if self._network is not None:
                 await self._network.ready()
             if self._workspace_prepared:
