@@ -236,3 +236,27 @@ def test_records_never_lie_where_the_box_writes(
     (workspace / "secrets").rename(workspace / "s2")
     moved, _ = maskfollow.locate(policy, workspace)
     assert moved == {"secrets/key": (Place(0, "s2/key", False),)}
+
+
+async def test_the_default_credential_masks_follow_with_workspace_home(
+    box_policy: Policy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workspace = ``$HOME`` with corral's default masks: ``~/.config/gcloud`` after box 1
+    renamed ``.config``, and ``~/.ssh`` (a mount point right below the workspace: the box
+    cannot rename it), stay unreadable in box 2."""
+    home = tmp_path / "home"
+    (home / ".config" / "gcloud").mkdir(parents=True)
+    (home / ".config" / "gcloud" / "token").write_text(f"{SECRET} gcloud\n")
+    (home / ".ssh").mkdir()
+    (home / ".ssh" / "id_ed25519").write_text(f"{SECRET} ssh\n")
+    monkeypatch.setenv("HOME", str(home))
+
+    async def run(script: str) -> str:
+        async with Sandbox(box_policy, workspace=home, allow_dangerous_workspace=True) as sb:
+            r = await sb.run(["sh", "-c", script])
+        return r.stdout + r.stderr
+
+    out = await run("mv .config c2; mv .ssh s2; mkdir -p a/b && mv c2 a/b/; echo ok")
+    assert "ok" in out and SECRET not in out, out
+    out = await run("cat a/b/c2/gcloud/token s2/id_ed25519 .ssh/id_ed25519 .config/gcloud/token")
+    assert SECRET not in out, out
