@@ -260,3 +260,20 @@ async def test_the_default_credential_masks_follow_with_workspace_home(
     assert "ok" in out and SECRET not in out, out
     out = await run("cat a/b/c2/gcloud/token s2/id_ed25519 .ssh/id_ed25519 .config/gcloud/token")
     assert SECRET not in out, out
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root searches a mode 000 directory anyway")
+def test_a_directory_the_walk_cannot_search_refuses_the_start(workspace: Path) -> None:
+    """Rootless, the box's commands are the user: a box could move the key into a mode 000
+    directory, which the user's own walk cannot read. Refused, never taken as gone."""
+    _plant(workspace)
+    policy = Policy.from_dict({"filesystem": {"deny_read": ["secrets/key"]}})
+    maskfollow.locate(policy, workspace)
+    (workspace / "hide").mkdir()
+    (workspace / "secrets").rename(workspace / "hide" / "s2")
+    (workspace / "hide").chmod(0)
+    try:
+        with pytest.raises(PolicyError, match="cannot search 'hide'"):
+            maskfollow.locate(policy, workspace)
+    finally:
+        (workspace / "hide").chmod(0o755)

@@ -177,8 +177,16 @@ def _walk(area: str, wanted: set[Ident], budget: _Budget, why: str) -> dict[Iden
                                     | os.O_CLOEXEC,
                                     dir_fd=fd,
                                 )
-                            except OSError:
-                                continue  # gone, or swapped for a link meanwhile
+                            except OSError as exc:
+                                if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                                    continue  # gone, or swapped for a link meanwhile
+                                raise errors.PolicyError(
+                                    f"{why}: a masked object is no longer at its path in "
+                                    f"{area} and corral cannot search {path!a} "
+                                    f"({exc.strerror}: a box may hide it there); the box was "
+                                    "not started rather than start without the mask. Make it "
+                                    "searchable, or move the object back to its path"
+                                ) from None
                             ident = _ident(os.fstat(child))
                             if ident in wanted:
                                 _refuse_unmountable(path, area, why)
