@@ -48,6 +48,8 @@ def _plant(workspace: Path) -> None:
         (workspace / rel).write_text(f"{SECRET} {rel}\n")
     (workspace / "conf").mkdir()
     (workspace / "conf" / "settings").write_text("trusted\n")
+    (workspace / "repo" / "hooks").mkdir(parents=True)
+    (workspace / "repo" / "hooks" / "pre-commit").write_text("trusted\n")
 
 
 async def test_masks_follow_objects_a_box_renamed_moved_or_linked(
@@ -60,12 +62,13 @@ async def test_masks_follow_objects_a_box_renamed_moved_or_linked(
     masked = _with(
         box_policy,
         deny_read=("secrets/key", "deep/creds", str(workspace / ".config" / "gcloud"), "hl/key2"),
-        deny_write=("conf/settings",),
+        deny_write=("conf/settings", "repo"),
     )
     out = await _run(
         box_policy,
         workspace,
-        "ln hl/key2 leak && ln deep/creds/id leak2 && ln conf/settings alias && echo ok",
+        "ln hl/key2 leak && ln deep/creds/id leak2 && ln conf/settings alias"
+        " && ln repo/hooks/pre-commit hook && echo ok",
     )
     assert "ok" in out, out
     out = await _run(
@@ -77,11 +80,14 @@ async def test_masks_follow_objects_a_box_renamed_moved_or_linked(
     assert "moved" in out and SECRET not in out, out
     probe = "cat s2/key x/y/deep/creds/id cfg/gcloud/token leak leak2; ls x/y/deep/creds"
     out = await _run(
-        masked, workspace, f"{probe}; echo evil >> c2/settings; echo evil >> alias; mv s2 s3"
+        masked,
+        workspace,
+        f"{probe}; echo evil >> c2/settings; echo evil >> alias; echo evil >> hook; mv s2 s3",
     )
     assert SECRET not in out, out
     assert "id" not in out.split(), out
     assert (workspace / "c2" / "settings").read_text() == "trusted\n"
+    assert (workspace / "repo" / "hooks" / "pre-commit").read_text() == "trusted\n"
     out = await _run(masked, workspace, "cat s3/key leak; echo evil >> c2/settings")
     assert SECRET not in out, out
     assert (workspace / "c2" / "settings").read_text() == "trusted\n"

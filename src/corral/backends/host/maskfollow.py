@@ -232,40 +232,56 @@ def _refuse_unmountable(place: str, area: str, why: str) -> None:
         ) from None
 
 
-def _inner_links(area: str, rel: str, budget: _Budget, why: str) -> list[_Object]:
-    """Files below the masked directory ``rel`` with more than one link: another link of
-    one may be elsewhere in the area, readable."""
+WRITE_SCAN = 4096
+"""Entries of a ``deny_write`` directory scanned per start for files with other links (a
+``.git`` can hold far more: beyond, its links are not searched, and a warning says so)."""
+
+
+def _inner_links(
+    area: str, rel: str, budget: _Budget, why: str, cap: int | None = None
+) -> tuple[list[_Object], bool]:
+    """Files below the masked directory ``rel`` with more than one link (another link of
+    one may be elsewhere in the area, readable or writable), and whether all were seen
+    (``cap``: stop after that many entries instead of spending ``budget``)."""
     try:
         top = safepath.open_beneath(area, rel, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
     except OSError:
-        return []
+        return [], True
     out: list[_Object] = []
     stack = [(top, rel, 0)]
-    while stack:
-        fd, path, depth = stack.pop()
-        try:
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    budget.spend(area, why)
-                    if entry.is_dir(follow_symlinks=False) and depth < MAX_DEPTH:
-                        try:
-                            child = os.open(
-                                entry.name,
-                                os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK,
-                                dir_fd=fd,
-                            )
-                        except OSError:
-                            continue
-                        stack.append((child, f"{path}/{entry.name}", depth + 1))
-                    elif entry.is_file(follow_symlinks=False):
-                        st = entry.stat(follow_symlinks=False)
-                        if st.st_nlink > 1:
-                            out.append(
-                                _Object(_ident(st), False, [f"{path}/{entry.name}"], st.st_nlink)
-                            )
-        finally:
+    seen = 0
+    try:
+        while stack:
+            fd, path, depth = stack.pop()
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        seen += 1
+                        if cap is None:
+                            budget.spend(area, why)
+                        elif seen > cap:
+                            return out, False
+                        if entry.is_dir(follow_symlinks=False) and depth < MAX_DEPTH:
+                            try:
+                                child = os.open(
+                                    entry.name,
+                                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK,
+                                    dir_fd=fd,
+                                )
+                            except OSError:
+                                continue
+                            stack.append((child, f"{path}/{entry.name}", depth + 1))
+                        elif entry.is_file(follow_symlinks=False):
+                            st = entry.stat(follow_symlinks=False)
+                            if st.st_nlink > 1:
+                                place = f"{path}/{entry.name}"
+                                out.append(_Object(_ident(st), False, [place], st.st_nlink))
+            finally:
+                os.close(fd)
+    finally:
+        for fd, _, _ in stack:
             os.close(fd)
-    return out
+    return out, True
 
 
 class _Records:
@@ -491,7 +507,8 @@ def _follow_area(
     hidden = [
         p + "/" for _, read, _, rel in mine if read for o in new[rel] if o.is_dir for p in o.places
     ]
-    for raw, _, _, rel in mine:
+    for raw, read, _, rel in mine:
+        covered = tuple(hidden) if read else (*hidden, rel + "/")  # already read-only there
         kept = [obj for obj in new[rel] if obj.places]
         for obj in new[rel]:
             if not obj.places:
@@ -500,7 +517,7 @@ def _follow_area(
                     "nothing of it is left there to mask"
                 )
             for place in obj.places:
-                if place != rel and not place.startswith(tuple(hidden)):
+                if place != rel and not place.startswith(covered):
                     moved[raw] = (*moved.get(raw, ()), Place(n, place, obj.is_dir))
         new[rel] = kept
     keep = {k: v for k, v in old.items() if k not in new}  # other policies' entries
@@ -538,10 +555,17 @@ def _objects(
         objects.append(obj)
         if not obj.is_dir and obj.nlink > 1:
             wanted.setdefault(obj.ident, []).append(obj)
-        if obj.is_dir and read:
-            for inner in _inner_links(area, rel, budget, why):
-                objects.append(inner)
-                wanted.setdefault(inner.ident, []).append(inner)
+        if obj.is_dir:
+            inner, complete = _inner_links(area, rel, budget, why, None if read else WRITE_SCAN)
+            if not complete:
+                log.warning(
+                    "%s: more than %d entries; its files' other hard links are not searched",
+                    why,
+                    WRITE_SCAN,
+                )
+            for found in inner:
+                objects.append(found)
+                wanted.setdefault(found.ident, []).append(found)
     for before in prior:
         same = next((o for o in objects if o.ident == before.ident), None)
         if same is not None:
