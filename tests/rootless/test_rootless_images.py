@@ -75,13 +75,15 @@ def test_an_ordinary_user_unpacks_read_only_directories_and_removes_them(
     assert os.listdir(store.root / "roots") == []
 
 
+@pytest.mark.parametrize("backend", [{}, {"backend": "oci", "runtime": "crun"}])
 async def test_a_box_runs_on_an_image_with_a_writable_root(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: dict[str, str]
 ) -> None:
-    """bwrap-rootless on an image without Python from the user's own store: the overlay
-    mounted in the box's own user namespace (a tmpfs of root_size above the image), the
-    agent run by the host's interpreter; what the box changes is gone with it, the image in
-    the store unchanged; a read-only root; box root refused naming the field."""
+    """Rootless bwrap and rootless crun on an image without Python from the user's own
+    store: the overlay mounted in the box's (or the runtime's) own user namespace, a tmpfs
+    of root_size above the image, the agent run by the host's interpreter; what the box
+    changes is gone with it, the image in the store unchanged; a read-only root; box root
+    refused naming the field."""
     import shutil
 
     from corral import BackendUnavailable, Policy, Sandbox
@@ -102,7 +104,9 @@ async def test_a_box_runs_on_an_image_with_a_writable_root(
         for path in sorted(root.rglob("*")):
             tar.add(path, arcname=str(path.relative_to(root)), recursive=False)
     _layout(tmp_path / "img", [buf.getvalue()])
-    policy = Policy(image=str(tmp_path / "img"), filesystem={"root_size": "2M"})
+    if backend and shutil.which(backend["runtime"]) is None:
+        pytest.skip(f"{backend['runtime']} is not installed")
+    policy = Policy(image=str(tmp_path / "img"), filesystem={"root_size": "2M"}, **backend)
     async with Sandbox(policy) as sb:
         r = await sb.run(
             "cat /etc/hello; command -v python3 || echo no-python; echo changed > /etc/hello "
@@ -119,10 +123,10 @@ async def test_a_box_runs_on_an_image_with_a_writable_root(
     stored = store.rootfs(record)
     assert (stored / "etc" / "hello").read_text() == "from the image\n"
     assert (stored / "bin" / "dd").is_symlink()
-    read_only = Policy(image=str(tmp_path / "img"), filesystem={"root_size": None})
+    read_only = Policy(image=str(tmp_path / "img"), filesystem={"root_size": None}, **backend)
     async with Sandbox(read_only) as sb:
         r = await sb.run("cat /etc/hello; (echo x > /etc/hello) 2>&1", cwd="/")
         assert r.stdout.startswith("from the image\n") and "Read-only" in r.stdout, r
     with pytest.raises(BackendUnavailable, match=r"policy\.user"):
-        async with Sandbox(Policy(image=str(tmp_path / "img"), user="root")):
+        async with Sandbox(Policy(image=str(tmp_path / "img"), user="root", **backend)):
             pass

@@ -281,7 +281,9 @@ _USERNS_SCRIPT = (
 )
 
 
-def userns_root_argv(sh: str, lower: Path, upper_fs: Path, merged: Path, size: int) -> list[str]:
+def userns_root_argv(
+    sh: str, lower: Path, upper_fs: Path, merged: Path, size: int, *, then_exec: bool = False
+) -> list[str]:
     """The command that, run as box root inside the box's user and mount namespaces (nsenter,
     before bwrap builds the box's mounts), mounts a writable root: a tmpfs of ``size`` bytes
     at ``upper_fs`` holding the upper and work directories (the upper taking the image root's
@@ -292,10 +294,13 @@ def userns_root_argv(sh: str, lower: Path, upper_fs: Path, merged: Path, size: i
     for path in (lower, upper_fs, merged):
         if {",", ":", "\n"} & set(str(path)):
             raise ValueError(f"{path}: overlayfs cannot take a path holding ',' or ':'")
+    # ``then_exec``: the rest of the command line runs next (a rootless OCI runtime, in the
+    # namespace the overlay was mounted in)
+    script = _USERNS_SCRIPT + (' && shift 6 && exec "$@"' if then_exec else "")
     return [
         sh,
         "-c",
-        _USERNS_SCRIPT,
+        script,
         "corral-root",
         str(size),
         str(root_inodes(size)),

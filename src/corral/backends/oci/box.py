@@ -207,12 +207,15 @@ class Runtime:
         """runsc: gVisor's kernel runs the box (no user namespace, flags of its own)."""
         return self.name == "runsc"
 
-    def argv(self, *args: str) -> list[str]:
+    def argv(self, *args: str, before: list[str] | None = None) -> list[str]:
+        """The runtime's command line; ``before`` (rootless): a command run first in the
+        runtime's own namespace, which execs the runtime (a writable image root's mounts)."""
         if self.rootless is None:
             return [self.path, "--root", str(self.root), *args]
         # crun would try (and fail) to make a cgroup; runc's rootless mode skips it itself
         flags = ["--cgroup-manager=disabled"] if self.name == "crun" else []
-        return [*self.rootless.outer, self.path, "--root", str(self.root), *flags, *args]
+        runtime = [self.path, "--root", str(self.root), *flags, *args]
+        return [*self.rootless.outer, *(before or ()), *runtime]
 
     def run_flags(self, netns: str | None, relays: bool) -> list[str]:
         """Global flags (before the subcommand) of the call that starts a box.
@@ -234,12 +237,13 @@ class Runtime:
         timeout: float = RUNTIME_TIMEOUT,
         stdin: int = subprocess.DEVNULL,
         stderr: int = subprocess.PIPE,
+        before: list[str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """One runtime command to its end (killed after ``timeout``). Blocking: the event
         loop calls it in a thread (:func:`blocking`)."""
         call = functools.partial(
             subprocess.run,
-            self.argv(*args),
+            self.argv(*args, before=before),
             stdin=stdin,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
@@ -468,6 +472,14 @@ class _Image:
     root: overlay.ImageRoot
     hidden: HiddenPython
     layer: RootLayer | None = None
+    lower: Path | None = None
+    """The image's own root, where corral looks for its links (the root itself, unless the
+    overlay lives in a namespace the host does not see: rootless)."""
+    writable: bool = False
+    """The root is a writable overlay (``root_size``)."""
+    mount_argv: list[str] | None = None
+    """Rootless: the command that mounts the writable root in the runtime's own namespace
+    before it runs (:func:`corral.backends.host.overlay.userns_root_argv`)."""
 
 
 def _other_ids(spec: BoxSpec, owner: ucounts.BoxOwner | None) -> int:
@@ -482,11 +494,11 @@ def _image_checked(spec: BoxSpec, image: _Image, bundle: oci_config.OciBundle) -
     made through it. Returns the writable root's layer with the mount points the runtime
     makes in the overlay (not changes of the box)."""
     dests = oci_config.root_destinations(bundle.config["mounts"])
-    root = image.root.root
-    if image.layer is None:  # the bundle's root holds the image's top-level links
+    root = image.lower or image.root.root
+    if not image.writable:  # the bundle's root holds the image's top-level links
         links = {link.dest for link in bundle.symlinks}
         link = next((d for d in dests if any(d == t or d.startswith(t + "/") for t in links)), None)
-    else:
+    else:  # the overlay starts as the image: look in the image (or the overlay) itself
         link = overlay.link_in_the_way(root, dests)
     if link is not None:
         raise ImageError(
@@ -588,14 +600,24 @@ async def _delete(runtime: Runtime, box_id: str) -> str:
 
 
 async def _runtime_step(
-    runtime: Runtime, spec: BoxSpec, channel_fd: int, bundle: Path, flags: list[str]
+    runtime: Runtime,
+    spec: BoxSpec,
+    channel_fd: int,
+    bundle: Path,
+    flags: list[str],
+    before: list[str] | None = None,
 ) -> None:
     """``run --detach`` one box, raising the runtime's error."""
-    await blocking(_run_detached, runtime, spec, channel_fd, bundle, flags)
+    await blocking(_run_detached, runtime, spec, channel_fd, bundle, flags, before)
 
 
 def _run_detached(
-    runtime: Runtime, spec: BoxSpec, channel_fd: int, bundle: Path, flags: list[str]
+    runtime: Runtime,
+    spec: BoxSpec,
+    channel_fd: int,
+    bundle: Path,
+    flags: list[str],
+    before: list[str] | None = None,
 ) -> None:
     step = "run"
     pid_file = str(spec.state_dir / "init.pid")
@@ -607,7 +629,9 @@ def _run_detached(
     # subordinate id), after which the user could no longer open it by path.
     stderr = os.open(spec.state_dir / "stderr.log", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        code = runtime.run_sync(*args, spec.sandbox_id, stdin=channel_fd, stderr=stderr).returncode
+        code = runtime.run_sync(
+            *args, spec.sandbox_id, stdin=channel_fd, stderr=stderr, before=before
+        ).returncode
         if code != 0:
             os.lseek(stderr, 0, os.SEEK_SET)
             detail = _read_all(stderr).decode(errors="replace").strip()
@@ -719,7 +743,8 @@ class OciBackend(BackendBase):
                 spec.network.forwarders() or spec.network.publishers
             )
             flags = runtime.run_flags(netns, relays)
-            await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags)
+            before = image[0].mount_argv if image else None
+            await _runtime_step(runtime, spec, guest_end.fileno(), bundle, flags, before)
             if pins:  # before the agent hears of anything to run (openat2 walks: off the loop)
                 init_pid = _read_pid(spec.state_dir / "init.pid")
                 await blocking(_check_pins, init_pid, pins)
@@ -759,12 +784,42 @@ class OciBackend(BackendBase):
                 "(its file server cannot reach the box's overlay root); use runtime 'runc' or "
                 "'crun', or the bwrap backend"
             )
-        if runtime.rootless is not None:
+        if runtime.rootless is not None and (spec.policy.user == "root" or spec.user == "root"):
             raise BackendUnavailable(
-                f"{what}: the oci backend runs boxes on an image or as box root only as root "
-                "on the host (the image's root is mounted idmapped by the host); run corral as "
-                "root, or use the bwrap backend"
+                "policy.user 'root': the oci backend rootless runs commands as the box user "
+                "only (box root is the guest agent's id there); box root runs on the bwrap and "
+                "oci (runc, crun) backends as root"
             )
+
+    def _rootless_image(self, spec: BoxSpec) -> _Image | None:
+        """The root of ``policy.image`` for a rootless runtime: the user's own store; a
+        writable root is an overlay mounted in the runtime's own user and mount namespace
+        just before it runs (the box's namespace is made from that one, and keeps the mount
+        when the runtime is gone: nothing to release on the host), at a directory of the
+        box's state dir; a read-only one the image's entries bound as they are. Blocking."""
+        policy = spec.policy
+        from corral.images import resolve_image
+
+        resolved = resolve_image(policy.image)
+        lower = resolved.rootfs
+        if lower is None:
+            return None
+        if not lower.is_dir():
+            raise BackendError(f"policy.image {policy.image!r}: {lower} is not a directory")
+        hidden = hidden_python(self.python)
+        size = policy.filesystem.root_size
+        if size is None:
+            return _Image(overlay.ImageRoot(lower, None), hidden, lower=lower)
+        merged, upper = spec.state_dir / "root", spec.state_dir / "root-upper"
+        merged.mkdir(mode=0o700)
+        upper.mkdir(mode=0o700)
+        sh = shutil.which("sh", path=SYSTEM_PATH) or "/bin/sh"
+        try:
+            argv = overlay.userns_root_argv(sh, lower, upper, merged, size, then_exec=True)
+        except ValueError as exc:
+            raise BackendUnavailable(f"policy.image {policy.image!r}: {exc}") from None
+        root = overlay.ImageRoot(merged, None)
+        return _Image(root, hidden, lower=lower, writable=True, mount_argv=argv)
 
     def _mount_image(
         self, spec: BoxSpec, shared: idmap.SharedPaths, owner: ucounts.BoxOwner
@@ -804,7 +859,7 @@ class OciBackend(BackendBase):
         layer = None
         if root.upper is not None:
             layer = RootLayer(root.upper, tuple(uids), subvolume=root.subvolume)
-        return _Image(root, hidden, layer)
+        return _Image(root, hidden, layer, writable=layer is not None)
 
     def _refuse_or_plan(self, spec: BoxSpec) -> LimitPlan:
         """What this runtime cannot run (PolicyError or BackendUnavailable, with the way
@@ -897,6 +952,10 @@ class OciBackend(BackendBase):
         if runtime.rootless is not None:  # commands are the user: the workspace as it is
             shared = idmap.SharedPaths(spec.workspace, uid=os.getuid(), gid=os.getgid())
             held.append(shared)
+            if image is not None and spec.policy.image != "host":
+                mounted = self._rootless_image(spec)
+                if mounted is not None:
+                    image.append(mounted)
             return shared
         user = COMMAND_HOST_ID
         owner = None
@@ -987,7 +1046,7 @@ class OciBackend(BackendBase):
             [g for _, g in net.binds()] if net else (),
             deferred=spec.workspace_prepared,
             image_top=None if image_root is None else overlay.image_dirs(image_root),
-            image_writable=image is not None and image.layer is not None,
+            image_writable=image is not None and image.writable,
         )
         if net is not None:
             config["forwarders"] = net.forwarders()
@@ -1014,7 +1073,7 @@ class OciBackend(BackendBase):
             compat_library=str(compat) if compat else None,
             rootless=rootless.box_ranges if rootless is not None else None,
             image_root=image_root,
-            image_writable=image is not None and image.layer is not None,
+            image_writable=image is not None and image.writable,
             hidden=None if image is None else image.hidden,
             root_commands=root_commands,
             others=own_block(userns[1]) if root_commands else HOST_UID_BASE,
