@@ -248,7 +248,7 @@ def test_the_attack_and_contract_suites_hold_as_an_unprivileged_user(user: str) 
         report = os.environ.get("CORRAL_ROOTLESS_REPORT")  # the SECURITY.md rootless columns
         if report:
             env["CORRAL_SECURITY_REPORT"] = f"{report}.{user}.json"
-        targets = ["-p", "no:logging", "-rfEs", *(FULL if full else SUBSET)]
+        targets = ["-rfEs", *(FULL if full else SUBSET)]
         out = _run_as(user, targets, env_extra=env, cwd=cwd, timeout=3000)
     tail = (out.stdout + out.stderr)[-8000:]
     assert out.returncode == 0, tail
