@@ -221,7 +221,7 @@ def _where(frame: Any) -> str:
         code = frame.f_code
         frames.append(f"{Path(code.co_filename).name}:{frame.f_lineno} {code.co_name}")
         frame = frame.f_back
-    ours = [f for f in frames if not f.startswith(("base_events.py", "events.py"))]
+    ours = [f for f in frames if not f.startswith(("base_events.py", "events.py", "<frozen"))]
     return " < ".join(ours[:4])
 
 

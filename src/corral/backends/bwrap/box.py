@@ -56,6 +56,7 @@ from corral.backends.bwrap import args as bwrap_args
 from corral.backends.host import (
     cgroups,
     devpts,
+    dropids,
     idmap,
     maskfollow,
     overlay,
@@ -282,25 +283,6 @@ class _Held:
             self.owner.release()
 
 
-def _id_dropper() -> Callable[[int], tuple[str, ...]] | None:
-    """The command that runs the rest of a command line as ``uid:uid`` with no supplementary
-    groups: util-linux ``unshare --setgid --setuid`` (no namespace flags: setgroups(0),
-    setgid, setuid, exec; numeric ids, so no NSS lookup: ~1 ms less than setpriv, whose
-    ``--reuid`` looks the id up as a user name first), else ``setpriv``, else None."""
-    unshare = shutil.which("unshare", path=SYSTEM_PATH)
-    if unshare is not None:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            usage = subprocess.run(
-                [unshare, "--help"], capture_output=True, text=True, timeout=5, check=False
-            ).stdout
-            if "--setuid" in usage and "--setgid" in usage:
-                return lambda uid: (unshare, f"--setgid={uid}", f"--setuid={uid}", "--")
-    setpriv = shutil.which("setpriv", path=SYSTEM_PATH)
-    if setpriv is not None:
-        return lambda uid: (setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--")
-    return None
-
-
 def _setup_box_ids(spec: BoxSpec, child: int, uid: int, gid: int, root: int, others: int) -> None:
     """Write the box's id maps (box root -> ``root``, the namespace's owner).
 
@@ -453,7 +435,7 @@ class BwrapBackend(BackendBase):
         # bwrap starts as the unprivileged uid box root maps to (the box's own namespace
         # owner). A small program switches to it in the exec'd process, so Python can vfork:
         # forking this (large) process to call setuid in the child costs 3-6 ms of a start.
-        self.drop_ids = _id_dropper()
+        self.drop_ids = dropids.as_uid
         self.devpts = devpts.mount_point()
 
     def sweep_orphans(self) -> list[str]:
@@ -804,10 +786,9 @@ class BwrapBackend(BackendBase):
         namespace owner), so neither bwrap's own init nor the agent is host root, even for
         a moment."""
         drop: dict[str, Any] = {}
-        as_box_root: tuple[str, ...] = ()
-        if self.drop_ids is not None:
-            as_box_root = self.drop_ids(uid)
-        else:  # Python switches users in a forked child: slower, the same
+        as_box_root = self.drop_ids(uid)
+        if as_box_root is None:  # Python switches users in a forked child: slower, the same
+            as_box_root = ()
             drop = {"user": uid, "group": uid, "extra_groups": []}
         return subprocess.Popen(
             [*as_box_root, *argv],

@@ -39,7 +39,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from corral.backends.host import dropids
 from corral.backends.layout import SYSTEM_PATH
 from corral.backends.users import (
     COMMAND_UID_BASE,
@@ -241,12 +243,12 @@ def _kill_all_of(uid: int) -> None:
     python = shutil.which("python3", path=SYSTEM_PATH)
     if python is None:
         return
+    drop = dropids.as_uid(uid)  # exec'd, so this large process is vforked, not forked
+    ids: dict[str, Any] = {} if drop else {"user": uid, "group": uid, "extra_groups": []}
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(
-            [python, "-I", "-S", "-c", "import os; os.kill(-1, 9)"],
-            user=uid,
-            group=uid,
-            extra_groups=[],
+            [*(drop or ()), python, "-I", "-S", "-c", "import os; os.kill(-1, 9)"],
+            **ids,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
