@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import functools
 import gc
+import linecache
 import logging
 import os
 import shutil
@@ -281,6 +282,10 @@ class _SlowCallbacks(logging.Handler):
             )
 
 
+def _no_checkcache(filename: str | None = None) -> None:
+    """linecache.checkcache while the loop watch runs: nothing to re-check."""
+
+
 PERIOD_MS = round(_Sampler.PERIOD * 1000)
 
 DEFAULT_THREADS = 8
@@ -305,6 +310,13 @@ async def loop_watch(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[None]:
     # collection of it (over 50 ms late in a 2,000-test session) would land in some step of
     # this test. Frozen, collections here scan only what this test makes.
     gc.freeze()
+    # Debug mode records where every future was made: Python 3.11's C futures call
+    # traceback.extract_stack() on the whole stack (pytest's is ~80 frames), each frame's
+    # source file stat'ed and its line looked up. A step that made ~200 futures spent 20-100
+    # ms in that bookkeeping, the harness's cost, not the code's under test. asyncio's own
+    # records keep 10 frames (constants.DEBUG_STACK_DEPTH); so do these, without the stat.
+    monkeypatch.setattr(sys, "tracebacklimit", 10, raising=False)
+    monkeypatch.setattr(linecache, "checkcache", _no_checkcache)
     handler = _SlowCallbacks(SLOW_CALLBACK_SECS)
     monkeypatch.setattr(asyncio.Handle, "_run", handler.track(asyncio.Handle._run))
     logger = logging.getLogger("asyncio")
