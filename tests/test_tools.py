@@ -10,11 +10,22 @@ from typing import Any
 import pytest
 
 from corral import Policy, Sandbox
-from corral.tools import Rule, SecretStore, Toolbox, tool_schemas
+from corral.tools import Rule, SecretStore, Toolbox, catalog, tool_schemas
 from corral.tools.approvals import ApprovalRequest
 from corral.tools.catalog import TOOLS
 
 pytestmark = pytest.mark.needs_bwrap
+
+
+@pytest.fixture(autouse=True)
+def _schemas_built() -> None:
+    """The tools' schemas built before each test's event loop runs (once per process; off
+    the loop). A process's first Toolbox builds them in a thread, and that thread's share of
+    the GIL slows the loop's steps past the watch's 20 ms for its ~15 ms of pydantic work:
+    a one-time cost the first test of the file used to pay, whichever it was. The warm-up
+    itself is tested below (test_a_toolbox_builds_nothing_slow_on_the_event_loop)."""
+    catalog.warm_schemas()
+
 
 TF_SCRIPT = """\
 echo 'Plan: 1 to add, 0 to change, 0 to destroy.'
