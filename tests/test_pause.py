@@ -50,6 +50,25 @@ async def test_pause_stops_the_box_and_resume_goes_on(workspace: Path) -> None:
         await proc.kill()
 
 
+async def test_pause_holds_while_processes_fork_and_exec(workspace: Path) -> None:
+    """Freezing a box whose processes fork and exec all the time: cgroup v1 leaves a group
+    in FREEZING while a task sits in a fork or exec it cannot be stopped in, and tries it
+    again only when FROZEN is written again (the pause re-writes it while it waits). Ten
+    pauses in a row, each must stop everything, each resume must let it go on."""
+    async with Sandbox(workspace=workspace) as sb:
+        churn = [await sb.spawn(f"while :; do /bin/true; sh -c : ; done # {i}") for i in range(4)]
+        proc = await sb.spawn(LOOP)
+        for _ in range(10):
+            await _advancing(workspace)
+            await sb.pause()
+            held = _count(workspace)
+            await asyncio.sleep(0.05)  # nothing may happen in it: there is no event to wait for
+            assert _count(workspace) == held
+            await sb.resume()
+        for p in (*churn, proc):
+            await p.kill()
+
+
 async def test_a_paused_box_closes_and_leaves_nothing(workspace: Path) -> None:
     sb = Sandbox(workspace=workspace)
     await sb.start()

@@ -32,7 +32,7 @@ from corral.backends.host.state import orphaned_boxes, pid_alive, state_root
 from corral.backends.host.threads import blocking
 from corral.backends.limits import agent_rlimits
 from corral.backends.users import BOX_UID, COMMAND_HOST_ID, GUEST_HOME
-from corral.errors import BackendUnavailable
+from corral.errors import BackendError, BackendUnavailable
 from corral.net import sweep as sweep_network
 from corral.policy import Policy
 
@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from corral.backends.limits import LimitPlan
     from corral.net import BoxNetwork
 
+
+PAUSE_DEADLINE_S = 5.0
+"""How long ``freeze(True)`` waits for every process of a box to stop (cgroup v1 freezes
+asynchronously: a process in uninterruptible sleep holds the group in FREEZING)."""
 
 AGENT_DIR = Path(__file__).resolve().parent.parent / "agent"
 """Host directory holding the guest agent (stdlib-only Python files)."""
@@ -319,15 +323,9 @@ class BoxBase:
             owner.release()  # the box's processes are gone: another box may own its uid
 
 
-class Releasable(Protocol):
-    """What a box holds on the host until it is gone: its shared paths' idmapped mounts
-    (``host.idmap.SharedPaths``), its namespace owner uid (``host.ucounts.BoxOwner``)."""
-
-    def release(self) -> None: ...
-
-
-class CgroupAccounting:
-    """``stats()``, ``oom_kills()`` and ``pids_limit_hits()`` of a box from its cgroup."""
+class CgroupBox(BoxBase):
+    """A box with a cgroup of its own (bwrap, OCI): ``stats()``, ``oom_kills()`` and
+    ``pids_limit_hits()`` read from it, and ``freeze()`` through its freezer."""
 
     _cgroup: Cgroup | None
     _own_pids: int = 0
@@ -353,6 +351,28 @@ class CgroupAccounting:
             pids_limit_hits=s.pids_limit_hits,
             cpu_seconds=cpu,
         )
+
+    async def freeze(self, frozen: bool) -> None:
+        """The box's cgroup frozen or thawed (v1 freezer, v2 ``cgroup.freeze``)."""
+        if self._cgroup is None:
+            await super().freeze(frozen)  # BackendUnavailable: no cgroup of its own
+            return
+        if not await self._cgroup.freeze_async(frozen, deadline=PAUSE_DEADLINE_S):
+            if frozen:  # half-frozen is no state to leave a box in
+                await self._cgroup.freeze_async(False)
+            raise BackendError(
+                f"the box's processes could not be {'frozen' if frozen else 'thawed'} (its "
+                "cgroup has no freezer here, or a process did not stop within "
+                f"{PAUSE_DEADLINE_S:.0f} s: one in uninterruptible I/O, for example); the box "
+                "runs on as before"
+            )
+
+
+class Releasable(Protocol):
+    """What a box holds on the host until it is gone: its shared paths' idmapped mounts
+    (``host.idmap.SharedPaths``), its namespace owner uid (``host.ucounts.BoxOwner``)."""
+
+    def release(self) -> None: ...
 
 
 class Box(Protocol):

@@ -43,9 +43,8 @@ from typing import Any, ClassVar
 from corral.backends.base import (
     AGENT_DIR,
     BackendBase,
-    BoxBase,
     BoxSpec,
-    CgroupAccounting,
+    CgroupBox,
     RootLayer,
     agent_config,
     channel_pair,
@@ -319,7 +318,7 @@ def _other_ids(spec: BoxSpec, owner: int) -> int:
     return own_block(owner) if spec.user == "root" else HOST_UID_BASE
 
 
-class BwrapBox(CgroupAccounting, BoxBase):
+class BwrapBox(CgroupBox):
     backend = "bwrap"
 
     def __init__(
@@ -354,19 +353,6 @@ class BwrapBox(CgroupAccounting, BoxBase):
         pid, pins = self._pins
         if pins:
             safepath.check_pins(pid, pins)
-
-    async def freeze(self, frozen: bool) -> None:
-        """The box's cgroup frozen or thawed (v1 freezer, v2 cgroup.freeze)."""
-        if self._cgroup is None:
-            await super().freeze(frozen)  # BackendUnavailable: no cgroup of its own
-            return
-        if not await self._cgroup.freeze_async(frozen):
-            if frozen:  # half-frozen is no state to leave a box in
-                await self._cgroup.freeze_async(False)
-            raise BackendError(
-                f"the box's processes could not be {'frozen' if frozen else 'thawed'} (its "
-                "cgroup has no freezer here, or a process did not stop within a second)"
-            )
 
     async def diagnose(self) -> str:
         """What bwrap said, when the box died before its agent was ready."""

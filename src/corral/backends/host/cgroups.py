@@ -722,13 +722,13 @@ class Cgroup:
         for pause in self._kill_steps(wait):
             await asyncio.sleep(pause)
 
-    async def freeze_async(self, frozen: bool) -> bool:
+    async def freeze_async(self, frozen: bool, *, deadline: float = _FREEZE_DEADLINE_S) -> bool:
         """Freeze (or thaw) every process of the group: frozen ones do not run until thawed,
-        and new ones cannot start. False when the host has no freezer for it (or the freeze
-        did not settle)."""
-        steps = self._freeze(frozen)
+        and new ones cannot start. False when the host has no freezer for it, or the freeze
+        did not settle within ``deadline`` seconds."""
+        steps = self._freeze(frozen, deadline)
         try:
-            for _ in range(1 << 16):  # the steps end within _FREEZE_DEADLINE_S
+            for _ in range(1 << 20):  # the steps end within the deadline
                 await asyncio.sleep(next(steps))
         except StopIteration as done:
             return bool(done.value)
@@ -776,8 +776,11 @@ class Cgroup:
                 raise BackendError(f"processes {self.pids()} in {self!r} survived cgroup.kill")
             yield next(pauses)
 
-    def _freeze(self, frozen: bool) -> Generator[float, None, bool]:
-        """Freeze/thaw the group; False if there is no way to (no freezer)."""
+    def _freeze(
+        self, frozen: bool, deadline_s: float = _FREEZE_DEADLINE_S
+    ) -> Generator[float, None, bool]:
+        """Freeze/thaw the group; False if there is no way to (no freezer), or a freeze did
+        not settle within ``deadline_s``."""
         d2 = self._dirs.get("")
         if d2 is not None:
             path, value = d2 / "cgroup.freeze", ("1" if frozen else "0")
@@ -792,13 +795,17 @@ class Cgroup:
             return False
         if frozen and "freezer" in self._dirs:
             # v1 freezing is asynchronous (FREEZING until every task has stopped); a task
-            # still running could fork after we listed the pids.
-            deadline = time.monotonic() + _FREEZE_DEADLINE_S
+            # still running could fork after we listed the pids. The kernel tries each task
+            # once per write: a task it could not stop (in a syscall that was restarting, or
+            # just forked) is tried again only when FROZEN is written again.
+            deadline = time.monotonic() + deadline_s
             pauses = _backoff()
             while (_read(path) or "").strip() != "FROZEN":
                 if time.monotonic() > deadline:
                     return False  # not every task stopped: the caller must not rely on it
                 yield next(pauses)
+                with contextlib.suppress(OSError):
+                    _write(path, value)
         return True
 
     # ---- accounting

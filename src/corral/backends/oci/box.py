@@ -67,7 +67,7 @@ from corral.backends.base import (
     BackendBase,
     BoxBase,
     BoxSpec,
-    CgroupAccounting,
+    CgroupBox,
     RootLayer,
     agent_config,
     channel_pair,
@@ -511,7 +511,7 @@ def _image_checked(spec: BoxSpec, image: _Image, bundle: oci_config.OciBundle) -
     return dataclasses.replace(image.layer, mount_points=overlay.missing_in_image(root, dests))
 
 
-class OciBox(CgroupAccounting, BoxBase):
+class OciBox(CgroupBox):
     backend = "oci"
     rootless: dict[str, str] | None = None
     """``info()["rootless"]`` of a rootless box: how its ids are mapped, what limits it."""
@@ -551,20 +551,6 @@ class OciBox(CgroupAccounting, BoxBase):
         if self.rootless is not None:
             facts["rootless"] = dict(self.rootless)
         return facts
-
-    async def freeze(self, frozen: bool) -> None:
-        """The box's cgroup (the runtime's, or the rootless box's delegated one) frozen or
-        thawed, as on bwrap."""
-        if self._cgroup is None:
-            await super().freeze(frozen)  # BackendUnavailable: no cgroup of its own
-            return
-        if not await self._cgroup.freeze_async(frozen):
-            if frozen:  # half-frozen is no state to leave a box in
-                await self._cgroup.freeze_async(False)
-            raise BackendError(
-                f"the box's processes could not be {'frozen' if frozen else 'thawed'} (its "
-                "cgroup has no freezer here, or a process did not stop within a second)"
-            )
 
     async def diagnose(self) -> str:
         """What the runtime or the agent wrote to stderr before the box failed."""
