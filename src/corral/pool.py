@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ from types import TracebackType
 from corral import errors
 from corral.backends import backend_for
 from corral.backends.base import Backend
-from corral.backends.host import idmap, mounts, quota
+from corral.backends.host import idmap, mounts, quota, tempws
 from corral.backends.host.staging import new_entry, release_staging, sweep_staging
 from corral.backends.host.state import BOX_PREFIX
 from corral.backends.host.threads import blocking
@@ -364,8 +363,7 @@ class SandboxPool:
         if ws is not None:  # here, in a thread: it reads the password database
             refuse_dangerous_workspace(ws, fix=POOL_FIX)
         if ws is None:
-            owned = ws = Path(tempfile.mkdtemp(prefix="corral-ws-"))
-            os.chown(ws, *self.owner)
+            owned = ws = tempws.make(sb.sandbox_id, self.owner)
         try:
             if self._idmapped:
                 idmap.mount_idmapped(str(ws), str(staging), user=sb.user_host_ids[0])
@@ -373,7 +371,7 @@ class SandboxPool:
                 _bind_restricted(ws, staging)
         except BaseException:
             if owned is not None:
-                shutil.rmtree(owned, ignore_errors=True)
+                tempws.remove(sb.sandbox_id, owned)
             raise
         sb.lend_workspace(ws, owned=owned is not None)
 

@@ -18,9 +18,7 @@ import os
 import posixpath
 import secrets
 import shlex
-import shutil
 import signal
-import tempfile
 import threading
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +31,7 @@ from corral.agent import protocol
 from corral.audit import AuditLog
 from corral.backends import backend_for, backend_loaded
 from corral.backends.base import Backend, Box, BoxSpec, BoxStats
-from corral.backends.host import maskfollow, quota
+from corral.backends.host import maskfollow, quota, tempws
 from corral.backends.host.safepath import check_sources, refuse_inside, refuse_writable_policy
 from corral.backends.host.state import BOX_PREFIX, state_root
 from corral.backends.host.threads import blocking
@@ -341,7 +339,7 @@ class Sandbox:
             )
             self._owned_workspace = self._quota_workspace
         else:
-            self._owned_workspace = Path(tempfile.mkdtemp(prefix="corral-ws-"))
+            self._owned_workspace = await blocking(tempws.make, self.sandbox_id)
         self.workspace = self._owned_workspace
         if self.policy.image != "host":  # a snapshot's copy of its box's workspace
             try:
@@ -502,7 +500,7 @@ class Sandbox:
             await blocking(quota.release_workspace, self._quota_workspace)
             self._quota_workspace = self._owned_workspace = None
         if self._owned_workspace is not None:
-            await blocking(shutil.rmtree, self._owned_workspace, True)
+            await blocking(tempws.remove, self.sandbox_id, self._owned_workspace)
         self.audit.record("sandbox", event="close", broken=self._broken)
         self.audit.close()
         if interrupted:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
+from corral.backends.host import tempws
 from corral.backends.host.state import orphaned_boxes, pid_alive, state_root
 from corral.backends.host.threads import blocking
 from corral.backends.limits import agent_rlimits
@@ -166,6 +167,7 @@ def sweep_boxes(backend: str, kill: Callable[[Path, dict[str, Any]], object]) ->
         sweep_network(entry / "net")  # pasta of a full-mode box, if any
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry.name)
+    tempws.sweep()  # the temporary workspaces of dead owners (any backend's)
     return removed
 
 
