@@ -116,10 +116,14 @@ async def test_workspace_relative_deny_entries_are_never_pooled(workspace: Path)
     policy = Policy(filesystem={"deny_write": (".git",)})
     assert "applied when a box starts" in (needs_fresh_box(policy) or "")
     (workspace / ".git").mkdir()
+    staged = set(staging.pool_root().iterdir()) if staging.pool_root().is_dir() else set()
     async with SandboxPool(policy, size=1) as pool:
         assert pool.ready == 0
         r = await pool.run("touch .git/x", workspace=workspace)
     assert r.exit_code != 0 and not (workspace / ".git" / "x").exists()
+    # The deny entry's mount point, made in the staging directory before the workspace was
+    # mounted there, does not keep the staging directory from being removed.
+    assert set(staging.pool_root().iterdir()) - staged == set()
 
 
 async def test_bad_input_is_refused_clearly(pool: SandboxPool, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -79,6 +80,8 @@ def release_staging(entry: Path) -> bool:
     with contextlib.suppress(OSError):
         if ws.is_file() and not ws.is_symlink():
             ws.unlink()  # the mount point of a single file (a runsc bind source)
+    if ws.is_dir() and not ws.is_symlink():
+        _remove_mount_points(ws)
     for path in (ws, entry):
         try:
             path.rmdir()
@@ -87,3 +90,31 @@ def release_staging(entry: Path) -> bool:
         except OSError:
             return False  # not empty: something unexpected is in there; leave it alone
     return True
+
+
+def _remove_mount_points(top: Path, depth: int = 0) -> None:
+    """Remove what a runtime made below ``top`` as mount points of a box's binds (a policy's
+    ``deny_write: .git`` bound over a workspace not mounted yet leaves an empty ``.git``):
+    empty directories and empty files only, never a link followed, 64 levels at most. The
+    caller peeled every mount off ``top`` first (a detach takes the mounts below with it).
+    Anything else stays (and so does ``top``: the caller's ``rmdir`` then fails)."""
+    if depth > 64:
+        return
+    try:
+        with os.scandir(top) as it:
+            children = list(it)
+    except OSError:
+        return
+    for child in children:
+        try:
+            st = child.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        path = Path(child.path)
+        if stat.S_ISDIR(st.st_mode):
+            _remove_mount_points(path, depth + 1)
+            with contextlib.suppress(OSError):
+                path.rmdir()  # fails while anything is left in it
+        elif stat.S_ISREG(st.st_mode) and st.st_size == 0:
+            with contextlib.suppress(OSError):
+                path.unlink()
