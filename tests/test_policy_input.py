@@ -110,3 +110,25 @@ async def test_a_bad_rlimit_name_is_a_policy_error(tmp_path: Path) -> None:
 
 def test_policy_error_is_exported() -> None:
     assert corral.PolicyError is PolicyError
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "oci", "microvm"])
+async def test_a_shared_path_that_does_not_exist_is_refused_naming_the_field(
+    tmp_path: Path, backend: str
+) -> None:
+    # Each backend used to fail at start with its own words (bwrap "Can't find source path",
+    # crun "error stat'ing file", qemu's jail) as backend_failed, or, for allow_write, with a
+    # message about links: the policy names a path the host does not have.
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    missing = tmp_path / "missing"
+    for fs, field in [
+        ({"mounts": [{"host": str(missing), "guest": "/data"}]}, "filesystem.mounts[0].host"),
+        ({"allow_write": [str(missing)]}, "filesystem.allow_write[0]"),
+    ]:
+        sb = Sandbox(Policy(backend=backend, filesystem=fs), workspace=ws)
+        with pytest.raises(PolicyError) as info:
+            async with sb:
+                pass
+        assert field in info.value.message
+        assert f"{missing} does not exist" in info.value.message

@@ -202,7 +202,15 @@ def _check_host_paths(policy: Policy, workspace: Path, given: bool = False) -> N
     refuse_writable_policy(policy.loaded_from, areas)
     refuse_inside("audit_log", policy.audit_log, areas)
     refuse_inside("secrets_file", policy.secrets_file, areas)
-    check_sources(shared_sources(policy), areas)
+    sources = shared_sources(policy)
+    for field, path in sources:
+        # Named here, once: each backend would fail at start in its own words.
+        if not os.path.exists(path):
+            raise errors.PolicyError(
+                f"{field} {path} does not exist on the host: create it, or take it out of "
+                "the policy"
+            )
+    check_sources(sources, areas)
 
 
 STDIN_CHUNK = 8 << 20

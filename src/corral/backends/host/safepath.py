@@ -251,7 +251,7 @@ def check_sources(named: Sequence[tuple[str, str]], areas: Sequence[str]) -> Non
             os.close(open_path(path, os.O_PATH, others))
         except OSError as exc:
             if exc.errno == errno.ENOENT:
-                continue  # nothing there: the backend's own check names it
+                continue  # nothing there: Sandbox.start refused it already
             raise errors.PolicyError(
                 f"{field} {path} lies in a writable area and cannot be opened without "
                 f"following a link ({exc.strerror}; left by an earlier box?): remove the link "
