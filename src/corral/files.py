@@ -53,6 +53,8 @@ agent's first frame (this much) answers smaller ones in one round trip."""
 
 @dataclass(frozen=True, slots=True)
 class Resolved:
+    """A box path checked against the policy's granted roots."""
+
     path: str
     """Absolute, normalised path inside the box."""
     root: str

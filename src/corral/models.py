@@ -81,6 +81,8 @@ class WaitResult:
 
 @dataclass(frozen=True, slots=True)
 class ProcessInfo:
+    """A process started in a box: what :meth:`Sandbox.processes` lists."""
+
     pid: int
     command: str
     status: ProcessStatus
@@ -97,6 +99,8 @@ class ProcessInfo:
 
 @dataclass(frozen=True, slots=True)
 class ProcessStats:
+    """What a process of a box has used so far (:meth:`Process.stats`)."""
+
     pid: int
     status: str
     cpu_seconds: float
@@ -112,6 +116,8 @@ class ProcessStats:
 
 @dataclass(frozen=True, slots=True)
 class FileInfo:
+    """An entry of the box's filesystem, as ``files.list`` and ``files.stat`` give it."""
+
     name: str
     path: str
     """Absolute path inside the box."""

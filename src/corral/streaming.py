@@ -39,16 +39,22 @@ __all__ = ["ExecEvent", "ExecStream", "Exited", "PendingExecStream", "Stderr", "
 
 @dataclass(frozen=True, slots=True)
 class Stdout:
+    """Bytes the command wrote to its stdout."""
+
     data: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class Stderr:
+    """Bytes the command wrote to its stderr."""
+
     data: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class Exited:
+    """The command ended; always the stream's last event."""
+
     code: int
     """Exit status; ``-N`` when killed by signal N."""
 

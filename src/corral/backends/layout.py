@@ -159,6 +159,8 @@ class Bind:
 
 @dataclass(frozen=True, slots=True)
 class Symlink:
+    """A symbolic link made in the box: ``dest`` pointing at ``target``."""
+
     target: str
     dest: str
 

@@ -57,6 +57,8 @@ class BwrapFds:
 
 @dataclass(frozen=True, slots=True)
 class BwrapInputs:
+    """What the bwrap command line of a box is built from."""
+
     workspace: Path
     agent_dir: Path
     python: str

@@ -78,6 +78,8 @@ def record_dir() -> Path:
 
 @dataclass
 class _Object:
+    """A file or directory to be masked, and every place it is seen from."""
+
     ident: Ident
     is_dir: bool
     places: list[str]

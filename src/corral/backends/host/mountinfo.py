@@ -15,6 +15,8 @@ PATH = "/proc/self/mountinfo"
 
 @dataclass(frozen=True, slots=True)
 class Mount:
+    """One line of ``/proc/self/mountinfo``."""
+
     mount_point: str
     root: str
     """The path within its filesystem that is mounted (``/`` for a whole filesystem)."""

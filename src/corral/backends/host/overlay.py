@@ -47,6 +47,8 @@ OVERLAY_OPTIONS = "redirect_dir=off,index=off,metacopy=off,xino=off"
 
 @dataclass(frozen=True)
 class ImageRoot:
+    """An image's root as a box sees it."""
+
     root: Path
     """What the box's root entries are bound from: the overlay (or the read-only lower)."""
     upper: Path | None

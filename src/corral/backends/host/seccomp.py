@@ -318,6 +318,8 @@ _AARCH64: Final[Mapping[str, int]] = {
 
 @dataclass(frozen=True)
 class _Arch:
+    """One architecture's audit number and syscall table."""
+
     name: str
     audit_arch: int
     table: Mapping[str, int]
@@ -516,6 +518,8 @@ def _policy(profile: str) -> tuple[frozenset[str], Mapping[str, tuple[_Rule, ...
 
 @dataclass(frozen=True)
 class _Insn:
+    """One BPF instruction, its jumps still labels."""
+
     code: int
     jt: str | None  # label, or None for "the next instruction"
     jf: str | None
