@@ -97,3 +97,34 @@ async def test_open_files_default_to_the_planners_cap(workspace: Path) -> None:
     policy = Policy.from_dict({"limits": {"rlimits": {"nofile": 8192}}})
     async with Sandbox(policy, workspace=workspace) as sb:
         assert (await sb.run("ulimit -Hn")).stdout == "8192\n"
+
+
+def test_limits_past_what_any_kernel_takes_are_policy_errors_naming_the_field() -> None:
+    # 4194304 is the kernel's PID_MAX_LIMIT; an rlimit is a signed 64-bit count for the
+    # guest agent. Both used to start a box that failed later with backend_failed.
+    with pytest.raises(PolicyError, match=r"limits\.max_pids"):
+        Policy(limits={"max_pids": 4194305})
+    with pytest.raises(PolicyError, match=r"limits\.rlimits\.stack"):
+        Policy(limits={"rlimits": {"stack": 2**63}})
+
+
+async def test_the_largest_pids_limit_starts_a_box(workspace: Path) -> None:
+    # bwrap's cgroup got max_pids plus its own two processes: past PID_MAX_LIMIT, EINVAL.
+    async with Sandbox(Policy(limits={"max_pids": 4194304}), workspace=workspace) as sb:
+        assert (await sb.info())["max_pids"] == 4194304
+        assert (await sb.run(["true"])).exit_code == 0
+
+
+async def test_an_rlimit_above_what_the_box_can_set_is_refused_naming_it(
+    workspace: Path,
+) -> None:
+    # The box started and info() reported the limit; every command then failed with
+    # backend_failed "Exception occurred in preexec_fn". nofile past fs.nr_open can never
+    # be set, root or not.
+    policy = Policy(limits={"rlimits": {"nofile": 10**9}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        with pytest.raises(SandboxError) as info:
+            await sb.run(["true"])
+        assert "rlimits.nofile" in info.value.message
+        assert info.value.code.value != "backend_failed"
+        assert "preexec" not in info.value.message

@@ -31,5 +31,9 @@ MIN_CPU_QUOTA = 0.01
 """The kernel refuses a CFS quota below 1 ms per period: 1 ms / 100 ms = 0.01 cores."""
 MAX_CPU_QUOTA = 4096.0
 MIN_PIDS = 4
+MAX_PIDS = 4194304
+"""The kernel's PID_MAX_LIMIT (64-bit): no pids cgroup takes more, no host has more pids."""
+MAX_RLIMIT = (1 << 63) - 1
+"""The largest rlimit the guest agent can set (a signed 64-bit count)."""
 """The guest agent plus a shell running a two-command pipeline (measured: with 3, the
 shell's second fork fails)."""

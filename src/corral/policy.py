@@ -31,6 +31,7 @@ from pydantic import (
 from corral import specconfig
 from corral.bounds import CPU_PERIOD_US as CPU_PERIOD_US
 from corral.bounds import MAX_CPU_QUOTA as MAX_CPU_QUOTA
+from corral.bounds import MAX_PIDS, MAX_RLIMIT
 from corral.bounds import MIN_CPU_QUOTA as MIN_CPU_QUOTA
 from corral.bounds import MIN_MEMORY_BYTES as MIN_MEMORY_BYTES
 from corral.bounds import MIN_PIDS as MIN_PIDS
@@ -326,13 +327,13 @@ class Limits(_Model):
     100 ms period)."""
     max_pids: int | None = 256
     """Maximum number of processes and threads in the box, its guest agent included; at
-    least 4."""
+    least 4, at most 4194304 (the kernel's PID_MAX_LIMIT)."""
     exec_timeout_secs: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Default timeout of ``run`` when the call gives none."""
     kill_grace_secs: float = Field(default=2.0, ge=0, le=300, allow_inf_nan=False)
     """Seconds a command ended by its timeout or a cancellation has between SIGTERM and
     SIGKILL (both to its whole process group). 0 sends SIGKILL at once."""
-    rlimits: dict[RlimitName, Annotated[int, Field(ge=0)]] = Field(
+    rlimits: dict[RlimitName, Annotated[int, Field(ge=0, le=MAX_RLIMIT)]] = Field(
         default_factory=lambda: _no_core_dumps()
     )
     """Per-process rlimits applied to every command (``nofile``, ``fsize``, ``core``, ...)."""
@@ -365,6 +366,8 @@ class Limits(_Model):
                 f"{value} is below the minimum a box can run a command with ({MIN_PIDS}: "
                 "the guest agent, a shell and a two-command pipeline)"
             )
+        if value is not None and value > MAX_PIDS:
+            raise ValueError(f"{value} is above the kernel's limit on processes ({MAX_PIDS})")
         return value
 
     output_bytes: Size = 1 << 20

@@ -298,6 +298,27 @@ def shed_exec_capabilities() -> bool:
     return True
 
 
+def unsettable_rlimit(name: str, value: int) -> str | None:
+    """Why a command can never get ``value`` as its ``name`` rlimit (soft = hard), or None.
+
+    Above the agent's own hard limit only a privileged process can raise it (microVM root
+    can, a user namespace's root cannot), and never past the kernel's ceiling (``nofile``:
+    ``fs.nr_open``). Probed on the agent itself, its limits put back: a failure in the
+    command's pre-exec hook would reach the host as an anonymous error."""
+    import resource
+
+    res = getattr(resource, RLIMIT_NAMES[name])
+    soft, hard = resource.getrlimit(res)
+    if hard == resource.RLIM_INFINITY or value <= hard:
+        return None
+    try:
+        resource.setrlimit(res, (soft, value))
+    except (OSError, ValueError, OverflowError):
+        return f"the box's hard limit is {hard}, which it cannot raise"
+    resource.setrlimit(res, (soft, hard))  # privileged: it could, and it may lower again
+    return None
+
+
 def make_preexec(rlimits: dict[str, int], use_pty: bool) -> Any:
     """A pre-exec hook only when needed: it costs a Python-level call in the child."""
     if not rlimits and not use_pty:

@@ -295,6 +295,26 @@ class Agent:
         self.send({"re": req_id, "error": {"code": code, "message": message}})
 
     # ---- processes -----------------------------------------------------------------------
+    def check_rlimits(self, wanted: dict[str, int]) -> None:
+        """Refuse, naming it, an rlimit no command can get (before the fork: a failure in
+        the child's pre-exec hook reaches the host as an anonymous error)."""
+        for name, value in wanted.items():  # inherited soft = hard: a command cannot raise it
+            cap = self.inherited_rlimits.get(name)
+            if cap is not None and value > cap:
+                raise AgentError(
+                    protocol.ErrorCode.INVALID_INPUT,
+                    f"rlimits.{name}: {value} is above this box's limit ({cap}), which no "
+                    "command can raise; a call may only lower it",
+                )
+        for name, value in wanted.items():
+            hard = commands.unsettable_rlimit(name, value)
+            if hard is not None:
+                raise AgentError(
+                    protocol.ErrorCode.INVALID_INPUT,
+                    f"rlimits.{name} (the policy's limits.rlimits.{name}, or the call's): "
+                    f"{value} is above what this box can set ({hard})",
+                )
+
     def op_spawn(self, h: protocol.SpawnRequest, payload: bytes) -> protocol.SpawnReply:
         argv = [str(a) for a in h["argv"]]
         env = {**self.base_env, **{str(k): str(v) for k, v in dict(h.get("env") or {}).items()}}
@@ -311,14 +331,7 @@ class Agent:
             stdin = commands.DEVNULL if stdin_mode == "null" else commands.PIPE
             stdio = (stdin, commands.PIPE, commands.PIPE)
         wanted = {k: v for k, v in rlimits.items() if self.inherited_rlimits.get(k) != v}
-        for name, value in wanted.items():  # inherited soft = hard: a command cannot raise it
-            cap = self.inherited_rlimits.get(name)
-            if cap is not None and value > cap:
-                raise AgentError(
-                    protocol.ErrorCode.INVALID_INPUT,
-                    f"rlimits.{name}: {value} is above this box's limit ({cap}), which no "
-                    "command can raise; a call may only lower it",
-                )
+        self.check_rlimits(wanted)
         preexec = commands.make_preexec(wanted, use_pty)
         # The child changes directory before it drops to the command user, and the agent
         # has no DAC override: take the user's effective ids for the fork so the cwd is

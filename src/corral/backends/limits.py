@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from corral.bounds import MAX_PIDS
 from corral.errors import PolicyError
 from corral.policy import (
     CPU_PERIOD_US,
@@ -195,7 +196,9 @@ def plan_limits(limits: Limits, caps: Capabilities) -> LimitPlan:
         swap_capped=memory_enforced and caps.swap == "capped",
         cpu_quota_us=quota,
         max_pids=pids,
-        pids_max=None if pids is None else pids + caps.own_pids,
+        # the backend's own processes on top, but no pids cgroup takes more than the kernel's
+        # PID_MAX_LIMIT (nor can a host have more pids: the cap is the same)
+        pids_max=None if pids is None else min(pids + caps.own_pids, MAX_PIDS),
         own_pids=caps.own_pids,
         rlimits=MappingProxyType(rlimits),
         unenforced=frozenset(unenforced),
