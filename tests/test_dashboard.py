@@ -241,3 +241,22 @@ async def test_an_agents_approval_request_is_answered_by_a_person(server: Served
         assert await remote.approver(timeout=0.2)(request) is False
         late = await person.post("/v1/approvals/appr-gone", json={"approve": True})
         assert late.json()["error"]["code"] == "invalid_input"
+
+
+async def test_an_audit_stream_is_subscribed_before_its_response_starts() -> None:
+    """GET /v1/audit takes its reader before the response's headers go out, so a record
+    published between the headers and the body's first read reaches it; a reader whose
+    response never started (its client left first) is dropped with its generator."""
+    import gc
+
+    from corral.server.feed import AuditFeed
+
+    feed = AuditFeed()
+    feed.bind()
+    kept, queue = feed.open_reader()
+    assert kept == []
+    feed.publish({"kind": "command", "event": "start"})
+    assert queue.get_nowait() == {"kind": "command", "event": "start"}
+    del queue
+    gc.collect()
+    assert len(feed._readers) == 0

@@ -122,8 +122,12 @@ def add_dashboard(app: FastAPI, feed: AuditFeed, approvals: Approvals) -> None:
         record per ``data:`` line, with the server's ``box`` id): the last 500 first unless
         ``history=false``; ``box`` keeps one box's."""
 
+        # Subscribed before the response starts: a client that saw the headers misses
+        # nothing that happens after (the body starts only once the headers are sent).
+        kept, queue = feed.open_reader()
+
         async def gen() -> AsyncIterator[bytes]:
-            with feed.reader() as (kept, queue):
+            try:
                 yield b": corral audit stream\n\n"
                 for record in kept if history else ():
                     if box is None or record.get("box") == box:
@@ -137,6 +141,8 @@ def add_dashboard(app: FastAPI, feed: AuditFeed, approvals: Approvals) -> None:
                         continue
                     if box is None or record.get("box") == box:
                         yield _event(record)
+            finally:
+                feed.close_reader(queue)
 
         return StreamingResponse(
             gen(),

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +27,9 @@ QUEUE = 1000
 class AuditFeed:
     def __init__(self, keep: int = KEEP) -> None:
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
-        self._readers: set[asyncio.Queue[dict[str, Any]]] = set()
+        # Weak: a stream whose response never started (its client went away first) never
+        # runs the generator that would close its reader; its queue goes with the generator.
+        self._readers: weakref.WeakSet[asyncio.Queue[dict[str, Any]]] = weakref.WeakSet()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
 
@@ -58,15 +61,25 @@ class AuditFeed:
                     queue.get_nowait()
             queue.put_nowait(record)
 
-    @contextlib.contextmanager
-    def reader(self) -> Any:
-        """The records kept so far, and a queue of those to come (no await between)."""
+    def open_reader(self) -> tuple[list[dict[str, Any]], asyncio.Queue[dict[str, Any]]]:
+        """The records kept so far, and a queue of those to come from now on (no await
+        between): a stream opens it before its response starts, so that every record after
+        the client saw the response's headers reaches it. :meth:`close_reader` ends it."""
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=QUEUE)
         self._readers.add(queue)
+        return list(self.recent), queue
+
+    def close_reader(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        self._readers.discard(queue)
+
+    @contextlib.contextmanager
+    def reader(self) -> Any:
+        """:meth:`open_reader` for the length of a ``with`` block."""
+        kept, queue = self.open_reader()
         try:
-            yield list(self.recent), queue
+            yield kept, queue
         finally:
-            self._readers.discard(queue)
+            self.close_reader(queue)
 
     async def follow(self, *, history: bool = True) -> AsyncIterator[dict[str, Any]]:
         with self.reader() as (kept, queue):
