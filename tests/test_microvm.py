@@ -307,3 +307,14 @@ async def test_a_box_on_an_image_without_python(
     stored = resolve_image(str(layout)).rootfs
     assert stored is not None and not (stored / "scratch" / "big").exists()
     assert not (stored / "srv").exists()
+
+
+async def test_a_memory_limit_no_vm_here_can_hold_is_refused_naming_it(tmp_path: Path) -> None:
+    # qemu failed to allocate the RAM ("cannot set up guest memory"): backend_failed, while
+    # bwrap and OCI boxes start with the same 5 TiB limit. Refused before qemu runs.
+    from corral import PolicyError
+
+    policy = Policy(backend="microvm", limits={"memory_bytes": 5 << 40})
+    with pytest.raises(PolicyError, match=r"limits\.memory_bytes: the microVM would need"):
+        async with Sandbox(policy, workspace=tmp_path):
+            pass

@@ -79,7 +79,7 @@ from corral.backends.layout import (
 from corral.backends.limits import Capabilities, LimitPlan, plan_limits
 from corral.backends.microvm import initramfs, jail, vmsnap
 from corral.backends.users import BOX_UID, group_text, passwd_text
-from corral.errors import BackendError, BackendUnavailable
+from corral.errors import BackendError, BackendUnavailable, PolicyError
 from corral.net import vmlink
 from corral.policy import DEFAULT_WORKDIR, Policy, vm_memory_mb
 
@@ -112,6 +112,27 @@ KERNEL_ARGS = (
     " i8042.nopnp i8042.dumbkbd tsc=reliable no_timer_check cryptomgr.notests"
     " random.trust_cpu=on"
 )
+
+
+def _ram_problem(policy: Policy) -> str | None:
+    """Why qemu could not get the VM's RAM here (one allocation larger than the host's memory
+    and swap, which the kernel's overcommit check refuses), naming the field; or None."""
+    total = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith(("MemTotal:", "SwapTotal:")):
+                    total += int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        return None
+    ram = vm_memory_mb(policy) << 20
+    if total == 0 or ram <= total:
+        return None
+    field = "vm.memory_mb" if policy.vm.memory_mb is not None else "limits.memory_bytes"
+    return (
+        f"{field}: the microVM would need {ram >> 20} MiB of RAM, more than this host has "
+        f"({total >> 20} MiB with swap); lower it"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -731,6 +752,9 @@ class MicroVmBackend(BackendBase):
         if spec.policy.user == "root" or spec.user == "root":
             refuse_image(spec, "microvm")
         limits = limit_plan(spec.policy)  # a refusal comes before anything starts
+        problem = _ram_problem(spec.policy)
+        if problem is not None:
+            raise PolicyError(problem)
         boot = await self.boot_mode()
         if self.rootless:
             shared = idmap.SharedPaths(spec.workspace, uid=os.getuid(), gid=os.getgid())
