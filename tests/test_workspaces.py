@@ -104,3 +104,13 @@ async def test_the_pool_gives_a_venv_workspace_a_box_that_runs_it(workspace: Pat
     async with SandboxPool(size=1) as pool:
         r = await pool.run(".venv/bin/hello", workspace=workspace)
     assert r.exit_code == 0, r.stderr
+
+
+def test_a_homes_own_dot_directories_are_refused(tmp_path: Path) -> None:
+    # `corral run` from ~/.config or ~/.ssh gave the box gh's token, ssh keys and every tool's
+    # settings read-write; a project somewhere below a dot directory stays fine.
+    for name in (".config", ".ssh", ".aws"):
+        reason = workspace_danger(os.path.join(HOME, name))
+        assert reason is not None and name in reason
+    assert workspace_danger(os.path.join(HOME, ".ssh", "keys")) is not None
+    assert workspace_danger(os.path.join(HOME, ".local", "src", "project")) is None

@@ -43,6 +43,10 @@ _SYSTEM_TREES = (
 _SYSTEM_DIRS = ("/var", "/run", "/srv", "/opt", "/tmp", "/mnt", "/media", "/home", "/root")
 
 
+# Dot directories of a home whose subdirectories are as secret as they are.
+_KEY_STORES = (".ssh", ".gnupg", ".aws", ".kube", ".docker", ".password-store")
+
+
 def _homes() -> set[str]:
     homes = {os.path.realpath(os.path.expanduser("~")), "/root"}
     with contextlib.suppress(OSError):
@@ -67,6 +71,10 @@ def workspace_danger(path: str | os.PathLike[str]) -> str | None:
     for home in _homes():
         if real == home:
             return "it is a home directory (keys, tokens and shell startup files live there)"
+        rel = real[len(home) + 1 :] if real.startswith(home + "/") else ""
+        top = rel.split("/")[0]
+        if top.startswith(".") and ("/" not in rel or top in _KEY_STORES):
+            return f"it is a home directory's {top} (keys, tokens and settings live there)"
         if home.startswith(real + "/"):
             return f"it holds a home directory ({home})"
     return None
