@@ -109,7 +109,8 @@ def test_stdin_env_workdir_and_mount(workspace: Path, tmp_path: Path) -> None:
         ("--memory", "1k", "at least 16M"),
         ("--cpus", "0", "0.01 to 4096"),
         ("--cpus", "-1", "0.01 to 4096"),
-        ("--pids", "1", ">= 4"),
+        ("--pids", "1", "from 4 to 4194304"),
+        ("--pids", "4194305", "from 4 to 4194304"),
     ],
 )
 def test_bad_flag_values_are_one_line_naming_the_flag(

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from corral import errors
-from corral.bounds import MAX_CPU_QUOTA, MIN_CPU_QUOTA, MIN_MEMORY_BYTES, MIN_PIDS, parse_size
+from corral.bounds import (
+    MAX_CPU_QUOTA,
+    MAX_PIDS,
+    MIN_CPU_QUOTA,
+    MIN_MEMORY_BYTES,
+    MIN_PIDS,
+    parse_size,
+)
 from corral.cli.options import (
     Parser,
     UsageError,
@@ -160,7 +167,11 @@ def _cpus(text: str) -> float:
 def _pids(text: str) -> int:
     return int(
         _checked(
-            "--pids", text, int, lambda v: v >= MIN_PIDS, f"must be a whole number >= {MIN_PIDS}"
+            "--pids",
+            text,
+            int,
+            lambda v: MIN_PIDS <= v <= MAX_PIDS,
+            f"must be a whole number from {MIN_PIDS} to {MAX_PIDS}",
         )
     )
 
