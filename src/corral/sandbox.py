@@ -82,7 +82,21 @@ def to_argv(cmd: Command) -> list[str]:
     argv = [str(a) for a in cmd]
     if not argv or not argv[0]:
         raise _invalid("empty command: give a program and its arguments")
+    if any("\0" in a for a in argv):
+        raise _invalid(f"a NUL byte in the command {argv!r}: no program can take one")
     return argv
+
+
+def _checked_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as the kernel takes it: names without ``=`` or NUL, values without NUL (the
+    agent's exec would fail on the host's behalf, as a ``backend_failed``)."""
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name or "\0" in str(value):
+            raise _invalid(
+                f"environment variable {name!r}: a name is non-empty, without '=' or NUL, "
+                "and a value without NUL"
+            )
+    return env
 
 
 def _resolve_image(policy: Policy) -> tuple[ImageConfig, BoxUser]:
@@ -749,7 +763,7 @@ class Sandbox:
         fields: dict[str, Any] = {
             "argv": argv,
             "cwd": self._cwd(cwd),
-            "env": {**self._env(), **(env or {})},
+            "env": {**self._env(), **_checked_env(env or {})},
             "rlimits": {
                 **self.policy.limits.rlimits,
                 **_checked_rlimits(rlimits, self.policy.limits),
@@ -1038,6 +1052,8 @@ class Sandbox:
     def _cwd(self, cwd: str | None) -> str:
         if cwd is None:
             return self.default_cwd
+        if "\0" in cwd:
+            raise _invalid(f"a NUL byte in the working directory {cwd!r}")
         return posixpath.normpath(posixpath.join(self.default_cwd, cwd))
 
     async def run(
