@@ -7,10 +7,11 @@
     corral serve --listen 127.0.0.1:7420  # TCP: a bearer token is required
 
 Over TCP a token is always required (any local user can reach a loopback port): ``--token``
-or ``$CORRAL_TOKEN``, else a new one written to a 0600 file whose path is printed, where the
-CLI finds it. ``--read-token`` adds a read-only token (for dashboards and monitors). A unix
-socket is 0600 and serves its owner only, checked by peer uid: no token. Over TCP the web
-dashboard's URL is printed too, its token in the fragment (``/#token=...``).
+or ``$CORRAL_TOKEN``, else the one in the 0600 token file of an earlier run at the same
+address, else a new one written there; its path is printed, and the CLI finds it.
+``--read-token`` adds a read-only token (for dashboards and monitors). A unix socket is 0600
+and serves its owner only, checked by peer uid: no token. Over TCP the web dashboard's URL
+is printed too, its token in the fragment (``/#token=...``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from corral.server.transport import (
         LOOPBACK,
         bind_unix,
+        kept_token,
         new_token,
         runtime_dir,
         write_token_file,
@@ -127,8 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         token = args.token or os.environ.get("CORRAL_TOKEN") or None
         where = "token from --token" if args.token else "token from CORRAL_TOKEN"
         if token is None:
-            token = new_token()
-            path = write_token_file(token, token_file_name(host, port))
+            name = token_file_name(host, port)
+            token = kept_token(name) or new_token()
+            path = write_token_file(token, name)
             where = f"token in {path}"
         tokens[token] = "operate"
         if host not in LOOPBACK:

@@ -17,6 +17,7 @@ import base64
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
@@ -25,6 +26,7 @@ from fastapi import FastAPI, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corral import errors
 from corral.client import frames
@@ -32,7 +34,7 @@ from corral.policy import Policy
 from corral.processes import Process
 from corral.sandbox import Sandbox
 from corral.server.approvals import Approvals
-from corral.server.auth import error_body, status_for
+from corral.server.auth import deny_websocket, error_body, status_for
 from corral.server.boxes import Boxes, HeldBox
 from corral.server.dashboard import add_dashboard
 from corral.server.metrics import Metrics
@@ -48,7 +50,9 @@ API_VERSION = "1"
 
 # ---- request and response models -------------------------------------------------------------
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No inf or NaN: a timeout or TTL of inf would be echoed back in a response JSON
+    # cannot carry (a 500), and NaN compares false with every bound.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class BoxCreate(_In):
@@ -419,6 +423,37 @@ def build_api(  # noqa: C901
     async def sandbox_error(request: Request, exc: errors.SandboxError) -> JSONResponse:
         return JSONResponse(error_body(exc.code, exc.message), status_code=status_for(exc.code))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """No route, or not this method: the same error body as every other refusal."""
+        if exc.status_code == 404:
+            message = (
+                f"no such API route: {request.method} {request.url.path} (the routes are in "
+                "/openapi.json)"
+            )
+        elif exc.status_code == 405:
+            message = f"{request.url.path} does not take {request.method} (see /openapi.json)"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(
+            error_body(errors.ErrorCode.INVALID_INPUT, message),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug answers with the stable error body and a sentence, never a bare 500; the
+        traceback goes to the server's log."""
+        return JSONResponse(
+            error_body(
+                errors.ErrorCode.INTERNAL_ERROR,
+                f"the server failed on {request.method} {request.url.path} "
+                f"({type(exc).__name__}: {exc}); its log has the details",
+            ),
+            status_code=500,
+        )
+
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(
@@ -567,13 +602,13 @@ def build_api(  # noqa: C901
         box_id: str,
         request: Request,
         cmd: Annotated[list[str], Query(description="argv, one value per argument")],
-        timeout: Annotated[float | None, Query(gt=0)] = None,
+        timeout: Annotated[float | None, Query(gt=0, allow_inf_nan=False)] = None,
         cwd: str | None = None,
         env: Annotated[list[str] | None, Query(description="K=V")] = None,
         stdin: Annotated[bool, Query(description="the request body is stdin")] = False,
     ) -> StreamingResponse:
         sb = box(box_id).sandbox
-        variables = dict(item.partition("=")[::2] for item in env or [])
+        variables = _env_items(env or [])
         data = await _body(request) if stdin else None
         gen = _stream_command(
             sb,
@@ -655,7 +690,9 @@ def build_api(  # noqa: C901
 
     @app.post("/v1/boxes/{box_id}/processes/{pid}/wait", tags=["processes"])
     async def wait_process(
-        box_id: str, pid: int, timeout: Annotated[float | None, Query(gt=0)] = None
+        box_id: str,
+        pid: int,
+        timeout: Annotated[float | None, Query(gt=0, allow_inf_nan=False)] = None,
     ) -> dict[str, Any]:
         return (await process(box_id, pid).wait(timeout)).to_dict()
 
@@ -845,8 +882,8 @@ def build_api(  # noqa: C901
         params = websocket.query_params
         try:
             sb = box(box_id).sandbox
-            timeout = float(params["timeout"]) if "timeout" in params else None
-            variables = dict(item.partition("=")[::2] for item in params.getlist("env"))
+            timeout = _timeout_param(params.get("timeout"))
+            variables = _env_items(params.getlist("env"))
             stream = await sb.exec_stream(
                 params.getlist("cmd"),
                 stdin="pipe",
@@ -884,7 +921,7 @@ def build_api(  # noqa: C901
         try:
             session = box(box_id).sandbox.session(session_id)
         except errors.SandboxError as exc:
-            await websocket.close(code=4404, reason=str(exc.code))
+            await deny_websocket(websocket, exc)
             return
         await websocket.accept()
         out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1024)
@@ -925,6 +962,36 @@ def build_api(  # noqa: C901
     return app
 
 
+def _env_items(items: list[str]) -> dict[str, str]:
+    """``env=K=V`` query values as a dict; an item without ``=`` or a name is refused."""
+    variables: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise errors.SandboxError(
+                f"env={item!r}: give NAME=VALUE", code=errors.ErrorCode.INVALID_INPUT
+            )
+        variables[name] = value
+    return variables
+
+
+def _timeout_param(text: str | None) -> float | None:
+    """``?timeout=`` of the WebSocket routes (no FastAPI validation there): a finite number
+    of seconds greater than 0."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise errors.SandboxError(
+            f"timeout={text!r}: give a number of seconds greater than 0",
+            code=errors.ErrorCode.INVALID_INPUT,
+        )
+    return value
+
+
 async def _ws_input(websocket: WebSocket, stream: Any) -> None:
     """stdin and control messages of ``/exec/ws`` until the client goes."""
     with contextlib.suppress(WebSocketDisconnect, errors.SandboxError, RuntimeError):
@@ -935,12 +1002,18 @@ async def _ws_input(websocket: WebSocket, stream: Any) -> None:
             if message.get("bytes"):
                 await stream.write(message["bytes"])
             elif message.get("text"):
-                with contextlib.suppress(ValueError, TypeError, AttributeError):
+                try:
                     control = json.loads(message["text"])
                     if control.get("eof"):
                         await stream.close_stdin()
                     if "signal" in control:
                         await stream.signal(control["signal"])
+                except (ValueError, TypeError, AttributeError, errors.SandboxError) as exc:
+                    # A bad control message (an unknown signal, not JSON) is told, and the
+                    # stream goes on: the messages after it still count.
+                    what = getattr(exc, "message", None) or f"not a control message: {exc}"
+                    note = f"corral: ignored {message['text'][:80]!r}: {what}\n"
+                    await websocket.send_bytes(frames.frame(frames.NOTE, note.encode()))
 
 
 async def _control(session: Any, text: str) -> None:

@@ -12,8 +12,10 @@
   127.0.0.1 is refused.
 - **Cross-origin requests.** A request with an ``Origin`` header is served only when that
   origin is the server's own (``http://`` + the Host it was sent to).
-- **Oversize bodies.** A JSON body over ``max_json_bytes`` is refused with 413 while it
-  arrives; streamed uploads (file contents, a command's stdin) are not JSON and pass.
+- **Oversize bodies.** A body over ``max_json_bytes`` is refused with 413 (at once when its
+  ``Content-Length`` says so, else while it arrives), whatever its ``Content-Type`` says:
+  only the routes that stream a body through (file contents, a process's or a command's
+  stdin, ``/v1/cli/run``, preview URLs) take more.
 
 Every refusal is a JSON error with a stable code (``unauthorized``, ``request_too_large``).
 """
@@ -25,14 +27,14 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
 
-__all__ = ["Access", "Guard", "TokenScope", "error_body", "status_for"]
+__all__ = ["Access", "Guard", "TokenScope", "deny_websocket", "error_body", "status_for"]
 
 TokenScope = Literal["read", "operate"]
 OPEN_PATHS = frozenset({"/v1/health", "/"})
@@ -42,6 +44,10 @@ OPEN_PREFIX = "/static/"
 MAX_JSON_BYTES = 1 << 20
 _PREVIEW = re.compile(r"^/v1/boxes/[^/]+/ports/[^/]+/")
 """A preview URL (:mod:`corral.server.ports`): requests proxied to a box's server."""
+_STREAMED = re.compile(
+    r"^/v1/boxes/[^/]+/(files/content|processes/[^/]+/stdin|exec)$|^/v1/cli/run$"
+)
+"""Routes whose body is streamed through to a box (not read whole): not capped here."""
 
 _STATUS: Mapping[errors.ErrorCode, int] = {
     errors.ErrorCode.INVALID_POLICY: 400,
@@ -134,10 +140,12 @@ class Guard:
             status, code, message = refusal
             await _refuse(scope, receive, send, status, code, message)
             return
-        preview = _PREVIEW.match(str(scope.get("path", ""))) is not None
-        if scope["type"] == "http" and self._is_json(headers) and not preview:
-            # (a preview's body is the box server's business: streamed through, not capped)
-            replay = await self._whole_json(receive)
+        path = str(scope.get("path", ""))
+        if scope["type"] == "http" and not (_PREVIEW.match(path) or _STREAMED.match(path)):
+            # Every other route reads its body whole (FastAPI parses a body as JSON whatever
+            # its Content-Type says): capped, so no request can make the server buffer more.
+            # (A preview's body is the box server's business: streamed through, not capped.)
+            replay = None if self._declared_over(headers) else await self._whole_body(receive)
             if replay is None:
                 limit = self.access.max_json_bytes
                 await _refuse(
@@ -146,15 +154,20 @@ class Guard:
                     send,
                     413,
                     errors.ErrorCode.REQUEST_TOO_LARGE,
-                    f"a JSON body over {limit} bytes; send file contents and stdin as streams "
-                    "(application/octet-stream), not inside JSON",
+                    f"a request body over {limit} bytes; send file contents and stdin as "
+                    "streams (application/octet-stream to .../files/content, "
+                    ".../processes/PID/stdin or .../exec?stdin=true), not inside JSON",
                 )
                 return
             receive = replay
         await self.app(scope, receive, send)
 
-    async def _whole_json(self, receive: Receive) -> Receive | None:
-        """Read a JSON body whole (it is small, or refused: None), then hand it on."""
+    def _declared_over(self, headers: dict[bytes, bytes]) -> bool:
+        declared = headers.get(b"content-length", b"").strip()
+        return declared.isdigit() and int(declared) > self.access.max_json_bytes
+
+    async def _whole_body(self, receive: Receive) -> Receive | None:
+        """Read a body whole (it is small, or refused: None), then hand it on."""
         body = bytearray()
         while True:
             message = await receive()
@@ -231,21 +244,34 @@ class Guard:
                 return str(values[0])
         return None
 
-    @staticmethod
-    def _is_json(headers: dict[bytes, bytes]) -> bool:
-        return headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/json"
-
 
 async def _refuse(
     scope: Scope, receive: Receive, send: Send, status: int, code: errors.ErrorCode, message: str
 ) -> None:
-    if scope["type"] == "websocket":
-        await receive()  # websocket.connect
-        await send({"type": "websocket.close", "code": 4000 + min(status, 999), "reason": code})
-        return
     body = json.dumps(error_body(code, message)).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         head.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": body})
+    prefix = "http"
+    if scope["type"] == "websocket":
+        await receive()  # websocket.connect
+        if "websocket.http.response" not in (scope.get("extensions") or {}):
+            await send({"type": "websocket.close", "code": 4000 + min(status, 999), "reason": code})
+            return
+        prefix = "websocket.http"  # the handshake's answer is this status and JSON body
+    await send({"type": f"{prefix}.response.start", "status": status, "headers": head})
+    await send({"type": f"{prefix}.response.body", "body": body})
+
+
+async def deny_websocket(websocket: Any, exc: errors.SandboxError) -> None:
+    """Refuse a WebSocket handshake with ``exc``'s status and JSON error body (a close code
+    where the server cannot answer a handshake with a response)."""
+    status = status_for(exc.code)
+    if "websocket.http.response" in (websocket.scope.get("extensions") or {}):
+        from starlette.responses import JSONResponse
+
+        await websocket.send_denial_response(
+            JSONResponse(error_body(exc.code, exc.message), status_code=status)
+        )
+        return
+    await websocket.close(code=4000 + min(status, 999), reason=str(exc.code))

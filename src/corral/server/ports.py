@@ -29,7 +29,7 @@ from starlette.background import BackgroundTask
 
 from corral import errors
 from corral.policy import PublishedPort
-from corral.server.auth import error_body
+from corral.server.auth import deny_websocket, error_body
 from corral.server.boxes import Boxes
 
 __all__ = ["add_port_routes"]
@@ -208,7 +208,7 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
         try:
             published = await exposed(box_id, port)
         except errors.SandboxError as exc:
-            await websocket.close(code=4000 + 404, reason=str(exc.code))
+            await deny_websocket(websocket, exc)
             return
         query = [(k, v) for k, v in parse_qsl(websocket.url.query, True) if k != "token"]
         uri = f"ws://{published.host_ip}:{published.port_on_host}/{path}"

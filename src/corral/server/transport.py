@@ -31,6 +31,7 @@ __all__ = [
     "GuardedH11Protocol",
     "bind_unix",
     "http_server_config",
+    "kept_token",
     "new_token",
     "peer_uid",
     "runtime_dir",
@@ -134,20 +135,45 @@ def peer_uid(sock: Any) -> int | None:
 
 def bind_unix(path: Path) -> socket.socket:
     """A listening unix socket at ``path``, mode 0600 from its first moment (a stale socket
-    of ours is replaced; anything else at ``path`` is an error)."""
+    of ours is replaced; a live one, where a server still answers, or anything else at
+    ``path`` is an error)."""
     with contextlib.suppress(FileNotFoundError):
         info = os.lstat(path)
         if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
             raise errors.PolicyError(f"{path} exists and is not a socket of this user")
+        if _answers(path):
+            # Replacing it would leave that server, and every box it holds, unreachable.
+            raise errors.SandboxError(
+                f"a server already listens on {path}: stop it first, or give another --socket",
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
         sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise errors.SandboxError(
+            f"cannot listen on {path}: {exc.strerror}", code=errors.ErrorCode.INVALID_INPUT
+        ) from None
     finally:
         os.umask(old)
     sock.listen(128)
     return sock
+
+
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket at ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False  # ECONNREFUSED: nobody listens; it is stale
+    finally:
+        probe.close()
+    return True
 
 
 def http_server_config(
@@ -208,3 +234,22 @@ def write_token_file(token: str, name: str) -> Path:
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+def kept_token(name: str) -> str | None:
+    """The token in this user's 0600 token file ``name`` from an earlier run, if it is one
+    (a regular file of ours that nobody else may read, holding a token of ours' shape):
+    a server restarted at the same address keeps its token, so its clients and the
+    dashboard's open tab go on working. None otherwise."""
+    try:
+        fd = os.open(runtime_dir() / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            return None
+        text = f.read(256).decode("ascii", "replace").strip()
+    if len(text) < 32 or not all(c.isalnum() or c in "-_" for c in text):
+        return None
+    return text
