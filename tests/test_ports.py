@@ -256,7 +256,8 @@ def test_the_preview_url_needs_an_operator_token(served: Served, box: str) -> No
         async with asyncio.timeout(30):
             with pytest.raises(websockets.exceptions.InvalidStatus) as refusal:
                 await websockets.asyncio.client.connect(ws_url)
-        assert refusal.value.response.status_code == 403  # closed before accept: refused
+        assert refusal.value.response.status_code == 401  # refused as a plain request is
+        assert b'"unauthorized"' in refusal.value.response.body
 
     asyncio.run(refused())
 

@@ -298,6 +298,147 @@ def test_the_cli_finds_a_tcp_servers_token_file(tcp_server: Served, workspace: P
     assert (r.returncode, json.loads(r.stdout)) == (0, [])
 
 
+def test_every_refusal_is_a_code_and_a_sentence(tcp_server: Served) -> None:
+    """Bad input from the outside: no route, a body too large whatever it claims to be, a
+    number JSON cannot echo, bytes no program takes. Each a stable code, never a bare 500."""
+    import socket
+
+    json_type = {"content-type": "application/json"}
+    with http(tcp_server, tcp_server.token) as client:
+        for r, status in ((client.get("/v1/nope"), 404), (client.patch("/v1/boxes"), 405)):
+            assert (r.status_code, r.json()["error"]["code"]) == (status, "invalid_input")
+        # FastAPI reads these routes' bodies whole whatever the Content-Type: capped too.
+        r = client.post("/v1/boxes", content=b"x" * (2 << 20), headers={"content-type": "text/a"})
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
+        box = client.post("/v1/boxes", json={}).json()["id"]
+        try:
+            run = f"/v1/boxes/{box}/run"
+            for raw in (b'{"cmd": ["true"], "timeout": 1e999}', b'{"cmd": "true", "ttl": NaN}'):
+                r = client.post(run, content=raw, headers=json_type)
+                assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_input"), r.text
+            for bad in (
+                {"cmd": ["a\0b"]},
+                {"cmd": ["true"], "env": {"A=B": "c"}},
+                {"cmd": ["true"], "env": {"A": "c\0"}},
+                {"cmd": ["true"], "cwd": "a\0"},
+            ):
+                r = client.post(run, json=bad)
+                assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_input"), r.text
+            for params in ({"env": "NO_VALUE"}, {"timeout": "inf"}):
+                r = client.post(f"/v1/boxes/{box}/exec", params={"cmd": "true", **params})
+                assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_input"), r.text
+            assert client.post(run, json={"cmd": "true"}).json()["exit_code"] == 0
+        finally:
+            client.delete(f"/v1/boxes/{box}")
+    # A body declared too large is refused at once, not waited for.
+    host, port = tcp_server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            f"POST /v1/boxes HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Authorization: Bearer {tcp_server.token}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 99999999999\r\n\r\n{".encode()
+        )
+        assert sock.recv(4096).split(b"\r\n")[0].endswith(b" 413 Request Entity Too Large")
+
+
+async def test_websocket_refusals_say_why(tcp_server: Served, workspace: Path) -> None:
+    """A refused handshake is the status and error body a plain request gets, and the SDK
+    and the CLI raise or print it (no websockets traceback)."""
+    from websockets.exceptions import InvalidStatus
+
+    reader = "read-only-token-for-tests"
+    async with corral.connect(tcp_server.url, tcp_server.token) as remote, remote.Sandbox() as sb:
+        session = await sb.shell()
+        base = tcp_server.url.replace("http://", "ws://", 1) + f"/v1/boxes/{sb.id}"
+        for token, path, status, code in (
+            (None, "/exec/ws?cmd=true", 401, "unauthorized"),
+            (reader, "/exec/ws?cmd=true", 403, "access_denied"),
+            (tcp_server.token, "/sessions/nope/attach", 404, "session_not_found"),
+        ):
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            with pytest.raises(InvalidStatus) as refused:
+                async with websockets.asyncio.client.connect(
+                    base + path, additional_headers=headers
+                ):
+                    pass
+            assert refused.value.response.status_code == status
+            assert json.loads(refused.value.response.body)["error"]["code"] == code
+        async with corral.connect(tcp_server.url, reader) as observer:
+            seen = observer.Sandbox()
+            seen.id = sb.id
+            with pytest.raises(corral.SandboxError) as caught:
+                await seen.exec_stream(["cat"], stdin="pipe")
+            assert caught.value.code == "access_denied"
+        # An unknown signal is refused by the SDK, as in-process; the stream goes on.
+        stream: Any = await sb.exec_stream(["cat"], stdin="pipe")
+        with pytest.raises(corral.SandboxError, match="unknown signal"):
+            await stream.signal("SIGNOPE")
+        await stream.write(b"still-open")
+        await stream.close_stdin()
+        assert b"".join([getattr(e, "data", b"") async for e in stream]) == b"still-open"
+        env = {**tcp_server.env, "CORRAL_TOKEN": reader}
+        r = await asyncio.to_thread(
+            subprocess.run,
+            [*CORRAL, "attach", session.session_id],
+            env=env,
+            cwd=workspace,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=60,
+        )
+        assert r.returncode != 0
+        assert b"[access_denied]" in r.stderr
+        assert b"Traceback" not in r.stderr
+
+
+def test_cp_copies_directories_both_ways(server: Served, workspace: Path, tmp_path: Path) -> None:
+    """``corral cp`` as with docker: a tree in and out (binary files byte for byte), into
+    a directory that exists, ``-`` for stdin and stdout, links skipped and named, and a
+    missing file named on either side without a traceback."""
+    tree = tmp_path / "tree"
+    (tree / "sub" / "deeper").mkdir(parents=True)
+    blob = os.urandom(200_000)
+    (tree / "sub" / "deeper" / "blob.bin").write_bytes(blob)
+    (tree / "a.txt").write_text("a\n")
+    (tree / "empty").mkdir()
+    (tree / "link").symlink_to("/etc/passwd")
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()  # its workspace
+    try:
+        r = cli(server, "cp", str(tree), f"{box}:tree", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert b"skipped" in r.stderr and b"link" in r.stderr
+        r = cli(server, "exec", box, "--", "sh", "-c", "cd tree && find . | sort", cwd=tmp_path)
+        listed = r.stdout.decode().split()
+        assert listed == [
+            ".",
+            "./a.txt",
+            "./empty",
+            "./sub",
+            "./sub/deeper",
+            "./sub/deeper/blob.bin",
+        ]
+        assert cli(server, "cp", str(tree / "a.txt"), f"{box}:tree", cwd=tmp_path).returncode == 0
+        r = cli(server, "cp", "-", f"{box}:tree/from-stdin", cwd=tmp_path, stdin=b"\x00\xff")
+        assert r.returncode == 0, r.stderr
+        (tmp_path / "out").mkdir()
+        r = cli(server, "cp", f"{box}:tree", str(tmp_path / "out"), cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        back = tmp_path / "out" / "tree"
+        assert (back / "sub" / "deeper" / "blob.bin").read_bytes() == blob
+        assert (back / "from-stdin").read_bytes() == b"\x00\xff"
+        assert (back / "a.txt").read_text() == "a\n"
+        assert (back / "empty").is_dir()
+        r = cli(server, "cp", f"{box}:tree/sub/deeper/blob.bin", "-", cwd=tmp_path)
+        assert r.stdout == blob
+        for args in (("nope", f"{box}:x"), (f"{box}:nope", "x")):
+            r = cli(server, "cp", *args, cwd=tmp_path)
+            assert r.returncode == 125
+            assert b"[file_not_found]" in r.stderr, r.stderr
+            assert b"Traceback" not in r.stderr
+    finally:
+        cli(server, "rm", box, cwd=tmp_path)
+
+
 # ---- lifecycle ---------------------------------------------------------------------------
 def _wait_gone(client: httpx.Client, box: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
@@ -357,6 +498,16 @@ def test_a_killed_server_leaves_no_box_and_restarts_empty(tmp_path: Path) -> Non
         client.post(f"/v1/boxes/{box}/run", json={"cmd": "sleep 1000", "background": True})
     boxes = _descendants(served.proc.pid)
     assert boxes, "the box's processes are the server's descendants"
+    for where, said in ((sock, b"already listens"), (f"{tmp_path}/no/s.sock", b"cannot listen")):
+        # Not a second server on the live one's socket (its boxes would be out of reach).
+        second = subprocess.run(
+            [*CORRAL, "serve", "--socket", where], capture_output=True, timeout=60
+        )
+        assert second.returncode == 2, second.stderr
+        assert said in second.stderr
+        assert b"Traceback" not in second.stderr
+    with http(served) as client:
+        assert client.get(f"/v1/boxes/{box}").status_code == 200  # still the first's
     served.stop(signal.SIGKILL)
     deadline = time.monotonic() + 30
     while alive := _alive(boxes):
@@ -373,6 +524,27 @@ def test_a_killed_server_leaves_no_box_and_restarts_empty(tmp_path: Path) -> Non
         assert sandbox_id not in Path("/proc/self/mountinfo").read_text()
     finally:
         assert again.stop() == 0
+
+
+async def test_a_tcp_server_restarted_at_its_address_keeps_its_token(tmp_path: Path) -> None:
+    """The clients of a server that was killed go on with the restarted one: the same token
+    (from its 0600 file), and their boxes are gone (reaped), not 'unauthorized'."""
+    runtime = tmp_path / "run"
+    first = await asyncio.to_thread(start, runtime, "--listen", "127.0.0.1:0")
+    port = first.url.rsplit(":", 1)[1]
+    async with corral.connect(first.url, first.token) as remote:
+        box = await remote.Sandbox().__aenter__()
+        await asyncio.to_thread(first.stop, signal.SIGKILL)
+        with pytest.raises(corral.ServerUnavailable):
+            await box.run("true")
+        again = await asyncio.to_thread(start, runtime, "--listen", f"127.0.0.1:{port}")
+        try:
+            assert again.token == first.token
+            assert await remote.boxes() == []
+            with pytest.raises(corral.BoxNotFound):
+                await box.run("true")
+        finally:
+            assert await asyncio.to_thread(again.stop) == 0
 
 
 def test_sigterm_closes_every_box(tmp_path: Path) -> None:

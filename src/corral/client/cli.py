@@ -113,6 +113,8 @@ def _guarded(call: Any) -> int:
         return _say_error(exc)
     except BrokenPipeError:
         return 141
+    except OSError as exc:  # this host's side (a full disk, a closed terminal): said, not raised
+        return _say_error(_host_error(str(exc.filename or "corral"), exc))
 
 
 def _on_stderr(text: str) -> str:
@@ -328,7 +330,9 @@ def server_parser() -> argparse.ArgumentParser:
     ps.add_argument("box", nargs="?")
     ps.add_argument("--json", action="store_true")
     ps.set_defaults(func=_ps)
-    cp = sub.add_parser("cp", help="copy a file in or out: corral cp SRC ID:PATH, ID:PATH DST")
+    cp = sub.add_parser(
+        "cp", help="copy files or directories in or out: corral cp SRC ID:PATH, ID:PATH DST"
+    )
     cp.add_argument("src")
     cp.add_argument("dst")
     cp.set_defaults(func=_cp)
@@ -476,38 +480,192 @@ def _split_ref(ref: str) -> tuple[str, str] | None:
 
 
 def _cp(conn: Conn, args: argparse.Namespace) -> int:
+    """``corral cp SRC ID:PATH`` and ``corral cp ID:PATH DST``: files and directories (as
+    ``docker cp``: into an existing directory, else as that name), ``-`` for stdin/stdout.
+    Symbolic links and special files are skipped and named on stderr."""
     src, dst = _split_ref(args.src), _split_ref(args.dst)
     if (src is None) == (dst is None):
         raise ServerError(
             "invalid_input", "one side of corral cp must be ID:PATH and the other a host path"
         )
+    copy = _Copy(conn)
     if dst is not None:  # in
-        box, path = dst
-        with open(args.src, "rb") as f:
-            response = conn.request(
-                "PUT",
-                f"/v1/boxes/{q(box)}/files/content?path={q(path)}",
-                raw=chunks(f.fileno(), 1 << 20),
-            )
-            response.read()
-        return 0
-    assert src is not None
-    box, path = src
-    response = conn.request("GET", f"/v1/boxes/{q(box)}/files/content?path={q(path)}")
-    if args.dst == "-":
-        while data := response.read(1 << 20):
-            _write_all(1, data)
-        return 0
-    target = args.dst
-    if os.path.isdir(target):
-        target = os.path.join(target, os.path.basename(path.rstrip("/")) or "file")
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    try:
-        while data := response.read(1 << 20):
-            _write_all(fd, data)
-    finally:
-        os.close(fd)
+        copy.into(dst[0], args.src, dst[1])
+    else:
+        assert src is not None
+        copy.out_of(src[0], src[1], args.dst)
+    for skipped in copy.skipped:
+        print(_on_stderr(f"corral: cp: skipped {skipped}"), file=sys.stderr)
     return 0
+
+
+class _Copy:
+    """The requests of one ``corral cp``."""
+
+    def __init__(self, conn: Conn) -> None:
+        self.conn = conn
+        self.skipped: list[str] = []
+
+    def _stat(self, box: str, path: str) -> dict[str, Any] | None:
+        try:
+            found: dict[str, Any] = self.conn.json(
+                "GET", f"/v1/boxes/{q(box)}/files/stat?path={q(path)}"
+            )
+        except ServerError as exc:
+            if exc.code == "file_not_found":
+                return None
+            raise
+        return found
+
+    def _put(self, box: str, path: str, body: Iterator[bytes]) -> None:
+        url = f"/v1/boxes/{q(box)}/files/content?path={q(path)}"
+        self.conn.request("PUT", url, raw=body).read()
+
+    # -- in ----------------------------------------------------------------------------------
+    def into(self, box: str, host: str, path: str) -> None:
+        if host == "-":
+            self._put(box, path, chunks(0, 1 << 20))
+            return
+        info = _host_stat(host)
+        found = self._stat(box, path)
+        if (found is not None and found["type"] == "dir") or path.endswith("/"):
+            path = _join(path, os.path.basename(os.path.normpath(host)))
+        if not _is_dir(info):
+            self._put_file(box, host, path)
+            return
+        for where, dirs, files in os.walk(host, onerror=_raise_host_error):
+            rel = os.path.relpath(where, host)
+            here = path if rel == "." else _join(path, *rel.split(os.sep))
+            self.conn.request("POST", f"/v1/boxes/{q(box)}/files/mkdir?path={q(here)}").read()
+            for name in sorted(files) + sorted(
+                d for d in dirs if os.path.islink(os.path.join(where, d))
+            ):
+                self._put_file(box, os.path.join(where, name), _join(here, name))
+
+    def _put_file(self, box: str, host: str, path: str) -> None:
+        info = _host_stat(host, follow=False)
+        if not _is_regular(info):
+            self.skipped.append(f"{host} (not a regular file or directory)")
+            return
+        try:
+            fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise _host_error(host, exc) from None
+        try:
+            self._put(box, path, chunks(fd, 1 << 20))
+        finally:
+            os.close(fd)
+
+    # -- out ---------------------------------------------------------------------------------
+    def out_of(self, box: str, path: str, host: str) -> None:
+        found = self._stat(box, path)
+        if found is None:
+            raise ServerError("file_not_found", f"{box}:{path}: no such file or directory")
+        kind = found["type"]
+        if host == "-":
+            if kind != "file":
+                raise ServerError(
+                    "invalid_input", f"{box}:{path} is a {kind}: only a file goes to stdout"
+                )
+            self._get_file(box, path, None)
+            return
+        name = _box_basename(path)
+        if os.path.isdir(host) and name not in ("", "."):  # ID:dir/. copies what is in it
+            if name == "..":
+                raise ServerError("invalid_input", f"{box}:{path}: name what to copy, not ..")
+            host = os.path.join(host, _safe_name(name))
+        if kind == "file":
+            self._get_file(box, path, host)
+        elif kind == "dir":
+            self._get_dir(box, path, host)
+        else:
+            self.skipped.append(f"{box}:{path} (a {kind}, not a regular file or directory)")
+
+    def _get_dir(self, box: str, path: str, host: str) -> None:
+        todo = [(path, host)]
+        while todo:
+            path, host = todo.pop()
+            try:
+                os.makedirs(host, exist_ok=True)
+            except OSError as exc:
+                raise _host_error(host, exc) from None
+            entries = self.conn.json("GET", f"/v1/boxes/{q(box)}/files?path={q(path)}")
+            for entry in entries:
+                name = str(entry.get("name", ""))
+                child, target = _join(path, name), os.path.join(host, _safe_name(name))
+                if entry.get("type") == "dir":
+                    todo.append((child, target))
+                elif entry.get("type") == "file":
+                    self._get_file(box, child, target)
+                else:
+                    self.skipped.append(f"{box}:{child} (a {entry.get('type')})")
+
+    def _get_file(self, box: str, path: str, host: str | None) -> None:
+        url = f"/v1/boxes/{q(box)}/files/content?path={q(path)}"
+        response = self.conn.request("GET", url)
+        if host is None:
+            while data := response.read(1 << 20):
+                _write_all(1, data)
+            return
+        try:
+            fd = os.open(host, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise _host_error(host, exc) from None
+        try:
+            while data := response.read(1 << 20):
+                _write_all(fd, data)
+        finally:
+            os.close(fd)
+
+
+def _join(path: str, *names: str) -> str:
+    """A box path and names below it (``/`` is the box's separator)."""
+    return "/".join([path.rstrip("/") or ("/" if path.startswith("/") else "."), *names])
+
+
+def _box_basename(path: str) -> str:
+    return path.rstrip("/").rpartition("/")[2]
+
+
+def _safe_name(name: str) -> str:
+    """A name the box listed, as one host path component: a hostile box's ``..``, ``a/b``
+    or NUL must not lead a copy out of its target."""
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise ServerError("protocol_error", f"the box listed a file named {name!r}: refused")
+    return name
+
+
+def _host_stat(path: str, follow: bool = True) -> os.stat_result:
+    try:
+        return os.stat(path) if follow else os.lstat(path)
+    except OSError as exc:
+        raise _host_error(path, exc) from None
+
+
+def _is_dir(info: os.stat_result) -> bool:
+    return info.st_mode & 0o170000 == 0o040000
+
+
+def _is_regular(info: os.stat_result) -> bool:
+    return info.st_mode & 0o170000 == 0o100000
+
+
+def _raise_host_error(exc: OSError) -> None:
+    raise _host_error(str(exc.filename), exc)
+
+
+def _host_error(path: str, exc: OSError) -> ServerError:
+    """An error of this host's files, said as the box's are (a code and a sentence)."""
+    import errno
+
+    code = {
+        errno.ENOENT: "file_not_found",
+        errno.EISDIR: "is_a_directory",
+        errno.ENOTDIR: "not_a_directory",
+        errno.EACCES: "permission_denied",
+        errno.EPERM: "permission_denied",
+    }.get(exc.errno or 0, "file_error")
+    return ServerError(code, f"{path}: {exc.strerror or exc} (on this host)")
 
 
 def _logs(conn: Conn, args: argparse.Namespace) -> int:

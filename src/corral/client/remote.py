@@ -666,16 +666,27 @@ class RemotePipedStream(_FrameEvents):
         from urllib.parse import urlencode
 
         from websockets.asyncio.client import connect, unix_connect
+        from websockets.exceptions import InvalidHandshake, InvalidStatus
 
         remote = self.sandbox.remote
         path = f"{self.sandbox.path}/exec/ws?{urlencode(self.params)}"
-        if remote.url.startswith("unix:"):
-            self._ws = await unix_connect(remote.url[5:], f"ws://localhost{path}", max_size=None)
-        else:
-            base = remote.url.rstrip("/").replace("http://", "ws://", 1)
-            auth = remote.http.headers.get("authorization")
-            headers = {"Authorization": auth} if auth else {}
-            self._ws = await connect(base + path, additional_headers=headers, max_size=None)
+        try:
+            if remote.url.startswith("unix:"):
+                self._ws = await unix_connect(
+                    remote.url[5:], f"ws://localhost{path}", max_size=None
+                )
+            else:
+                base = remote.url.rstrip("/").replace("http://", "ws://", 1)
+                auth = remote.http.headers.get("authorization")
+                headers = {"Authorization": auth} if auth else {}
+                self._ws = await connect(base + path, additional_headers=headers, max_size=None)
+        except InvalidStatus as exc:  # refused at the handshake: the server said why
+            _raise_for(httpx.Response(exc.response.status_code, content=bytes(exc.response.body)))
+            raise errors.ServerError(f"the server refused the WebSocket: {exc}") from None
+        except (OSError, InvalidHandshake) as exc:
+            raise errors.ServerUnavailable(
+                f"corral serve at {remote.url} did not open a WebSocket ({exc}); is it running?"
+            ) from None
         return self
 
     def __await__(self) -> Generator[Any, None, RemotePipedStream]:
@@ -688,6 +699,9 @@ class RemotePipedStream(_FrameEvents):
         await self._ws.send(json.dumps({"eof": True}))
 
     async def signal(self, sig: str | int = "SIGTERM") -> None:
+        from corral.processes import parse_signal
+
+        parse_signal(sig)  # an unknown signal is refused here, as the library does
         await self._ws.send(json.dumps({"signal": sig}))
 
     def __aiter__(self) -> AsyncIterator[ExecEvent]:

@@ -20,7 +20,7 @@ import tty
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from corral.client.fast import Conn, ServerError, q
 from corral.sessions.terminal import (
@@ -37,11 +37,26 @@ __all__ = ["attach", "find_session", "list_sessions", "shell"]
 
 
 async def _open(conn: Conn, path: str) -> ClientConnection:
-    if conn.unix is not None:
-        return await unix_connect(conn.unix, f"ws://localhost{path}", max_size=None)
-    extra = {"Authorization": f"Bearer {conn.token}"} if conn.token else {}
-    host = f"[{conn.host}]" if ":" in conn.host else conn.host
-    return await connect(f"ws://{host}:{conn.port}{path}", additional_headers=extra, max_size=None)
+    """The WebSocket at ``path``; a refusal is the server's error (its code and sentence)."""
+    try:
+        if conn.unix is not None:
+            return await unix_connect(conn.unix, f"ws://localhost{path}", max_size=None)
+        extra = {"Authorization": f"Bearer {conn.token}"} if conn.token else {}
+        host = f"[{conn.host}]" if ":" in conn.host else conn.host
+        url = f"ws://{host}:{conn.port}{path}"
+        return await connect(url, additional_headers=extra, max_size=None)
+    except InvalidStatus as exc:
+        status = exc.response.status_code
+        try:
+            err = json.loads(exc.response.body or b"")["error"]
+            code, message = str(err["code"]), str(err["message"])
+        except (ValueError, KeyError, TypeError):
+            code, message = "server_error", f"the server refused the terminal (HTTP {status})"
+        raise ServerError(code, message, status) from None
+    except (OSError, InvalidHandshake) as exc:
+        raise ServerError(
+            "server_unavailable", f"the server did not open the terminal's WebSocket ({exc})"
+        ) from None
 
 
 class _Bridge(KeyBridge):
