@@ -794,3 +794,28 @@ def test_host_paths_in_flags_are_made_absolute_here(
         "-e", "TOKEN_HERE=v1", "--", "ls", "--image", "x",
     ]  # fmt: skip
     assert localize(["--image", "python:3.12", "--", "true"])[2:4] == ["--image", "python:3.12"]
+
+
+async def test_a_body_that_trickles_is_cut_off() -> None:
+    """A client sending a small body a byte at a time must not hold a connection (and a
+    share of the connection cap) for ever: past the body timeout it gets 408."""
+    from corral.server.auth import Access, Guard
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("the app saw a request whose body never came")
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b" ", "more_body": True}
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    guard = Guard(app, Access(unix_owner=True, body_timeout=0.3))
+    scope = {"type": "http", "method": "POST", "path": "/v1/boxes", "headers": []}
+    async with asyncio.timeout(10):
+        await guard(scope, receive, send)
+    assert sent[0]["status"] == 408
+    assert json.loads(sent[1]["body"])["error"]["code"] == "timeout"

@@ -22,6 +22,7 @@ Every refusal is a JSON error with a stable code (``unauthorized``, ``request_to
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
@@ -42,6 +43,7 @@ OPEN_PATHS = frozenset({"/v1/health", "/"})
 OPEN_PREFIX = "/static/"
 """The dashboard's scripts and styles."""
 MAX_JSON_BYTES = 1 << 20
+BODY_TIMEOUT = 10.0
 _PREVIEW = re.compile(r"^/v1/boxes/[^/]+/ports/[^/]+/")
 """A preview URL (:mod:`corral.server.ports`): requests proxied to a box's server."""
 _STREAMED = re.compile(
@@ -98,6 +100,8 @@ class Access:
     hosts: frozenset[str] = frozenset()
     """Host header values accepted (empty: any, as on a unix socket)."""
     max_json_bytes: int = MAX_JSON_BYTES
+    body_timeout: float = BODY_TIMEOUT
+    """Seconds a capped (read-whole) body may take to arrive."""
 
     @staticmethod
     def host_names(host: str, port: int, extra: Iterable[str] = ()) -> frozenset[str]:
@@ -145,7 +149,21 @@ class Guard:
             # Every other route reads its body whole (FastAPI parses a body as JSON whatever
             # its Content-Type says): capped, so no request can make the server buffer more.
             # (A preview's body is the box server's business: streamed through, not capped.)
-            replay = None if self._declared_over(headers) else await self._whole_body(receive)
+            try:
+                async with asyncio.timeout(self.access.body_timeout):
+                    replay = (
+                        None if self._declared_over(headers) else await self._whole_body(receive)
+                    )
+            except TimeoutError:  # a client trickling a small body holds a connection
+                await _refuse(
+                    scope,
+                    receive,
+                    send,
+                    408,
+                    errors.ErrorCode.TIMEOUT,
+                    f"the request body did not arrive within {self.access.body_timeout:g} s",
+                )
+                return
             if replay is None:
                 limit = self.access.max_json_bytes
                 await _refuse(
