@@ -675,6 +675,18 @@ def test_slow_and_silent_clients_do_not_starve_others(tcp_server: Served) -> Non
         with http(tcp_server, tcp_server.token) as client:
             for _ in range(5):
                 assert client.get("/v1/boxes").status_code == 200
+        # More than the connection cap, each trickling a small body (read whole, capped):
+        # they are evicted as idle ones are, and a real client still gets in.
+        head = (
+            f"POST /v1/boxes HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer "
+            f"{tcp_server.token}\r\nContent-Type: application/json\r\nContent-Length: 100"
+            "\r\n\r\n{"
+        ).encode()
+        for _ in range(280):
+            silent.append(socket.create_connection((host, int(port))))
+            silent[-1].sendall(head)
+        with http(tcp_server, tcp_server.token) as client:
+            assert client.get("/v1/boxes").status_code == 200
     finally:
         for sock in silent:
             sock.close()

@@ -35,7 +35,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
 
-__all__ = ["Access", "Guard", "TokenScope", "deny_websocket", "error_body", "status_for"]
+__all__ = [
+    "Access",
+    "Guard",
+    "TokenScope",
+    "deny_websocket",
+    "error_body",
+    "reads_whole",
+    "status_for",
+]
 
 TokenScope = Literal["read", "operate"]
 OPEN_PATHS = frozenset({"/v1/health", "/"})
@@ -79,6 +87,11 @@ _STATUS: Mapping[errors.ErrorCode, int] = {
     errors.ErrorCode.BACKEND_UNAVAILABLE: 503,
     errors.ErrorCode.PORT_NOT_REACHABLE: 502,
 }
+
+
+def reads_whole(path: str) -> bool:
+    """Whether a request to ``path`` has its body read whole (capped), not streamed."""
+    return not (_PREVIEW.match(path) or _STREAMED.match(path))
 
 
 def status_for(code: errors.ErrorCode) -> int:
@@ -145,7 +158,7 @@ class Guard:
             await _refuse(scope, receive, send, status, code, message)
             return
         path = str(scope.get("path", ""))
-        if scope["type"] == "http" and not (_PREVIEW.match(path) or _STREAMED.match(path)):
+        if scope["type"] == "http" and reads_whole(path):
             # Every other route reads its body whole (FastAPI parses a body as JSON whatever
             # its Content-Type says): capped, so no request can make the server buffer more.
             # (A preview's body is the box server's business: streamed through, not capped.)

@@ -16,7 +16,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from corral.server.api import RunParser, build_api
-from corral.server.auth import Access, Guard
+from corral.server.auth import Access, Guard, reads_whole
 from corral.server.boxes import Boxes, ServeLimits
 from corral.server.metrics import Metrics
 from corral.server.transport import http_server_config
@@ -65,7 +65,7 @@ async def serve(config: ServeConfig, parse_run: RunParser, *, sock: socket.socke
     kernel queues them until the server accepts."""
     app, boxes = build_app(config, parse_run)
     boxes.start_reaper()
-    server = _Server(http_server_config(app, ws="websockets-sansio"))
+    server = _Server(http_server_config(app, ws="websockets-sansio", read_whole=reads_whole))
     try:
         await server.serve(sockets=[sock])
     finally:

@@ -14,6 +14,7 @@ import socket
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,10 +102,25 @@ class GuardedH11Protocol(H11Protocol):
             timer.cancel()
         self._head_timer = self.loop.call_later(self.header_timeout, self._head_timeout)
 
+    read_whole: Callable[[str], bool] | None = None
+    """Whether a request to a path has its body read whole (small and capped): a connection
+    still sending such a body counts as idle, or clients trickling bodies would hold every
+    connection slot."""
+
     def _idle(self) -> bool:
-        """No request in flight: waiting for (the rest of) a request head."""
+        """No request in flight: waiting for (the rest of) a request head; or still sending
+        a body that is read whole, before any answer."""
         in_flight = self.cycle is not None and not self.cycle.response_complete
-        return not in_flight and self.conn.their_state is h11.IDLE
+        if not in_flight and self.conn.their_state is h11.IDLE:
+            return True
+        cycle = self.cycle
+        return (
+            self.read_whole is not None
+            and self.conn.their_state is h11.SEND_BODY
+            and cycle is not None
+            and not cycle.response_started
+            and self.read_whole(str(getattr(self, "scope", {}).get("path", "")))
+        )
 
     def _head_timeout(self) -> None:
         if self._idle():
@@ -184,12 +200,17 @@ def http_server_config(
     header_timeout: float = HEADER_TIMEOUT,
     max_connections: int = MAX_CONNECTIONS,
     ws: Literal["none", "websockets-sansio"] = "none",
+    read_whole: Callable[[str], bool] | None = None,
 ) -> uvicorn.Config:
     """The uvicorn configuration ``serve_http`` uses: bounded heads, idle time and sockets."""
     protocol = type(
         "CorralH11Protocol",
         (GuardedH11Protocol,),
-        {"header_timeout": header_timeout, "max_connections": max_connections},
+        {
+            "header_timeout": header_timeout,
+            "max_connections": max_connections,
+            "read_whole": staticmethod(read_whole) if read_whole else None,
+        },
     )
     return uvicorn.Config(
         app,
