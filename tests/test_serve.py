@@ -498,17 +498,22 @@ def test_a_killed_server_leaves_no_box_and_restarts_empty(tmp_path: Path) -> Non
         client.post(f"/v1/boxes/{box}/run", json={"cmd": "sleep 1000", "background": True})
     boxes = _descendants(served.proc.pid)
     assert boxes, "the box's processes are the server's descendants"
-    for where, said in ((sock, b"already listens"), (f"{tmp_path}/no/s.sock", b"cannot listen")):
-        # Not a second server on the live one's socket (its boxes would be out of reach).
-        second = subprocess.run(
-            [*CORRAL, "serve", "--socket", where], capture_output=True, timeout=60
-        )
-        assert second.returncode == 2, second.stderr
-        assert said in second.stderr
-        assert b"Traceback" not in second.stderr
-    with http(served) as client:
-        assert client.get(f"/v1/boxes/{box}").status_code == 200  # still the first's
-    served.stop(signal.SIGKILL)
+    try:
+        for where, said in (
+            (sock, b"already listens"),
+            (f"{tmp_path}/no/s.sock", b"cannot listen"),
+        ):
+            # Not a second server on the live one's socket (its boxes would be out of reach).
+            second = subprocess.run(
+                [*CORRAL, "serve", "--socket", where], capture_output=True, timeout=60
+            )
+            assert second.returncode == 2, second.stderr
+            assert said in second.stderr
+            assert b"Traceback" not in second.stderr
+        with http(served) as client:
+            assert client.get(f"/v1/boxes/{box}").status_code == 200  # still the first's
+    finally:  # (on a failure above too: never leave the first server running)
+        served.stop(signal.SIGKILL)
     deadline = time.monotonic() + 30
     while alive := _alive(boxes):
         assert time.monotonic() < deadline, f"box processes outlived the server: {alive}"
