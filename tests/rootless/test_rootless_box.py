@@ -148,6 +148,25 @@ async def test_processes_are_bounded(workspace: Path) -> None:
         assert int(r.stdout) < 32
 
 
+async def test_a_pids_limit_the_box_cannot_take_is_refused_by_name(workspace: Path) -> None:
+    """Without a cgroup, ``max_pids`` is the commands' RLIMIT_NPROC, which the box cannot set
+    above the user's own hard limit: every command is refused naming it, never run under the
+    host's limit while info() reports the policy's."""
+    import resource
+
+    from corral import SandboxError
+
+    hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    if hard == resource.RLIM_INFINITY or hard >= 4194304:
+        pytest.skip(f"this user's hard RLIMIT_NPROC ({hard}) is above any max_pids")
+    policy = Policy.from_dict({"limits": {"max_pids": hard + 1}})
+    async with Sandbox(policy, workspace=workspace) as sb:
+        if (await sb.info())["limits_enforced_by"] != "rlimits":
+            pytest.skip("a delegated cgroup enforces max_pids here")
+        with pytest.raises(SandboxError, match=r"rlimits\.nproc.*limits\.max_pids"):
+            await sb.run("true")
+
+
 async def test_the_timeout_ends_a_command(box: Sandbox) -> None:
     r = await box.run("sleep 30", timeout=0.5)
     assert r.timed_out

@@ -172,6 +172,8 @@ class Agent:
             relays.start(config)
         # The host sends the default open-file cap (``backends.limits.agent_rlimits``).
         self.start_rlimits = {str(k): int(v) for k, v in dict(config.get("rlimits") or {}).items()}
+        self.start_refusal: AgentError | None = None
+        """Why no command can run here (a start rlimit the box could not take), or None."""
         rd, wr = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.wake_r = rd
         signal.set_wakeup_fd(wr)
@@ -314,6 +316,8 @@ class Agent:
                     f"rlimits.{name} (the policy's limits.rlimits.{name}, or the call's): "
                     f"{value} is above what this box can set ({hard})",
                 )
+        if self.start_refusal is not None:  # a start limit of the box's own it lacks
+            raise self.start_refusal
 
     def op_spawn(self, h: protocol.SpawnRequest, payload: bytes) -> protocol.SpawnReply:
         argv = [str(a) for a in h["argv"]]
@@ -670,6 +674,20 @@ class Agent:
         self.inherited_rlimits = commands.set_inherited_rlimits(
             {**self.start_rlimits, "core": 0, "msgqueue": commands.BOX_MSGQUEUE_BYTES}
         )
+        # A limit of the policy's that the box could not take (above a hard limit it cannot
+        # raise: a user namespace's root) would leave commands under the host's own limit
+        # while info() reports the policy's: every command is refused, naming it, instead.
+        for name, value in self.start_rlimits.items():
+            if name not in self.inherited_rlimits:
+                why = commands.unsettable_rlimit(name, value) or "setrlimit refused it"
+                self.start_refusal = AgentError(
+                    protocol.ErrorCode.INVALID_INPUT,
+                    f"rlimits.{name}: the box could not take {value} ({why}): lower the "
+                    f"policy's limits.rlimits.{name} (where no cgroup enforces them, as "
+                    "rootless, limits.max_pids is RLIMIT_NPROC and limits.memory_bytes "
+                    "RLIMIT_AS)",
+                )
+                break
         # No capability a command could inherit through its exec (ambient, inheritable).
         commands.shed_exec_capabilities()
         # Last, and before the first request: the agent and every command it starts from
