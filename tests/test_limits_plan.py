@@ -14,6 +14,7 @@ from corral.backends.limits import (
     agent_rlimits,
     plan_limits,
 )
+from corral.bounds import MAX_PIDS
 from corral.policy import (
     CPU_PERIOD_US,
     MIN_CPU_QUOTA,
@@ -55,7 +56,8 @@ def test_effective_values_are_what_the_kernel_keeps(lim: Limits, cap: Capabiliti
         assert abs(plan.cpu_quota - lim.cpu_quota) <= 0.5 / CPU_PERIOD_US
     assert plan.max_pids == lim.max_pids
     if lim.max_pids is not None:
-        assert plan.pids_max == lim.max_pids + cap.own_pids
+        # the backend's own processes on top, within the kernel's PID_MAX_LIMIT
+        assert plan.pids_max == min(lim.max_pids + cap.own_pids, MAX_PIDS)
     if plan.memory_bytes is not None:
         assert plan.memory_max == plan.memory_bytes + cap.own_memory_bytes
 

@@ -430,6 +430,9 @@ def test_cp_copies_directories_both_ways(server: Served, workspace: Path, tmp_pa
         assert (back / "empty").is_dir()
         r = cli(server, "cp", f"{box}:tree/sub/deeper/blob.bin", "-", cwd=tmp_path)
         assert r.stdout == blob
+        # named on its own, a link is refused, not skipped with success
+        r = cli(server, "cp", str(tree / "link"), f"{box}:x", cwd=tmp_path)
+        assert r.returncode == 2 and b"[invalid_input]" in r.stderr, r.stderr
         for args in (("nope", f"{box}:x"), (f"{box}:nope", "x")):
             r = cli(server, "cp", *args, cwd=tmp_path)
             assert r.returncode == 125

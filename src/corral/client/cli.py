@@ -482,7 +482,8 @@ def _split_ref(ref: str) -> tuple[str, str] | None:
 def _cp(conn: Conn, args: argparse.Namespace) -> int:
     """``corral cp SRC ID:PATH`` and ``corral cp ID:PATH DST``: files and directories (as
     ``docker cp``: into an existing directory, else as that name), ``-`` for stdin/stdout.
-    Symbolic links and special files are skipped and named on stderr."""
+    Symbolic links and special files inside a copied directory are skipped and named on
+    stderr; named as the source themselves, they are refused."""
     src, dst = _split_ref(args.src), _split_ref(args.dst)
     if (src is None) == (dst is None):
         raise ServerError(
@@ -531,6 +532,12 @@ class _Copy:
         if (found is not None and found["type"] == "dir") or path.endswith("/"):
             path = _join(path, os.path.basename(os.path.normpath(host)))
         if not _is_dir(info):
+            if not _is_regular(_host_stat(host, follow=False)):  # named on its own: refused
+                raise ServerError(
+                    "invalid_input",
+                    f"{host} is not a regular file or directory (a link or a special file): "
+                    "corral cp copies regular files and directories",
+                )
             self._put_file(box, host, path)
             return
         for where, dirs, files in os.walk(host, onerror=_raise_host_error):
@@ -578,8 +585,11 @@ class _Copy:
             self._get_file(box, path, host)
         elif kind == "dir":
             self._get_dir(box, path, host)
-        else:
-            self.skipped.append(f"{box}:{path} (a {kind}, not a regular file or directory)")
+        else:  # named on its own: refused (inside a copied directory it is skipped)
+            raise ServerError(
+                "invalid_input",
+                f"{box}:{path} is a {kind}: corral cp copies regular files and directories",
+            )
 
     def _get_dir(self, box: str, path: str, host: str) -> None:
         todo = [(path, host)]
