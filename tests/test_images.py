@@ -367,3 +367,14 @@ def test_the_cli_on_local_images(
     assert capsys.readouterr().out == f"removed {ref}\n"
     assert main(["image", "ls", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == []
+
+
+def test_resolve_root_is_what_a_backend_mounts(tmp_path: Path) -> None:
+    """``resolve_root``: no root of its own for the host's system, a plain directory as it
+    is (the one check every backend made before mounting an image's root)."""
+    from corral.images import resolve_root
+
+    assert resolve_root("host") is None
+    (tmp_path / "root" / "bin").mkdir(parents=True)
+    found = resolve_root(str(tmp_path / "root"))
+    assert found is not None and found.rootfs == (tmp_path / "root").resolve()

@@ -4,6 +4,6 @@
 (:mod:`corral.images.store`) keeps OCI images unpacked and shared by layer.
 """
 
-from corral.images.resolve import ImageConfig, ResolvedImage, resolve_image
+from corral.images.resolve import ImageConfig, ResolvedImage, resolve_image, resolve_root
 
-__all__ = ["ImageConfig", "ResolvedImage", "resolve_image"]
+__all__ = ["ImageConfig", "ResolvedImage", "resolve_image", "resolve_root"]

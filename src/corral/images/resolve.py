@@ -104,6 +104,18 @@ _BOX_UIDS: dict[int, BoxUser] = {0: "root", 1000: "user"}
 _PASSWD_MAX = 1 << 20
 
 
+def resolve_root(ref: str, *, cow: bool = False) -> ResolvedImage | None:
+    """:func:`resolve_image` for a backend about to mount the box's root: None when ``ref``
+    has no root of its own (the host's system), a BackendError when its root is not a
+    directory. Blocking (a registry ref not stored yet is pulled)."""
+    resolved = resolve_image(ref, cow=cow)
+    if resolved.rootfs is None:
+        return None
+    if not resolved.rootfs.is_dir():
+        raise errors.BackendError(f"policy.image {ref!r}: {resolved.rootfs} is not a directory")
+    return resolved
+
+
 def _image_ids(rootfs: Path, file: str, name: str) -> int | None:
     """The id of ``name`` in the image's ``/etc/passwd`` or ``/etc/group`` (None when the
     file or the name is not there). Read on the host beneath the image's root without

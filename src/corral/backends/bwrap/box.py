@@ -660,13 +660,11 @@ class BwrapBackend(BackendBase):
         policy = spec.policy
         if policy.image == "host":
             return None, None
-        from corral.images import resolve_image
+        from corral.images import resolve_root
 
-        image = resolve_image(policy.image, cow=policy.filesystem.root_size is not None)
-        if image.rootfs is None:
+        image = resolve_root(policy.image, cow=policy.filesystem.root_size is not None)
+        if image is None or image.rootfs is None:
             return None, None
-        if not image.rootfs.is_dir():
-            raise BackendError(f"policy.image {policy.image!r}: {image.rootfs} is not a directory")
         hidden = hidden_python(self.python)
         shared, owner = held.shared, held.owner
         assert shared is not None and owner is not None

@@ -456,14 +456,12 @@ class RootlessBwrapBackend(BackendBase):
         policy = spec.policy
         if policy.image == "host":
             return None
-        from corral.images import resolve_image
+        from corral.images import resolve_root
 
-        resolved = resolve_image(policy.image)
-        lower = resolved.rootfs
-        if lower is None:
+        resolved = resolve_root(policy.image)
+        if resolved is None or resolved.rootfs is None:
             return None
-        if not lower.is_dir():
-            raise BackendError(f"policy.image {policy.image!r}: {lower} is not a directory")
+        lower = resolved.rootfs
         size = policy.filesystem.root_size
         if size is None or writable is None:
             return lower, lower

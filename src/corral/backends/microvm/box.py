@@ -248,15 +248,11 @@ def _image_of(spec: BoxSpec, shared: idmap.SharedPaths) -> tuple[Path, str | Non
     the box's shared paths. Blocking."""
     if spec.policy.image == "host":
         return None
-    from corral.images import resolve_image
+    from corral.images import resolve_root
 
-    resolved = resolve_image(spec.policy.image)
-    if resolved.rootfs is None:
+    resolved = resolve_root(spec.policy.image)
+    if resolved is None or resolved.rootfs is None:
         return None
-    if not resolved.rootfs.is_dir():
-        raise BackendError(
-            f"policy.image {spec.policy.image!r}: {resolved.rootfs} is not a directory"
-        )
     workdir = resolved.config.workdir if spec.policy.workdir == DEFAULT_WORKDIR else None
     root = resolved.rootfs
     if os.geteuid() == 0:

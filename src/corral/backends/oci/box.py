@@ -593,7 +593,8 @@ async def _runtime_step(
     flags: list[str],
     before: list[str] | None = None,
 ) -> None:
-    """``run --detach`` one box, raising the runtime's error."""
+    """``run --detach`` one box off the loop (the seam where an attack test swaps the
+    workspace just before the runtime runs)."""
     await blocking(_run_detached, runtime, spec, channel_fd, bundle, flags, before)
 
 
@@ -605,6 +606,7 @@ def _run_detached(
     flags: list[str],
     before: list[str] | None = None,
 ) -> None:
+    """``run --detach`` one box, raising the runtime's error. Blocking."""
     step = "run"
     pid_file = str(spec.state_dir / "init.pid")
     args = [*flags, step, "--detach", "--bundle", str(bundle), "--pid-file", pid_file]
@@ -784,14 +786,12 @@ class OciBackend(BackendBase):
         when the runtime is gone: nothing to release on the host), at a directory of the
         box's state dir; a read-only one the image's entries bound as they are. Blocking."""
         policy = spec.policy
-        from corral.images import resolve_image
+        from corral.images import resolve_root
 
-        resolved = resolve_image(policy.image)
-        lower = resolved.rootfs
-        if lower is None:
+        resolved = resolve_root(policy.image)
+        if resolved is None or resolved.rootfs is None:
             return None
-        if not lower.is_dir():
-            raise BackendError(f"policy.image {policy.image!r}: {lower} is not a directory")
+        lower = resolved.rootfs
         hidden = hidden_python(self.python)
         size = policy.filesystem.root_size
         if size is None:
@@ -815,15 +815,11 @@ class OciBackend(BackendBase):
         ``filesystem.root_size``, its staging entries released with the shared paths.
         Blocking (a registry ref not stored yet is pulled)."""
         policy = spec.policy
-        from corral.images import resolve_image
+        from corral.images import resolve_root
 
-        resolved = resolve_image(policy.image, cow=policy.filesystem.root_size is not None)
-        if resolved.rootfs is None:
+        resolved = resolve_root(policy.image, cow=policy.filesystem.root_size is not None)
+        if resolved is None or resolved.rootfs is None:
             return None
-        if not resolved.rootfs.is_dir():
-            raise BackendError(
-                f"policy.image {policy.image!r}: {resolved.rootfs} is not a directory"
-            )
         hidden = hidden_python(self.python)
         if shared.binds is None:
             shared.binds = idmap.IdmappedBinds(spec.sandbox_id)
