@@ -13,7 +13,6 @@ import collections
 import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator
 from typing import Any
 
 from corral.audit import AuditListener
@@ -71,20 +70,3 @@ class AuditFeed:
 
     def close_reader(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
         self._readers.discard(queue)
-
-    @contextlib.contextmanager
-    def reader(self) -> Any:
-        """:meth:`open_reader` for the length of a ``with`` block."""
-        kept, queue = self.open_reader()
-        try:
-            yield kept, queue
-        finally:
-            self.close_reader(queue)
-
-    async def follow(self, *, history: bool = True) -> AsyncIterator[dict[str, Any]]:
-        with self.reader() as (kept, queue):
-            if history:
-                for record in kept:
-                    yield record
-            while True:
-                yield await queue.get()
