@@ -52,11 +52,13 @@ def make(box_id: str, owner: tuple[int, int] | None = None) -> Path:
 
 
 def remove(box_id: str, path: Path) -> None:
-    """Remove a workspace of :func:`make` with its contents, then its record. Blocking."""
-    with contextlib.suppress(FileNotFoundError):
-        shutil.rmtree(path)
-    with contextlib.suppress(FileNotFoundError):
-        (_records() / f"{box_id}.json").unlink()
+    """Remove a workspace of :func:`make` with its contents, then its record (kept while
+    anything of the workspace is left: a later sweep tries again). Never raises for what
+    it cannot remove, as the close it runs in must go on. Blocking."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        with contextlib.suppress(FileNotFoundError):
+            (_records() / f"{box_id}.json").unlink()
 
 
 def sweep() -> list[str]:
