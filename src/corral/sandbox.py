@@ -796,6 +796,13 @@ class Sandbox:
             )
             self._registry.add(proc)
             holder.append(proc)
+            # Here, as the reply arrives, not once the caller resumes: a quick command's exit
+            # may be read before then, and its spawn record must come first.
+            if self.audit.enabled:
+                self._spawn_marks[pid] = self.oom_kills()
+                self.audit.record(
+                    "command", event="spawn", argv=argv, cwd=fields["cwd"], pid=pid, pty=pty
+                )
 
         # Shielded: a caller cancelled while the agent starts the command gets no handle, so
         # the command it started anyway is ended here (``_end_orphan``), not left running.
@@ -810,11 +817,6 @@ class Sandbox:
         proc = holder[0]
         if rest:
             await self._stream_stdin(proc, rest)
-        if self.audit.enabled:
-            self._spawn_marks[proc.pid] = self.oom_kills()
-            self.audit.record(
-                "command", event="spawn", argv=argv, cwd=fields["cwd"], pid=proc.pid, pty=pty
-            )
         return proc
 
     async def _stream_stdin(self, proc: Process, data: bytes) -> None:

@@ -15,6 +15,7 @@ import pytest
 from corral import PathOutsideSandbox, Policy, Sandbox
 from corral.audit import AuditLog, read_records
 from corral.cli import main
+from corral.sandbox import STDIN_CHUNK
 from corral.tools import Rule, Toolbox
 from corral.tools.approvals import ApprovalRequest
 from security.helpers import rlimits_only
@@ -49,6 +50,21 @@ async def test_commands_are_recorded(box_policy: Policy, workspace: Path, tmp_pa
     events = [r["event"] for r in of_kind(log, "sandbox")]
     assert events == ["start", "close"]
     assert {rec["sandbox"] for rec in read_records(log)} == {sb.sandbox_id}
+
+
+async def test_a_spawn_is_recorded_before_its_exit(
+    box_policy: Policy, workspace: Path, tmp_path: Path
+) -> None:
+    # ``true`` with more stdin than one spawn frame carries: the command is gone before
+    # the rest of its input is sent, so its exit is read before ``spawn`` returns.
+    log = tmp_path / "audit.jsonl"
+    async with Sandbox(audited(box_policy, log), workspace=workspace) as sb:
+        pids = [(await sb.run("true", stdin=b"x" * (STDIN_CHUNK + 1))).pid]
+        pids += [(await sb.run("true")).pid for _ in range(20)]
+    order = [(c["pid"], c["event"]) for c in of_kind(log, "command")]
+    for pid in pids:
+        assert order.count((pid, "spawn")) == 1, order
+        assert order.index((pid, "spawn")) < order.index((pid, "exit")), order
 
 
 async def test_violations_are_recorded(box_policy: Policy, workspace: Path, tmp_path: Path) -> None:
