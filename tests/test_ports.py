@@ -193,6 +193,10 @@ def test_the_preview_url_streams_large_bodies_exactly_both_ways(
         )
         assert r.status_code == 200, r.text
         assert r.headers["x-box"] == "yes"
+        # One Date and one Server (corral's), as a reverse proxy answers: the box server
+        # (http.server) sent its own of both.
+        names = [k.lower() for k, _ in r.headers.raw]
+        assert names.count(b"date") == 1 and names.count(b"server") == 1, r.headers.raw
         # the box's pages get an opaque origin in a browser: not the server's own pages
         assert r.headers["content-security-policy"].startswith("sandbox ")
         assert "allow-same-origin" not in r.headers["content-security-policy"]

@@ -50,6 +50,9 @@ HOP_BY_HOP = frozenset(
 """Headers about one connection (RFC 9110 7.6.1), never forwarded."""
 PRIVATE = frozenset({"authorization", "cookie", "host"})
 """The caller's credentials for corral, and the Host the server checked: not the box's."""
+OWN_ANSWER = frozenset({"date", "server"})
+"""The server sends its own of these on every answer (uvicorn): the box's would be a second,
+which HTTP does not allow for Date. A reverse proxy answers with its own, as nginx does."""
 SANDBOXED = (
     b"content-security-policy",
     b"sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads",
@@ -87,8 +90,10 @@ def _port_out(box_id: str, published: PublishedPort) -> PortOut:
     )
 
 
-def _forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    drop = set(HOP_BY_HOP | PRIVATE)
+def _forwarded(
+    headers: list[tuple[bytes, bytes]], drop_also: frozenset[str] = frozenset()
+) -> list[tuple[bytes, bytes]]:
+    drop = set(HOP_BY_HOP | PRIVATE | drop_also)
     for name, value in headers:  # and what Connection names as hop-by-hop
         if name.lower() == b"connection":
             drop |= {v.strip().lower() for v in value.decode("latin-1").split(",")}
@@ -176,7 +181,8 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
                     yield chunk
 
         headers = [
-            (k.decode("latin-1"), v.decode("latin-1")) for k, v in _forwarded(answer.headers.raw)
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in _forwarded(answer.headers.raw, OWN_ANSWER)
         ]
         response = StreamingResponse(
             body(), status_code=answer.status_code, background=BackgroundTask(answer.aclose)
