@@ -276,6 +276,13 @@ def test_a_port_nothing_listens_on_answers_502_at_once(served: Served, box: str)
         assert error["code"] == "port_not_reachable" and "8011" in error["message"]
         assert took < 5, took
         assert c.post(f"/v1/boxes/{box}/ports", json={"port": 0}).status_code == 400
+        # the same port in a URL's path: the same refusal, whatever the method
+        for bad in ("0", "-1", "70000"):
+            for method in ("GET", "POST", "DELETE"):
+                tail = "" if method == "DELETE" else "/x"
+                r = c.request(method, f"/v1/boxes/{box}/ports/{bad}{tail}")
+                assert r.status_code == 400, (method, bad, r.text)
+                assert r.json()["error"]["code"] == "invalid_input", r.text
 
     async def websocket() -> None:  # a WebSocket is told why, and closed
         ws_url = served.url.replace("http://", "ws://") + f"/v1/boxes/{box}/ports/8012/"

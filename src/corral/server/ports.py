@@ -100,6 +100,15 @@ def _forwarded(
     return [(k, v) for k, v in headers if k.decode("latin-1").lower() not in drop]
 
 
+def _check_port(port: int) -> None:
+    """A port in a URL path is the caller's input, refused as ``POST .../ports`` refuses
+    one in its body (``invalid_input``), not as a policy's."""
+    if not 0 < port < 65536:
+        raise errors.SandboxError(
+            f"not a TCP port: {port} (a box port is 1-65535)", code=errors.ErrorCode.INVALID_INPUT
+        )
+
+
 def _unreachable(port: int, exc: BaseException) -> errors.PortNotReachable:
     why = str(exc) or type(exc).__name__
     return errors.PortNotReachable(
@@ -126,6 +135,7 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
 
     async def exposed(box_id: str, port: int) -> PublishedPort:
         """The box port's host port, exposing it now if the box did not yet."""
+        _check_port(port)
         sb = boxes.get(box_id).sandbox
         for published in sb.published:
             if published.box_port == port:
@@ -143,6 +153,7 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
 
     @app.delete("/v1/boxes/{box_id}/ports/{port}", tags=["ports"], status_code=204)
     async def unexpose(box_id: str, port: int) -> Response:
+        _check_port(port)
         await boxes.get(box_id).sandbox.unexpose(port)
         return Response(status_code=204)
 
