@@ -260,3 +260,23 @@ async def test_an_audit_stream_is_subscribed_before_its_response_starts() -> Non
     del queue
     gc.collect()
     assert len(feed._readers) == 0
+
+
+async def test_the_audit_feed_keeps_the_order_records_came_in() -> None:
+    """A record another thread published reaches readers before one the loop's thread
+    published after it (the thread's goes through the loop)."""
+    import threading
+
+    from corral.server.feed import AuditFeed
+
+    feed = AuditFeed()
+    feed.bind()
+    _, queue = feed.open_reader()
+    sender = threading.Thread(target=feed.publish, args=({"n": 1},))
+    sender.start()
+    sender.join()
+    feed.publish({"n": 2})
+    async with asyncio.timeout(10):
+        got = [await queue.get(), await queue.get()]
+    assert got == [{"n": 1}, {"n": 2}]
+    assert [r["n"] for r in feed.recent] == [1, 2]

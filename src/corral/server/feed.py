@@ -31,6 +31,8 @@ class AuditFeed:
         self._readers: weakref.WeakSet[asyncio.Queue[dict[str, Any]]] = weakref.WeakSet()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
+        self._deferred = 0  # records on their way to the loop (guarded by _lock)
+        self._lock = threading.Lock()
 
     def bind(self) -> None:
         """Remember the server's loop (call from it) for records that come from threads."""
@@ -46,10 +48,26 @@ class AuditFeed:
         return listen
 
     def publish(self, record: dict[str, Any]) -> None:
-        if self._loop is not None and threading.get_ident() != self._thread:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the server ended
-                self._loop.call_soon_threadsafe(self._deliver, record)
+        """Deliver ``record`` to every reader, in the order records were published: one
+        from the loop's thread waits its turn behind those other threads sent first."""
+        loop = self._loop
+        if loop is None:
+            self._deliver(record)
             return
+        with self._lock:
+            if threading.get_ident() == self._thread and not self._deferred:
+                self._deliver(record)
+                return
+            self._deferred += 1
+        try:
+            loop.call_soon_threadsafe(self._deliver_deferred, record)
+        except RuntimeError:  # the loop is closed: the server ended
+            with self._lock:
+                self._deferred -= 1
+
+    def _deliver_deferred(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._deferred -= 1
         self._deliver(record)
 
     def _deliver(self, record: dict[str, Any]) -> None:
