@@ -41,8 +41,14 @@ def _start_more(pool: ThreadPoolExecutor) -> None:
     """Run by the pool's first thread: occupy :data:`STARTED_THREADS` threads at once, so the
     pool starts them here (it starts one per job while none is idle)."""
     together = threading.Barrier(STARTED_THREADS)
-    for _ in range(STARTED_THREADS - 1):
-        pool.submit(_meet, together)
+    try:
+        for _ in range(STARTED_THREADS - 1):
+            pool.submit(_meet, together)
+    except RuntimeError:
+        # The interpreter is exiting (a command that failed at once): no thread can start
+        # now, so release those that did rather than keep its exit waiting for the barrier.
+        together.abort()
+        return
     _meet(together)
 
 
