@@ -79,3 +79,48 @@ async def test_a_root_box_leaves_no_setuid_file_and_no_file_capability(
         except OSError:
             pass
     assert left == [], (left, res)
+
+
+AGENT_FDS = """
+pid = agent_pid()
+fds = os.listdir(f'/proc/{pid}/fd') if not err(os.listdir, f'/proc/{pid}/fd') else []
+res = {
+    'pid': pid,
+    'listed': len(fds),
+    'open': [err(os.open, f'/proc/{pid}/fd/{fd}', os.O_RDONLY) for fd in fds],
+    'readlink': [err(os.readlink, f'/proc/{pid}/fd/{fd}') for fd in fds],
+    'environ': err(lambda: open(f'/proc/{pid}/environ', 'rb').read()),
+    'mem': err(lambda: open(f'/proc/{pid}/mem', 'rb').read(1)),
+    'getfd': [sc(438, sc(434, pid, 0)['ret'], fd, 0)['errno'] for fd in (3, 4, 5)],
+}
+"""
+
+
+async def test_box_root_sees_at_most_the_agents_fd_numbers(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """Box root and the agent share an id, so box root may list the numbers of the agent's
+    open fds (the agent is not dumpable: its /proc entries are box root's). Opening one,
+    reading where it points, its environment or memory, or taking it with pidfd_getfd needs
+    CAP_SYS_PTRACE, which box root does not hold."""
+    policy = box_policy.model_copy(update={"user": "root"})
+    try:
+        sb = Sandbox(policy, workspace=workspace)
+        await sb.start()
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        res = await box_py(sb, AGENT_FDS)
+    finally:
+        await sb.aclose()
+    assert res["pid"] > 0, res
+    if policy.runtime == "runsc":
+        pytest.skip(
+            f"gVisor skips the ptrace check on /proc/<pid>/fd (see test_attack_privilege): {res}"
+        )
+    assert set(res["open"]) <= {"EACCES", "EPERM"} and set(res["readlink"]) <= {
+        "EACCES",
+        "EPERM",
+    }, res
+    assert res["environ"] in ("EACCES", "EPERM") and res["mem"] in ("EACCES", "EPERM"), res
+    assert all(e is not None for e in res["getfd"]), res
