@@ -229,8 +229,9 @@ async def test_restored_vms_share_no_randomness_and_keep_the_hosts_time(tmp_path
 
 
 async def test_a_damaged_snapshot_is_replaced_and_snapshots_can_be_off(tmp_path: Path) -> None:
-    # A shape of its own: a VM of 320 MiB (the limit, 1/8 of it and the guest's 128 MiB).
-    policy = Policy(backend="microvm", limits={"memory_bytes": 128 << 20})
+    # The default shape, which the tests above saved: the first box is restored (no boot),
+    # the damaged file makes the second boot and save anew, and the third boots without one.
+    policy = Policy(backend="microvm")
     async with Sandbox(policy, workspace=tmp_path) as sb:
         saved = Path((await sb.info())["snapshot"])
     assert saved.is_file()
