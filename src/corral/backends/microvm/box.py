@@ -905,8 +905,8 @@ class _VmStart:
                 child = await _until(proc, _read_info(reader), CONNECT_TIMEOUT, what)
             finally:
                 transport.close()
-            if cgroup is not None:
-                cgroup.add(child)
+            if cgroup is not None:  # a cgroup v1 move waits for an RCU grace period: off-loop
+                await blocking(cgroup.add, child)
             write_owner(self.spec.state_dir, "microvm", qemu_pid=child, bwrap_pid=proc.pid)
             os.write(block_w, b"1")
             return _Jailed(proc, child, cgroup)
