@@ -191,17 +191,10 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
                 async for chunk in answer.aiter_raw():
                     yield chunk
 
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in _forwarded(answer.headers.raw, OWN_ANSWER)
-        ]
         response = StreamingResponse(
             body(), status_code=answer.status_code, background=BackgroundTask(answer.aclose)
         )
-        response.raw_headers = [
-            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers),
-            SANDBOXED,
-        ]
+        response.raw_headers = [*_forwarded(answer.headers.raw, OWN_ANSWER), SANDBOXED]
         return response
 
     for method in methods:  # one operation per method: OpenAPI ids must be unique
