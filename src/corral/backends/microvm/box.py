@@ -468,6 +468,17 @@ async def probe(qemu: str, kernel: initramfs.Kernel, base: Path, accel: str) -> 
 # ---- orphans -------------------------------------------------------------------------------
 
 
+def _make_group(
+    made: list[cgroups.Cgroup],
+    name: str,
+    limits: cgroups.CgroupLimits,
+    support: cgroups.CgroupSupport,
+) -> None:
+    """Create qemu's cgroup into ``made``, where the caller finds it even if it was
+    cancelled while this ran."""
+    made.append(cgroups.Cgroup.create(name, limits, support))
+
+
 def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
     """Kill the VMs of dead owners and remove their state directories, then the cgroups and
     idmapped mounts nobody owns any more."""
@@ -882,7 +893,14 @@ class _VmStart:
                     memory_bytes=(vm_mb + jail.MEMORY_OVERHEAD_MB) << 20,
                     max_pids=jail.PIDS_MAX,
                 )
-                cgroup = cgroups.Cgroup.create(self.spec.sandbox_id, limits, b.cgroup_support)
+                # a cgroup v1 group is five directories and their limit files: off-loop
+                made: list[cgroups.Cgroup] = []
+                try:
+                    await blocking(
+                        _make_group, made, self.spec.sandbox_id, limits, b.cgroup_support
+                    )
+                finally:
+                    cgroup = made[0] if made else None
             proc = await asyncio.create_subprocess_exec(
                 *full,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -915,7 +933,7 @@ class _VmStart:
                 kill_child(proc)
                 await proc.wait()
             if cgroup is not None:
-                cgroup.remove()
+                await blocking(cgroup.remove)
             raise
         finally:
             fds.close()
