@@ -51,6 +51,8 @@ async def test_host_io_follows_no_link_planted_in_the_workspace(
 
 
 async def test_host_io_never_blocks_on_a_fifo(box_policy: Policy, workspace: Path) -> None:
+    if box_policy.backend == "microvm":
+        pytest.skip("a microVM's 9p workspace makes no fifo (ENXIO) for the host to meet")
     async with Sandbox(box_policy, workspace=workspace) as sb:
         await _plant(sb, "mkfifo pipe.bin")
     fifo = _inode(workspace / "pipe.bin")
