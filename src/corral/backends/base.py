@@ -14,7 +14,6 @@ It builds on :mod:`.layout` (policy -> mounts), :mod:`.users` (uid maps) and :mo
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -49,25 +48,6 @@ asynchronously: a process in uninterruptible sleep holds the group in FREEZING).
 
 AGENT_DIR = Path(__file__).resolve().parent.parent / "agent"
 """Host directory holding the guest agent (stdlib-only Python files)."""
-
-
-def kill_child(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL a child started with asyncio, through a pidfd, without reaping it.
-
-    ``Process.kill()`` polls first (``Popen.send_signal``), which reaps a child that has just
-    exited behind asyncio's watcher ("Unknown child process pid N" warnings)."""
-    if proc.returncode is not None:
-        return
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except OSError:
-        return  # already reaped: nothing to kill
-    try:
-        signal.pidfd_send_signal(fd, signal.SIGKILL)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -65,6 +64,7 @@ from corral.backends.host import (
     ucounts,
 )
 from corral.backends.host.boxfiles import shared_files
+from corral.backends.host.child import HostChild
 from corral.backends.host.python import (
     HiddenPython,
     ensure_agent_compiled,
@@ -105,89 +105,7 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
     return removed
 
 
-class _Bwrap:
-    """bwrap started by ``Popen`` on the loop (vfork + exec: ~0.3 ms), its exit seen through
-    a pidfd. ``asyncio.create_subprocess_exec`` took ~2 ms of every box start (a child
-    watcher thread, pipe transports, several loop turns) before bwrap had even begun."""
-
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
-        self._popen = popen
-        self.pid = popen.pid
-        self._pidfd = os.pidfd_open(popen.pid)
-        self._exited: asyncio.Future[None] | None = None
-        self._stderr = popen.stderr
-        if self._stderr is not None:
-            os.set_blocking(self._stderr.fileno(), False)
-
-    @property
-    def returncode(self) -> int | None:
-        """bwrap's exit status once :meth:`wait` has seen it exit, else None."""
-        return self._popen.returncode
-
-    def kill(self) -> None:
-        """SIGKILL bwrap (through its pidfd: never another process that got its pid)."""
-        if self._popen.returncode is None and self._pidfd >= 0:
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-
-    async def wait(self) -> int:
-        """Wait for bwrap to exit and reap it."""
-        if self._popen.returncode is None and self._pidfd >= 0:
-            if self._exited is None:
-                loop = asyncio.get_running_loop()
-                self._exited = exited = loop.create_future()
-
-                def on_exit() -> None:
-                    loop.remove_reader(self._pidfd)
-                    if not exited.done():
-                        exited.set_result(None)
-
-                loop.add_reader(self._pidfd, on_exit)
-            await asyncio.shield(self._exited)
-            self._popen.poll()  # it has exited: reaps it without blocking
-        return self._popen.returncode if self._popen.returncode is not None else -1
-
-    async def stderr(self) -> str:
-        """What bwrap printed before it died (its errors name the failing mount or option):
-        up to 8 KiB, waiting at most 2 s for the pipe to end."""
-        if self._stderr is None:
-            return ""
-        fd = self._stderr.fileno()
-        data = b""
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(TimeoutError, OSError):
-            async with asyncio.timeout(2):
-                while len(data) < 8192:
-                    try:
-                        chunk = os.read(fd, 8192 - len(data))
-                    except BlockingIOError:
-                        readable: asyncio.Future[None] = loop.create_future()
-                        loop.add_reader(fd, readable.set_result, None)
-                        try:
-                            await readable
-                        finally:
-                            loop.remove_reader(fd)
-                        continue
-                    if not chunk:
-                        break
-                    data += chunk
-        return data.decode(errors="replace").strip()
-
-    def close(self) -> None:
-        """Release the pidfd and the stderr pipe (after :meth:`wait`)."""
-        if self._pidfd >= 0:
-            if self._exited is not None and not self._exited.done():
-                with contextlib.suppress(Exception):
-                    asyncio.get_running_loop().remove_reader(self._pidfd)
-                self._exited.cancel()
-            os.close(self._pidfd)
-            self._pidfd = -1
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
-
-
-async def _read_info(fd: int, proc: _Bwrap) -> dict[str, Any]:
+async def _read_info(fd: int, proc: HostChild) -> dict[str, Any]:
     """Read bwrap's --info-fd JSON (written once the namespaces exist); closes ``fd``."""
     loop = asyncio.get_running_loop()
     os.set_blocking(fd, False)
@@ -324,7 +242,7 @@ class BwrapBox(CgroupBox):
     def __init__(
         self,
         spec: BoxSpec,
-        proc: _Bwrap,
+        proc: HostChild,
         channel: socket.socket,
         cgroup: cgroups.Cgroup | None,
         warnings: tuple[str, ...],
@@ -444,7 +362,7 @@ class BwrapBackend(BackendBase):
         setup_r, setup_w = os.pipe()
         sec_r, sec_w = os.pipe()
         fds = bwrap_args.BwrapFds(info=info_w, userns_block=block_r, seccomp=sec_r, block=setup_r)
-        proc: _Bwrap | None = None
+        proc: HostChild | None = None
         primed: asyncio.Future[None] | None = None
         try:
             # Directories, the seccomp filter, idmapped mounts, argv and the cgroup, in a
@@ -529,7 +447,7 @@ class BwrapBackend(BackendBase):
         )
 
     @staticmethod
-    async def _add_to_cgroup(cgroup: cgroups.Cgroup, child: int, proc: _Bwrap) -> None:
+    async def _add_to_cgroup(cgroup: cgroups.Cgroup, child: int, proc: HostChild) -> None:
         """Move bwrap's child into the box's cgroup; if it is gone, bwrap failed while it
         built the mounts, and its own error says why."""
         try:
@@ -723,7 +641,7 @@ class BwrapBackend(BackendBase):
         argv: list[str],
         pass_fds: tuple[int, ...],
         uid: int,
-    ) -> _Bwrap:
+    ) -> HostChild:
         """bwrap born inside the box's cgroup where the host allows it, else spawned here
         (and moved in later, once it has built the mounts)."""
         if cgroup is not None and self.spawn_inside.unusable is None:
@@ -732,7 +650,7 @@ class BwrapBackend(BackendBase):
 
     async def _spawn_inside(
         self, cgroup: cgroups.Cgroup, argv: list[str], pass_fds: tuple[int, ...], uid: int
-    ) -> _Bwrap:
+    ) -> HostChild:
         """:meth:`_spawn` from a host thread that is in the box's cgroup meanwhile, so that
         bwrap and everything it forks are born there (see :class:`cgroups.SpawnInside`);
         the usual spawn (and a move later) when that thread could not enter."""
@@ -748,16 +666,16 @@ class BwrapBackend(BackendBase):
         except OSError:  # the thread could not enter the group: nothing was started
             return self._spawn(argv, pass_fds, uid)
         try:
-            return _Bwrap(popen)
+            return HostChild(popen)
         except BaseException:
             popen.kill()
             popen.wait()
             raise
 
-    def _spawn(self, argv: list[str], pass_fds: tuple[int, ...], uid: int) -> _Bwrap:
+    def _spawn(self, argv: list[str], pass_fds: tuple[int, ...], uid: int) -> HostChild:
         popen = self._popen(argv, pass_fds, uid)
         try:
-            return _Bwrap(popen)
+            return HostChild(popen)
         except BaseException:
             popen.kill()
             popen.wait()

@@ -45,6 +45,7 @@ import re
 import shutil
 import socket
 import stat
+import subprocess
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
@@ -57,12 +58,12 @@ from corral.backends.base import (
     BoxSpec,
     BoxStats,
     agent_config,
-    kill_child,
     kill_if_named,
     refuse_image,
     sweep_boxes,
 )
 from corral.backends.host import cgroups, idmap, maskfollow, mounts, safepath, seccomp, staging
+from corral.backends.host.child import HostChild, spawn
 from corral.backends.host.python import find_python
 from corral.backends.host.state import BOX_PREFIX, cache_root, state_root, write_owner
 from corral.backends.host.threads import blocking
@@ -618,7 +619,7 @@ class MicroVmBox(BoxBase):
         if self._cgroup is not None:
             with contextlib.suppress(Exception):
                 self._cgroup.kill_all(wait=False)
-        kill_child(self._proc)
+        self._proc.kill()
 
     async def diagnose(self) -> str:
         """qemu's error output and the end of the guest console."""
@@ -626,10 +627,10 @@ class MicroVmBox(BoxBase):
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1):  # a VM that failed is usually exiting right now
                 await self._proc.wait()
-        if self._proc.returncode is not None and self._proc.stderr is not None:
-            with contextlib.suppress(TimeoutError, OSError):
+        if self._proc.returncode is not None:
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1):
-                    err = (await self._proc.stderr.read(4096)).decode(errors="replace").strip()
+                    err = await self._proc.stderr(4096)
                     if err:
                         parts.append(f"qemu: {err}")
         tail = console_tail(self._spec.state_dir / RUN_DIR / "console.log")
@@ -657,10 +658,11 @@ class MicroVmBox(BoxBase):
             async with asyncio.timeout(SHUTDOWN_GRACE):
                 await self._proc.wait()
         if self._proc.returncode is None:
-            kill_child(self._proc)
+            self._proc.kill()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(5):
                     await self._proc.wait()
+        self._proc.close()
         await self._release_host(self._cgroup, self._shared, kill=True)
 
 
@@ -680,7 +682,7 @@ def _base_archive(kernel: initramfs.Kernel, python: str) -> Path:
 class _Jailed:
     """A jailed qemu being started: bwrap (``proc``), qemu inside it, qemu's cgroup."""
 
-    proc: asyncio.subprocess.Process
+    proc: HostChild
     qemu_pid: int
     cgroup: cgroups.Cgroup | None
 
@@ -815,7 +817,7 @@ class MicroVmBackend(BackendBase):
             try:
                 return await vm.run(restore=snapshot, notes=notes)
             except BackendError as exc:  # a stale or damaged file: boot, and save a new one
-                vmsnap.discard(snapshot)
+                await blocking(vmsnap.discard, snapshot)  # a 70-100 MiB file: off-loop
                 notes.append(f"the saved VM did not restore ({exc.message}); booted instead")
         try:
             try:
@@ -828,7 +830,7 @@ class MicroVmBackend(BackendBase):
         try:
             box = await vm.run(restore=snapshot, notes=notes)
         except BackendError as exc:
-            vmsnap.discard(snapshot)
+            await blocking(vmsnap.discard, snapshot)  # a 70-100 MiB file: off-loop
             notes.append(f"the VM just saved did not restore ({exc.message}); booted instead")
             return await vm.run(notes=notes)
         box.boot_how = "booted, saved and restored"
@@ -867,7 +869,7 @@ class _VmStart:
         block_r, block_w = os.pipe()
         fds = jail.JailFds()
         cgroup: cgroups.Cgroup | None = None
-        proc: asyncio.subprocess.Process | None = None
+        proc: HostChild | None = None
         kvm = self.boot.accel == "kvm"
         try:
             try:
@@ -901,11 +903,11 @@ class _VmStart:
                     )
                 finally:
                     cgroup = made[0] if made else None
-            proc = await asyncio.create_subprocess_exec(
-                *full,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
+            proc = await spawn(
+                full,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
                 pass_fds=(*fds.fds, info_w, block_r, *keep),
                 env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
                 # qemu's own ids (as root); as a user, its own (and its groups, /dev/kvm's)
@@ -929,9 +931,10 @@ class _VmStart:
             os.write(block_w, b"1")
             return _Jailed(proc, child, cgroup)
         except BaseException:
-            if proc is not None and proc.returncode is None:
-                kill_child(proc)
+            if proc is not None:
+                proc.kill()
                 await proc.wait()
+                proc.close()
             if cgroup is not None:
                 await blocking(cgroup.remove)
             raise
@@ -1061,12 +1064,13 @@ def _agent_late(spec: BoxSpec, *, restored: bool) -> str:
 
 async def _kill(vm: _Jailed) -> None:
     """Kill a jailed qemu and wait for it; remove its cgroup."""
-    kill_child(vm.proc)
+    vm.proc.kill()
     # Bounded: a start cancelled at the wrong moment (an enclosing timeout) was seen to
     # never get the exit of the killed jail reported; the cgroup kill below still ends it.
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(5):
             await vm.proc.wait()
+    vm.proc.close()
     await BoxBase._release_host(vm.cgroup, kill=True)
 
 
@@ -1091,9 +1095,7 @@ async def _read_info(reader: asyncio.StreamReader) -> int:
     return int(json.loads(data[: data.index(b"}") + 1])["child-pid"])
 
 
-async def _until(
-    proc: asyncio.subprocess.Process, step: Awaitable[T], timeout: float, what: str
-) -> T:
+async def _until(proc: HostChild, step: Awaitable[T], timeout: float, what: str) -> T:
     """``step``'s result, or BackendError naming ``what`` when qemu exits or time runs out
     (with qemu's own error message when it printed one)."""
     task = asyncio.ensure_future(step)
@@ -1116,10 +1118,10 @@ async def _until(
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(1):  # a channel that failed: qemu is usually exiting now
             await proc.wait()
-    if proc.returncode is not None and proc.stderr is not None:
-        with contextlib.suppress(TimeoutError, OSError):
+    if proc.returncode is not None:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1):
-                detail = (await proc.stderr.read(4096)).decode(errors="replace").strip()
+                detail = await proc.stderr(4096)
     if not detail:
         failure = task.exception() if task.done() and not task.cancelled() else None
         detail = str(failure) if failure else f"qemu exited with status {proc.returncode}"

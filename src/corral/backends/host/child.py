@@ -1,0 +1,127 @@
+"""A backend's host-side child (bwrap; bwrap holding a jailed qemu): started by ``Popen``, its
+exit seen through a pidfd, never through asyncio's child watcher.
+
+``asyncio.create_subprocess_exec`` costs the event loop more than the spawn: it starts a
+watcher thread per child (the loop waits until that thread runs: over 20 ms on a busy host),
+sets up pipe transports over several loop turns, and a spawn that must fork (another user,
+other groups) runs the fork on the loop. :func:`spawn` runs ``Popen`` in a host thread;
+:class:`HostChild` waits for the exit on the loop through the child's pidfd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+from typing import Any, cast
+
+from corral.backends.host.threads import blocking, submit
+
+__all__ = ["HostChild", "spawn"]
+
+
+class HostChild:
+    """A child started by ``Popen`` (its stderr a pipe, or not kept), its exit seen through a
+    pidfd. :meth:`close` releases the pidfd and the pipe once it has exited."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self._pidfd = os.pidfd_open(popen.pid)
+        self._exited: asyncio.Future[None] | None = None
+        self._stderr = popen.stderr
+        if self._stderr is not None:
+            os.set_blocking(self._stderr.fileno(), False)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once :meth:`wait` has seen the child exit, else None."""
+        return self._popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the child (through its pidfd: never another process that got its pid)."""
+        if self._popen.returncode is None and self._pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        """Wait for the child to exit and reap it (cancelling this wait leaves it waitable)."""
+        if self._popen.returncode is None and self._pidfd >= 0:
+            if self._exited is None:
+                loop = asyncio.get_running_loop()
+                self._exited = exited = loop.create_future()
+
+                def on_exit() -> None:
+                    loop.remove_reader(self._pidfd)
+                    if not exited.done():
+                        exited.set_result(None)
+
+                loop.add_reader(self._pidfd, on_exit)
+            await asyncio.shield(self._exited)
+            self._popen.poll()  # it has exited: reaps it without blocking
+        return self._popen.returncode if self._popen.returncode is not None else -1
+
+    async def stderr(self, limit: int = 8192) -> str:
+        """What the child printed before it died (bwrap names the failing mount or option,
+        qemu its error): up to ``limit`` bytes, waiting at most 2 s for the pipe to end."""
+        if self._stderr is None:
+            return ""
+        fd = self._stderr.fileno()
+        data = b""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(2):
+                while len(data) < limit:
+                    try:
+                        chunk = os.read(fd, limit - len(data))
+                    except BlockingIOError:
+                        readable: asyncio.Future[None] = loop.create_future()
+                        loop.add_reader(fd, readable.set_result, None)
+                        try:
+                            await readable
+                        finally:
+                            loop.remove_reader(fd)
+                        continue
+                    if not chunk:
+                        break
+                    data += chunk
+        return data.decode(errors="replace").strip()
+
+    def close(self) -> None:
+        """Release the pidfd and the stderr pipe (after :meth:`wait`)."""
+        if self._pidfd >= 0:
+            if self._exited is not None and not self._exited.done():
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(self._pidfd)
+                self._exited.cancel()
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+
+
+def _popen(argv: list[str], popen: dict[str, Any]) -> subprocess.Popen[bytes]:
+    return cast("subprocess.Popen[bytes]", subprocess.Popen(argv, **popen))
+
+
+async def spawn(argv: list[str], **popen: Any) -> HostChild:
+    """``Popen(argv, **popen)`` in a host thread, off the event loop. Cancelled meanwhile,
+    the child it started is killed and reaped before the cancellation goes on."""
+    started = submit(_popen, argv, popen)
+    try:
+        child: subprocess.Popen[bytes] = await asyncio.shield(asyncio.wrap_future(started))
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            orphan: subprocess.Popen[bytes] = await asyncio.wrap_future(started)
+            orphan.kill()
+            await blocking(orphan.wait)
+        raise
+    try:
+        return HostChild(child)
+    except BaseException:
+        child.kill()
+        await blocking(child.wait)
+        raise
