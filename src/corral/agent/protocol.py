@@ -55,6 +55,11 @@ VM_SNAPSHOT_MARKER = b"corral-snapshot-point\n"
 """What a microVM's agent writes on its channel once it is up with every import done, before
 anything box-specific: the host may save the VM there, then sends ``<size>\\n`` and a JSON
 object of that size: ``script`` (the box's mounts), ``config`` (the agent's) and ``clock``."""
+VM_REFUSED = "corral-init: refused: "
+"""How a microVM's init starts its console line when it refuses the box's own layout (a
+mask is not where it must be: a link swapped in by another box on the workspace): the box's
+doing, not the VM's, so the host neither boots again nor drops the saved VM it restored. (A
+mount that failed is not one of these: a VM restored from a damaged file could cause it.)"""
 
 
 class ErrorCode:

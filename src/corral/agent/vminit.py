@@ -114,7 +114,7 @@ def check_masks(checks: dict[str, list[str]]) -> None:
                     fd = opener.open(root, rel, os.O_PATH, 0, no_symlinks=True)
                 except OSError as exc:
                     raise SystemExit(
-                        f"corral-init: the mask at {dest} cannot be reached without a link "
+                        f"{protocol.VM_REFUSED}the mask at {dest} cannot be reached without a link "
                         f"({exc.strerror}; swapped in by another box?): not started"
                     ) from None
                 try:
@@ -131,7 +131,7 @@ def check_masks(checks: dict[str, list[str]]) -> None:
                     os.close(fd)
                 if not ok:
                     raise SystemExit(
-                        f"corral-init: {dest} is not masked ({kind}) after the mounts (its "
+                        f"{protocol.VM_REFUSED}{dest} is not masked ({kind}) after the mounts (its "
                         "path changed while they were made?): not started"
                     )
     finally:

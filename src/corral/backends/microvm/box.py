@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from corral.agent import protocol
 from corral.backends.base import (
     BackendBase,
     BoxBase,
@@ -517,6 +518,11 @@ class BootStalled(BackendError):
     """The VM did not reach its snapshot point in time (killed; the backend boots again)."""
 
 
+class LayoutRefused(BackendError):
+    """The guest's init refused the box's own layout (:data:`protocol.VM_REFUSED`): another
+    boot would be refused the same, and the saved VM it restored is not to blame."""
+
+
 class MicroVmBox(BoxBase):
     backend = "microvm"
     _net_sock: socket.socket | None = None
@@ -816,6 +822,8 @@ class MicroVmBackend(BackendBase):
         if snapshot is not None and snapshot.exists():
             try:
                 return await vm.run(restore=snapshot, notes=notes)
+            except LayoutRefused:
+                raise
             except BackendError as exc:  # a stale or damaged file: boot, and save a new one
                 await blocking(vmsnap.discard, snapshot)  # a 70-100 MiB file: off-loop
                 notes.append(f"the saved VM did not restore ({exc.message}); booted instead")
@@ -829,6 +837,8 @@ class MicroVmBackend(BackendBase):
             assert snapshot is not None
         try:
             box = await vm.run(restore=snapshot, notes=notes)
+        except LayoutRefused:
+            raise
         except BackendError as exc:
             await blocking(vmsnap.discard, snapshot)  # a 70-100 MiB file: off-loop
             notes.append(f"the VM just saved did not restore ({exc.message}); booted instead")
@@ -1029,7 +1039,8 @@ class _VmStart:
             tail = console_tail(run_dir / "console.log")
             _clear_attempt(spec)
             if isinstance(exc, BackendError) and tail:
-                raise type(exc)(f"{exc.message}; guest console: ...{tail}") from None
+                kind = LayoutRefused if protocol.VM_REFUSED in tail else type(exc)
+                raise kind(f"{exc.message}; guest console: ...{tail}") from None
             raise
         finally:
             if snap_fd >= 0:
