@@ -17,7 +17,7 @@ import subprocess
 
 from corral.backends.layout import SYSTEM_PATH
 
-__all__ = ["as_uid", "id_dropper"]
+__all__ = ["as_ids", "as_uid", "id_dropper"]
 
 
 @functools.cache
@@ -42,10 +42,23 @@ def id_dropper() -> tuple[str, str] | None:
 def as_uid(uid: int) -> tuple[str, ...] | None:
     """The argv prefix that runs the rest as ``uid:uid`` with no groups, or None (then the
     caller falls back to ``subprocess``'s own, forking, ``user=``/``group=``)."""
+    return as_ids(uid, uid)
+
+
+def as_ids(uid: int, gid: int, groups: tuple[int, ...] = ()) -> tuple[str, ...] | None:
+    """The argv prefix that runs the rest as ``uid``, ``gid`` and exactly the supplementary
+    ``groups``, or None (the caller falls back to ``user=``/``group=``/``extra_groups=``).
+    Supplementary groups need ``setpriv``; ``unshare`` clears them."""
     found = id_dropper()
     if found is None:
         return None
     kind, path = found
+    if kind == "unshare" and not groups:
+        return (path, f"--setgid={gid}", f"--setuid={uid}", "--")
     if kind == "unshare":
-        return (path, f"--setgid={uid}", f"--setuid={uid}", "--")
-    return (path, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--")
+        setpriv = shutil.which("setpriv", path=SYSTEM_PATH)
+        if setpriv is None:
+            return None
+        path = setpriv
+    listed = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
+    return (path, f"--reuid={uid}", f"--regid={gid}", listed, "--")

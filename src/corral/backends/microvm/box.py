@@ -63,7 +63,16 @@ from corral.backends.base import (
     refuse_image,
     sweep_boxes,
 )
-from corral.backends.host import cgroups, idmap, maskfollow, mounts, safepath, seccomp, staging
+from corral.backends.host import (
+    cgroups,
+    dropids,
+    idmap,
+    maskfollow,
+    mounts,
+    safepath,
+    seccomp,
+    staging,
+)
 from corral.backends.host.child import HostChild, spawn
 from corral.backends.host.python import find_python
 from corral.backends.host.state import BOX_PREFIX, cache_root, state_root, write_owner
@@ -913,18 +922,28 @@ class _VmStart:
                     )
                 finally:
                     cgroup = made[0] if made else None
+            # qemu's own ids (as root); as a user, its own (and its groups, /dev/kvm's). A
+            # dropper program switches them after the exec: subprocess's user=/group= fork
+            # this whole process holding the GIL (tens of ms in a large one, the loop frozen).
+            ids: dict[str, Any] = {}
+            dropper: tuple[str, ...] = ()
+            if not b.rootless:
+                groups = (os.stat("/dev/kvm").st_gid,) if kvm else ()
+                uid, gid = self.shared.uid, self.shared.gid
+                found = await blocking(dropids.as_ids, uid, gid, groups)
+                if found is None:
+                    ids = {"user": uid, "group": gid, "extra_groups": list(groups)}
+                else:
+                    dropper = found
             proc = await spawn(
-                full,
+                [*dropper, *full],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 pass_fds=(*fds.fds, info_w, block_r, *keep),
                 env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
-                # qemu's own ids (as root); as a user, its own (and its groups, /dev/kvm's)
-                user=None if b.rootless else self.shared.uid,
-                group=None if b.rootless else self.shared.gid,
-                extra_groups=None if b.rootless else [os.stat("/dev/kvm").st_gid] if kvm else [],
                 start_new_session=True,
+                **ids,
             )
             os.close(info_w)
             info_w = -1
