@@ -167,7 +167,12 @@ async def test_large_files_move_through_the_host_byte_exact(
     doubled = await sandbox.files.read("d/f.bin", max_bytes=2 * size)
     assert doubled[:size] == blob and doubled[size:] == blob
     big = size > HOST_IO_OVER
-    assert (spy.writes, spy.reads) == ((2, 3) if big else (0, 1))  # the doubled file: host
+    if sandbox.policy.backend == "microvm":
+        # The guest's inode numbers are not the host's: the first large write's host attempt
+        # finds another inode, and the box's bytes go through the agent from then on.
+        assert (spy.writes, spy.reads) == ((1, 0) if big else (0, 1))
+    else:
+        assert (spy.writes, spy.reads) == ((2, 3) if big else (0, 1))  # the doubled file: host
     r = await sandbox.run("stat -c '%u %a %s' d/f.bin")
     assert r.stdout.split() == [COMMAND_UID, "644", str(2 * size)]
 
@@ -183,6 +188,11 @@ async def test_large_files_in_the_boxs_tmp_go_through_the_agent(
     got = await sandbox.files.read("/tmp/big.bin", max_bytes=len(blob))
     assert await asyncio.to_thread(blob.__eq__, got)
     assert (spy.reads, spy.writes) == (0, 0)
+    # The test's own 120 MiB, freed in a thread: unmapping them at the end of the test's
+    # last step held the loop 20-27 ms on a slow host (the caller's memory, not the API's).
+    held = [blob, got]
+    del blob, got
+    await asyncio.to_thread(held.clear)
 
 
 async def test_a_link_inside_the_workspace_is_followed_by_the_agent_only(

@@ -262,6 +262,8 @@ class Files:
             offset += len(data)
             if reply.get("eof") or not data:
                 break
+        if sum(map(len, chunks)) > JOIN_ON_LOOP:  # tens of MiB: off the event loop
+            return await blocking(_join, chunks)
         return b"".join(chunks)
 
     async def read_text(self, path: str, *, max_bytes: int | None = None) -> str:
