@@ -366,8 +366,9 @@ async def test_attach_under_tmux(sh: PtySession, tmp_path: Path) -> None:
     result = tmp_path / "attach-exit"
     inner = (
         f"{sys.executable} -m corral.cli attach {sh.session_id}; "
-        f"echo $? > {result}; tmux -L {server} wait-for -S attach-done"
-    )
+        f"echo $? > {result}; tmux -L {server} wait-for -S attach-done; exec cat"
+    )  # cat holds the session (and so the tmux server) until kill-server: a wait-for that
+    # comes after the signal must still find the server (it exited with the last session)
     tmux = ["tmux", "-L", server, "-f", "/dev/null"]
     await _run(*tmux, "new-session", "-d", "-x", "90", "-y", "25", inner)
     try:
