@@ -64,7 +64,7 @@ from corral.backends.host import (
     ucounts,
 )
 from corral.backends.host.boxfiles import shared_files
-from corral.backends.host.child import HostChild
+from corral.backends.host.child import HostChild, read_until
 from corral.backends.host.python import (
     HiddenPython,
     ensure_agent_compiled,
@@ -105,27 +105,16 @@ def sweep_orphans(support: cgroups.CgroupSupport | None = None) -> list[str]:
     return removed
 
 
+INFO_LIMIT = 1 << 16
+"""bwrap's --info-fd JSON is a few dozen bytes; more is not bwrap's."""
+
+
 async def _read_info(fd: int, proc: HostChild) -> dict[str, Any]:
     """Read bwrap's --info-fd JSON (written once the namespaces exist); closes ``fd``."""
-    loop = asyncio.get_running_loop()
     os.set_blocking(fd, False)
-    data = b""
     try:
         async with asyncio.timeout(START_TIMEOUT):
-            while b"}" not in data:
-                try:
-                    chunk = os.read(fd, 4096)
-                except BlockingIOError:
-                    readable: asyncio.Future[None] = loop.create_future()
-                    loop.add_reader(fd, readable.set_result, None)
-                    try:
-                        await readable
-                    finally:
-                        loop.remove_reader(fd)
-                    continue
-                if not chunk:
-                    break
-                data += chunk
+            data = await read_until(fd, lambda data: b"}" in data, INFO_LIMIT)
     finally:
         os.close(fd)
     if b"}" not in data:

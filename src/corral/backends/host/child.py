@@ -15,11 +15,12 @@ import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from typing import Any, cast
 
 from corral.backends.host.threads import blocking, submit
 
-__all__ = ["HostChild", "spawn"]
+__all__ = ["HostChild", "read_until", "spawn"]
 
 
 class HostChild:
@@ -68,26 +69,11 @@ class HostChild:
         qemu its error): up to ``limit`` bytes, waiting at most 2 s for the pipe to end."""
         if self._stderr is None:
             return ""
-        fd = self._stderr.fileno()
-        data = b""
-        loop = asyncio.get_running_loop()
+        got: list[bytes] = []  # what came before the 2 s ran out counts too
         with contextlib.suppress(TimeoutError, OSError):
             async with asyncio.timeout(2):
-                while len(data) < limit:
-                    try:
-                        chunk = os.read(fd, limit - len(data))
-                    except BlockingIOError:
-                        readable: asyncio.Future[None] = loop.create_future()
-                        loop.add_reader(fd, readable.set_result, None)
-                        try:
-                            await readable
-                        finally:
-                            loop.remove_reader(fd)
-                        continue
-                    if not chunk:
-                        break
-                    data += chunk
-        return data.decode(errors="replace").strip()
+                await read_until(self._stderr.fileno(), lambda data: False, limit, got)
+        return b"".join(got).decode(errors="replace").strip()
 
     def close(self) -> None:
         """Release the pidfd and the stderr pipe (after :meth:`wait`)."""
@@ -101,6 +87,35 @@ class HostChild:
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None
+
+
+async def read_until(
+    fd: int, done: Callable[[bytes], bool], limit: int, got: list[bytes] | None = None
+) -> bytes:
+    """Read the non-blocking ``fd`` on the event loop until ``done(data)``, its end or
+    ``limit`` bytes; each chunk is also appended to ``got`` as it comes (a caller whose
+    timeout cuts the read keeps what arrived)."""
+    loop = asyncio.get_running_loop()
+    chunks = [] if got is None else got
+    size = 0
+    data = b""
+    while size < limit and not done(data):
+        try:
+            chunk = os.read(fd, min(1 << 16, limit - size))
+        except BlockingIOError:
+            readable: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(fd, readable.set_result, None)
+            try:
+                await readable
+            finally:
+                loop.remove_reader(fd)
+            continue
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        data = b"".join(chunks)
+    return b"".join(chunks)
 
 
 def _popen(argv: list[str], popen: dict[str, Any]) -> subprocess.Popen[bytes]:
