@@ -66,11 +66,10 @@ def exit_now(status: int) -> NoReturn:
     other threads are joined (``threading``'s shutdown, which also stops idle thread pools),
     ``atexit`` handlers run, stdout and stderr are flushed (stdout's reader gone: 141, as
     after SIGPIPE; any other failure to flush: 120, the status Python itself exits with
-    then). What is left
-    out is the interpreter tearing down every module and object one by one, which after a
-    box has run (asyncio, pydantic and the policy's models loaded) took ~100 ms of a
-    ~500 ms ``corral run -- true``, and has nothing left to clean up: the box, its cgroup
-    and mounts are gone by the time the command returns.
+    then). What is left out is the interpreter tearing down every module and object one by
+    one, which after a box has run (asyncio, pydantic and the policy's models loaded) took
+    ~100 ms of a ~500 ms ``corral run -- true``, and has nothing left to clean up: the box,
+    its cgroup and mounts are gone by the time the command returns.
     """
     threading = sys.modules.get("threading")
     shutdown = getattr(threading, "_shutdown", None)

@@ -64,7 +64,7 @@ from corral.backends.host import (
     ucounts,
 )
 from corral.backends.host.boxfiles import shared_files
-from corral.backends.host.child import HostChild, read_until
+from corral.backends.host.child import HostChild, adopt, read_until, watch
 from corral.backends.host.python import (
     HiddenPython,
     ensure_agent_compiled,
@@ -114,7 +114,7 @@ async def _read_info(fd: int, proc: HostChild) -> dict[str, Any]:
     os.set_blocking(fd, False)
     try:
         async with asyncio.timeout(START_TIMEOUT):
-            data = await read_until(fd, lambda data: b"}" in data, INFO_LIMIT)
+            data = await read_until(fd, lambda got: b"}" in got, INFO_LIMIT)
     finally:
         os.close(fd)
     if b"}" not in data:
@@ -645,30 +645,12 @@ class BwrapBackend(BackendBase):
         the usual spawn (and a move later) when that thread could not enter."""
         done = self.spawn_inside.submit(cgroup, lambda: self._popen(argv, pass_fds, uid))
         try:
-            popen = await asyncio.shield(asyncio.wrap_future(done))
-        except asyncio.CancelledError:
-            with contextlib.suppress(BaseException):
-                started = await asyncio.wrap_future(done)
-                started.kill()
-                await blocking(started.wait)
-            raise
+            return await adopt(done)
         except OSError:  # the thread could not enter the group: nothing was started
             return self._spawn(argv, pass_fds, uid)
-        try:
-            return HostChild(popen)
-        except BaseException:
-            popen.kill()
-            popen.wait()
-            raise
 
     def _spawn(self, argv: list[str], pass_fds: tuple[int, ...], uid: int) -> HostChild:
-        popen = self._popen(argv, pass_fds, uid)
-        try:
-            return HostChild(popen)
-        except BaseException:
-            popen.kill()
-            popen.wait()
-            raise
+        return watch(self._popen(argv, pass_fds, uid))
 
     def _popen(
         self, argv: list[str], pass_fds: tuple[int, ...], uid: int

@@ -66,7 +66,7 @@ from corral.backends.host import (
     subids,
 )
 from corral.backends.host.boxfiles import shared_files
-from corral.backends.host.child import HostChild
+from corral.backends.host.child import HostChild, watch
 from corral.backends.host.python import (
     HOST_PREFIX,
     ensure_agent_compiled,
@@ -328,21 +328,17 @@ class RootlessBwrapBackend(BackendBase):
     @staticmethod
     def _spawn(argv: list[str], pass_fds: tuple[int, ...]) -> HostChild:
         """Start bwrap as this user (``Popen`` on the loop: vfork + exec, ~0.3 ms)."""
-        popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            pass_fds=pass_fds,
-            env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
-            start_new_session=True,
+        return watch(
+            subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                pass_fds=pass_fds,
+                env={"PATH": SYSTEM_PATH, "LANG": "C.UTF-8"},
+                start_new_session=True,
+            )
         )
-        try:
-            return HostChild(popen)
-        except BaseException:
-            popen.kill()
-            popen.wait()
-            raise
 
     async def _map_ids(self, child: int, proc: HostChild) -> None:
         """Write the box's uid and gid maps: through newuidmap/newgidmap (subordinate ids),

@@ -11,6 +11,7 @@ other groups) runs the fork on the loop. :func:`spawn` runs ``Popen`` in a host 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -20,7 +21,7 @@ from typing import Any, cast
 
 from corral.backends.host.threads import blocking, submit
 
-__all__ = ["HostChild", "read_until", "spawn"]
+__all__ = ["HostChild", "adopt", "read_until", "spawn", "watch"]
 
 
 class HostChild:
@@ -69,11 +70,11 @@ class HostChild:
         qemu its error): up to ``limit`` bytes, waiting at most 2 s for the pipe to end."""
         if self._stderr is None:
             return ""
-        got: list[bytes] = []  # what came before the 2 s ran out counts too
+        got = bytearray()  # what came before the 2 s ran out counts too
         with contextlib.suppress(TimeoutError, OSError):
             async with asyncio.timeout(2):
-                await read_until(self._stderr.fileno(), lambda data: False, limit, got)
-        return b"".join(got).decode(errors="replace").strip()
+                await read_until(self._stderr.fileno(), lambda _: False, limit, got)
+        return got.decode(errors="replace").strip()
 
     def close(self) -> None:
         """Release the pidfd and the stderr pipe (after :meth:`wait`)."""
@@ -90,18 +91,16 @@ class HostChild:
 
 
 async def read_until(
-    fd: int, done: Callable[[bytes], bool], limit: int, got: list[bytes] | None = None
+    fd: int, done: Callable[[bytearray], bool], limit: int, got: bytearray | None = None
 ) -> bytes:
-    """Read the non-blocking ``fd`` on the event loop until ``done(data)``, its end or
-    ``limit`` bytes; each chunk is also appended to ``got`` as it comes (a caller whose
-    timeout cuts the read keeps what arrived)."""
+    """Read the non-blocking ``fd`` on the event loop until ``done(what came)``, its end or
+    ``limit`` bytes, into ``got`` as it comes (a caller whose timeout cuts the read keeps
+    what arrived)."""
     loop = asyncio.get_running_loop()
-    chunks = [] if got is None else got
-    size = 0
-    data = b""
-    while size < limit and not done(data):
+    data = bytearray() if got is None else got
+    while len(data) < limit and not done(data):
         try:
-            chunk = os.read(fd, min(1 << 16, limit - size))
+            chunk = os.read(fd, min(1 << 16, limit - len(data)))
         except BlockingIOError:
             readable: asyncio.Future[None] = loop.create_future()
             loop.add_reader(fd, readable.set_result, None)
@@ -112,31 +111,40 @@ async def read_until(
             continue
         if not chunk:
             break
-        chunks.append(chunk)
-        size += len(chunk)
-        data = b"".join(chunks)
-    return b"".join(chunks)
+        data += chunk
+    return bytes(data)
 
 
 def _popen(argv: list[str], popen: dict[str, Any]) -> subprocess.Popen[bytes]:
     return cast("subprocess.Popen[bytes]", subprocess.Popen(argv, **popen))
 
 
-async def spawn(argv: list[str], **popen: Any) -> HostChild:
-    """``Popen(argv, **popen)`` in a host thread, off the event loop. Cancelled meanwhile,
-    the child it started is killed and reaped before the cancellation goes on."""
-    started = submit(_popen, argv, popen)
+def watch(popen: subprocess.Popen[bytes]) -> HostChild:
+    """``popen``, just started, as a :class:`HostChild`; killed and reaped if it cannot be
+    watched (no pidfd: out of descriptors)."""
     try:
-        child: subprocess.Popen[bytes] = await asyncio.shield(asyncio.wrap_future(started))
+        return HostChild(popen)
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        raise
+
+
+async def adopt(started: concurrent.futures.Future[subprocess.Popen[bytes]]) -> HostChild:
+    """The child a host thread is starting (``started``: its ``Popen``), watched. Cancelled
+    meanwhile, that child is killed and reaped before the cancellation goes on; the thread's
+    own error (an ``OSError`` of the spawn) reaches the caller."""
+    try:
+        child = await asyncio.shield(asyncio.wrap_future(started))
     except asyncio.CancelledError:
         with contextlib.suppress(BaseException):
-            orphan: subprocess.Popen[bytes] = await asyncio.wrap_future(started)
+            orphan = await asyncio.wrap_future(started)
             orphan.kill()
             await blocking(orphan.wait)
         raise
-    try:
-        return HostChild(child)
-    except BaseException:
-        child.kill()
-        await blocking(child.wait)
-        raise
+    return watch(child)
+
+
+async def spawn(argv: list[str], **popen: Any) -> HostChild:
+    """``Popen(argv, **popen)`` in a host thread, off the event loop (see :func:`adopt`)."""
+    return await adopt(submit(_popen, argv, popen))
