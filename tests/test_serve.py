@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -111,6 +112,35 @@ def test_run_through_the_server_keeps_the_cli_statuses(server: Served, workspace
     r = cli(server, "run", "--", "true", cwd=Path("/"))
     assert r.returncode == 2
     assert b"refusing /" in r.stderr
+
+
+LOADED_AT_EXIT = """
+import atexit, sys
+atexit.register(lambda: print(*sorted(sys.modules), file=sys.stderr))
+from corral.client.cli import console
+sys.argv = ["corral", *sys.argv[1:]]
+console()
+"""
+"""The console script, which prints the modules it loaded once the command is done (its
+exit runs the atexit handlers: corral.client.cli.exit_now)."""
+
+
+def test_run_through_the_server_imports_only_the_c_halves(server: Served, workspace: Path) -> None:
+    # The interpreter's start is most of what a `corral run` through a server costs; the
+    # Python layers of json and socket (re, enum, selectors, ...) were another half of it.
+    heavy = {"json", "socket", "re", "enum", "selectors", "typing", "argparse", "importlib.util"}
+    heavy |= {"asyncio", "pydantic", "corral.policy", "corral.sandbox", "threading"}
+    r = subprocess.run(
+        [sys.executable, "-c", LOADED_AT_EXIT, "run", "--", "sh", "-c", "echo hi; exit 3"],
+        env=server.env,
+        cwd=workspace,
+        capture_output=True,
+        timeout=60,
+    )
+    assert (r.returncode, r.stdout) == (3, b"hi\n"), r.stderr
+    loaded = set(r.stderr.decode().split())
+    assert {"corral.client.fast", "_socket", "_json"} <= loaded  # it went through the server
+    assert loaded & heavy == set()
 
 
 def test_a_server_that_is_not_there_is_named(tmp_path: Path, workspace: Path) -> None:

@@ -4,8 +4,6 @@ module on first access, so importing the package costs nothing until a name is u
 
 from __future__ import annotations
 
-import importlib
-
 TYPE_CHECKING = False  # no typing at run time: the CLI's start pays for every import
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -22,6 +20,8 @@ def lazy_getattr(namespace: dict[str, Any], names: dict[str, str]) -> Callable[[
         module = names.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        import importlib  # here: `corral run` through a server never takes a lazy name
+
         value = getattr(importlib.import_module(module), name)
         namespace[name] = value
         return value

@@ -17,10 +17,10 @@ here, against this shell's directory, before they reach the server; ``-e NAME`` 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 
+from corral.agent import lean
 from corral.client import frames
 from corral.client.fast import Conn, ServerError, chunks, locate, q
 
@@ -85,6 +85,14 @@ def exit_now(status: int) -> NoReturn:
         except OSError as exc:
             status = EXIT_PIPE if stream is sys.stdout and exc.errno == errno.EPIPE else 120
     os._exit(status)
+
+
+def _print_json(obj: Any, indent: int | None = None) -> None:
+    """What a command prints with ``--json`` (json itself only here: `corral run` through a
+    server never imports it, see :mod:`corral.client.fast`)."""
+    import json
+
+    print(json.dumps(obj, indent=indent))
 
 
 def remote_main(argv: Sequence[str]) -> int | None:
@@ -258,10 +266,10 @@ def _play(response: Any, raw: bool) -> int:
                 note = data.decode("utf-8", "replace")
                 print(note if raw else _on_stderr(note), file=sys.stderr, flush=True)
             elif kind == frames.END:
-                end = json.loads(data)
+                end = lean.loads(data)
                 return int(end.get("status", end.get("exit_code", 0)))
             elif kind == frames.ERROR:
-                error = json.loads(data)["error"]
+                error = lean.loads(data)["error"]
                 raise ServerError(error["code"], error["message"], 200, error.get("retryable"))
     except (EOFError, OSError) as exc:
         if isinstance(exc, BrokenPipeError):
@@ -280,7 +288,7 @@ def _run(conn: Conn, argv: list[str]) -> int:
     flags = list(_flags(args))
     stdin = "--stdin" in flags
     raw = "--raw" in flags
-    spec = json.dumps({"argv": args, "stdin": stdin})
+    spec = lean.dumps({"argv": args, "stdin": stdin})
     body = chunks(0) if stdin else None
     response = conn.request("POST", "/v1/cli/run", raw=body, headers={"X-Corral-Run": spec})
     return _play(response, raw)
@@ -323,7 +331,7 @@ def _terminal(conn: Conn, command: str, argv: list[str]) -> int:
         return terminal.attach(conn, ids[0], keys)
     found = terminal.list_sessions(conn)
     if "--json" in argv:
-        print(json.dumps(found, indent=2))
+        _print_json(found, indent=2)
         return 0
     if not found:
         print("no attachable sessions")
@@ -421,7 +429,7 @@ def _snapshot(conn: Conn, args: argparse.Namespace) -> int:
     body = {"name": args.name, "processes": args.processes, "workspace": args.workspace}
     snap = conn.json("POST", f"/v1/boxes/{q(args.box)}/snapshot", body)
     if args.json:
-        print(json.dumps(snap))
+        _print_json(snap)
         return 0
     _warn(snap.get("warnings", []))
     print(snap["ref"])
@@ -438,7 +446,7 @@ def _fork(conn: Conn, args: argparse.Namespace) -> int:
     }
     boxes = conn.json("POST", f"/v1/boxes/{q(args.box)}/fork", body)
     if args.json:
-        print(json.dumps(boxes))
+        _print_json(boxes)
         return 0
     _warn(boxes[0].get("warnings", []) if boxes else [])
     for box in boxes:
@@ -485,7 +493,7 @@ def _ps(conn: Conn, args: argparse.Namespace) -> int:
     if args.box:
         rows = conn.json("GET", f"/v1/boxes/{q(args.box)}/processes")
         if args.json:
-            print(json.dumps(rows))
+            _print_json(rows)
             return 0
         print(f"{'PID':>7}  {'STATUS':<9} {'EXIT':>4}  COMMAND")
         for p in rows:
@@ -494,7 +502,7 @@ def _ps(conn: Conn, args: argparse.Namespace) -> int:
         return 0
     boxes = conn.json("GET", "/v1/boxes")
     if args.json:
-        print(json.dumps(boxes))
+        _print_json(boxes)
         return 0
     print(f"{'ID':<17} {'STATE':<8} {'BACKEND':<8} {'NETWORK':<9} {'PROCS':>5}  LABELS")
     for b in boxes:
@@ -751,7 +759,7 @@ def _port(conn: Conn, args: argparse.Namespace) -> int:
     for p in ports:
         p["preview_url"] = server + p["preview_path"]
         if args.json:
-            print(json.dumps(p))
+            _print_json(p)
         else:
             print(f"{p['port']}\t{p['url']}\t{p['preview_url']}")
     return 0

@@ -19,8 +19,7 @@ CLI's fast path imports nothing heavy.
 
 from __future__ import annotations
 
-import json
-import struct
+from _struct import Struct
 
 TYPE_CHECKING = False  # no typing at run time: the CLI's start pays for every import
 if TYPE_CHECKING:
@@ -41,7 +40,7 @@ __all__ = [
 
 MEDIA_TYPE = "application/vnd.corral.frames"
 STDOUT, STDERR, NOTE, END, ERROR = 1, 2, 3, 4, 5
-_HEAD = struct.Struct(">BI")
+_HEAD = Struct(">BI")
 MAX_FRAME = 16 << 20
 
 
@@ -50,6 +49,8 @@ def frame(kind: int, data: bytes) -> bytes:
 
 
 def json_frame(kind: int, obj: Any) -> bytes:
+    import json  # the server's; the CLI reads frames only, without json (client.fast)
+
     return frame(kind, json.dumps(obj).encode())
 
 
