@@ -633,6 +633,19 @@ def test_metrics_and_the_checked_in_openapi(server: Served) -> None:
     )
 
 
+def test_responses_are_counted_by_status_class(server: Served, workspace: Path) -> None:
+    client_errors = 'corral_http_requests_total{status="4xx"}'
+    answered = 'corral_http_requests_total{status="2xx"}'
+    errors_before, answered_before = metric(server, client_errors), metric(server, answered)
+    with http(server) as client:
+        assert client.get("/v1/no-such-route").status_code == 404
+    r = cli(server, "run", "--", "echo", "hi", cwd=workspace)  # a streamed response
+    assert (r.returncode, r.stdout) == (0, b"hi\n"), r.stderr
+    assert metric(server, client_errors) == errors_before + 1
+    # The run's and the two earlier reads of /metrics (each counted once its head is sent).
+    assert metric(server, answered) == answered_before + 3
+
+
 # ---- corral shell, attach and sessions through the server ------------------------------------
 class _Terminal:
     """A command on a pseudo-terminal of its own, read with bounded waits."""

@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
 from corral.client import frames
@@ -404,6 +405,29 @@ def _frames_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
 RunParser = Callable[[list[str]], argparse.Namespace]
 
 
+class _CountResponses:
+    """Counts each HTTP response by status class as its head is sent. Plain ASGI: Starlette's
+    ``@app.middleware("http")`` runs every response body, the CLI's streamed output
+    included, through a task and a memory stream of its own."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                self.metrics.requests.labels(status=f"{status // 100}xx").inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def build_api(  # noqa: C901
     boxes: Boxes, metrics: Metrics, *, info: dict[str, Any], parse_run: RunParser
 ) -> FastAPI:
@@ -464,11 +488,7 @@ def build_api(  # noqa: C901
             error_body(errors.ErrorCode.INVALID_INPUT, f"bad request: {problems}"), status_code=400
         )
 
-    @app.middleware("http")
-    async def count(request: Request, call_next: Any) -> Response:
-        response: Response = await call_next(request)
-        metrics.requests.labels(status=f"{response.status_code // 100}xx").inc()
-        return response
+    app.add_middleware(_CountResponses, metrics=metrics)
 
     # -- server --------------------------------------------------------------------------------
     @app.get("/v1/health", tags=["server"])
