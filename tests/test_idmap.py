@@ -6,6 +6,8 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -199,3 +201,59 @@ async def test_a_workspace_that_cannot_be_idmapped_still_starts_and_says_why(
         assert (workspace / "made").exists()
     finally:
         mounts.umount(str(inner))
+
+
+PROBE = """
+import sys
+from corral.backends.host import idmap
+idmap._probe = lambda: "probed"
+print(idmap.unsupported_reason())
+"""
+"""Prints what this process takes as the answer: ``probed`` when it had to probe."""
+
+
+def _answer(state: Path) -> str:
+    env = {**os.environ, "CORRAL_STATE_DIR": str(state)}
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+@rootless_skip(
+    "idmapped mounts need root; a rootless box's workspace is mapped by its own user namespace"
+)
+def test_the_probe_runs_once_per_boot_and_a_bad_record_is_probed_again(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    verdict = state / idmap.VERDICT_FILE
+    env = {**os.environ, "CORRAL_STATE_DIR": str(state)}
+    r = subprocess.run(  # a real probe, on this host
+        [sys.executable, "-c", "from corral.backends.host import idmap; "
+         "print(idmap.unsupported_reason())"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (r.returncode, r.stdout) == (0, "None\n"), r.stderr
+    saved = json.loads(verdict.read_text())
+    assert saved["reason"] is None
+    assert verdict.stat().st_mode & 0o777 == 0o600
+    assert _answer(state) == "None"  # the next process takes the saved answer
+    assert not list(state.glob(".*"))  # no temporary file left
+
+    saved["key"]["boot"] = "another-boot"
+    verdict.write_text(json.dumps(saved))
+    assert _answer(state) == "probed"  # another boot's answer is not this one's
+    assert json.loads(verdict.read_text())["reason"] == "probed"  # and it is replaced
+    assert _answer(state) == "probed"
+
+    for bad in (b"{not json", b'{"key": 1}', b"[]", b'{"reason": 3}'):
+        verdict.write_bytes(bad)
+        assert _answer(state) == "probed"
+    verdict.unlink()
+    elsewhere = tmp_path / "planted.json"
+    elsewhere.write_text(json.dumps({"key": saved["key"] | {"boot": ""}, "reason": None}))
+    verdict.symlink_to(elsewhere)  # a link is never followed
+    assert _answer(state) == "probed"
+    assert not verdict.is_symlink()  # replaced by a file of its own
+    assert elsewhere.read_text().startswith('{"key"')  # the link's target untouched
