@@ -6,7 +6,10 @@ event loop's included, for tens of milliseconds per spawn."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +29,33 @@ def test_the_prefix_runs_the_command_as_the_uid_with_no_groups() -> None:
         [*prefix, "sh", "-c", "id -u; id -g; id -G"], capture_output=True, text=True, check=True
     ).stdout.split()
     assert out == [str(NOBODY)] * 3
+
+
+def test_whether_unshare_sets_ids_is_asked_once_per_program(tmp_path: Path) -> None:
+    """`unshare --help` is run by the first process only; later ones read its answer, and
+    an answer kept for another file (an upgraded unshare) is asked again."""
+    env = {**os.environ, "CORRAL_STATE_DIR": str(tmp_path)}
+    show = (
+        "from corral.backends.host import dropids; "
+        "dropids._sets_ids = lambda path: print('asked') or False; print(dropids.id_dropper())"
+    )
+
+    def dropper() -> list[str]:
+        r = subprocess.run(
+            [sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+
+    first = dropper()
+    assert first[0] == "asked" and "setpriv" in first[1]  # as answered: no --setuid
+    record = tmp_path / "unshare-sets-ids.json"
+    assert json.loads(record.read_text())["value"] is False
+    assert dropper() == first[1:]  # read, not asked
+    saved = json.loads(record.read_text())
+    saved["key"]["mtime"] += 1
+    record.write_text(json.dumps(saved))
+    assert dropper() == first  # another file's answer: asked again
 
 
 @pytest.mark.parametrize("groups", [(), (NOBODY - 1, NOBODY - 2)])

@@ -236,7 +236,7 @@ def test_the_probe_runs_once_per_boot_and_a_bad_record_is_probed_again(tmp_path:
     )  # fmt: skip
     assert (r.returncode, r.stdout) == (0, "None\n"), r.stderr
     saved = json.loads(verdict.read_text())
-    assert saved["reason"] is None
+    assert saved["value"] is None
     assert verdict.stat().st_mode & 0o777 == 0o600
     assert _answer(state) == "None"  # the next process takes the saved answer
     assert not list(state.glob(".*"))  # no temporary file left
@@ -244,15 +244,16 @@ def test_the_probe_runs_once_per_boot_and_a_bad_record_is_probed_again(tmp_path:
     saved["key"]["boot"] = "another-boot"
     verdict.write_text(json.dumps(saved))
     assert _answer(state) == "probed"  # another boot's answer is not this one's
-    assert json.loads(verdict.read_text())["reason"] == "probed"  # and it is replaced
+    assert json.loads(verdict.read_text())["value"] == "probed"  # and it is replaced
     assert _answer(state) == "probed"
 
-    for bad in (b"{not json", b'{"key": 1}', b"[]", b'{"reason": 3}'):
+    wrong_type = json.dumps({"key": json.loads(verdict.read_text())["key"], "value": 3})
+    for bad in (b"{not json", b'{"key": 1}', b"[]", b'{"value": 3}', wrong_type.encode()):
         verdict.write_bytes(bad)
         assert _answer(state) == "probed"
     verdict.unlink()
     elsewhere = tmp_path / "planted.json"
-    elsewhere.write_text(json.dumps({"key": saved["key"] | {"boot": ""}, "reason": None}))
+    elsewhere.write_text(json.dumps({"key": saved["key"] | {"boot": ""}, "value": None}))
     verdict.symlink_to(elsewhere)  # a link is never followed
     assert _answer(state) == "probed"
     assert not verdict.is_symlink()  # replaced by a file of its own

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import shutil
 import subprocess
 
+from corral.backends.host.state import remembered
 from corral.backends.layout import SYSTEM_PATH
 
 __all__ = ["as_ids", "as_uid", "id_dropper"]
@@ -26,17 +28,39 @@ def id_dropper() -> tuple[str, str] | None:
     line as ``uid:uid`` with no supplementary groups. util-linux ``unshare --setgid
     --setuid`` without namespace flags is setgroups(0), setgid, setuid, exec, with numeric
     ids (no NSS lookup: ~1 ms less than ``setpriv``, whose ``--reuid`` looks the id up as a
-    user name first). None if neither is on the system path. Blocking once per process."""
+    user name first). None if neither is on the system path. Blocking once per process;
+    whether ``unshare`` can is kept in the state root for the next (:func:`.state.remembered`)."""
     unshare = shutil.which("unshare", path=SYSTEM_PATH)
-    if unshare is not None:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            usage = subprocess.run(
-                [unshare, "--help"], capture_output=True, text=True, timeout=5, check=False
-            ).stdout
-            if "--setuid" in usage and "--setgid" in usage:
-                return ("unshare", unshare)
+    if unshare is not None and remembered(
+        "unshare-sets-ids.json", _program_key(unshare), lambda: _sets_ids(unshare), _is_bool
+    ):
+        return ("unshare", unshare)
     setpriv = shutil.which("setpriv", path=SYSTEM_PATH)
     return ("setpriv", setpriv) if setpriv is not None else None
+
+
+def _sets_ids(unshare: str) -> bool:
+    """Whether this ``unshare`` has ``--setuid`` and ``--setgid`` (util-linux 2.32 and
+    later): its ``--help`` says (3 ms a process: kept per program, see below)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        usage = subprocess.run(
+            [unshare, "--help"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+        return "--setuid" in usage and "--setgid" in usage
+    return False
+
+
+def _program_key(path: str) -> dict[str, object] | None:
+    """What a program's answer depends on: the very file (replaced by an upgrade)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return {"path": path, "ino": st.st_ino, "size": st.st_size, "mtime": st.st_mtime_ns}
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
 
 
 def as_uid(uid: int) -> tuple[str, ...] | None:

@@ -23,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
 import os
-import stat
 import struct
 import subprocess
 import threading
@@ -36,7 +34,7 @@ from pathlib import Path
 from corral import errors
 from corral.backends.base import BoxSpec
 from corral.backends.host import mounts, safepath, staging
-from corral.backends.host.state import state_root
+from corral.backends.host.state import boot_id, remembered, state_root
 from corral.backends.layout import expand
 from corral.backends.users import COMMAND_HOST_ID, HOST_UID_BASE
 
@@ -224,73 +222,32 @@ VERDICT_FILE = "idmap-probe.json"
 @functools.cache
 def unsupported_reason() -> str | None:
     """Why idmapped mounts can't be used here, or None. Probed once per boot: the answer is
-    kept in the state root (:data:`VERDICT_FILE`), keyed on what it depends on, and a later
+    kept in the state root (:data:`VERDICT_FILE`, :func:`.state.remembered`) and a later
     process reads it instead of mounting again (the probe takes ~7 ms, mostly the kernel's
     wait in its unmount: a tenth of a `corral run`'s box start)."""
     # The cache does not keep two threads from a first call at once (a pool filling in a
     # thread while a sandbox starts): they probe one after the other, never on one entry.
     with _probe_lock:
-        key = _verdict_key()
-        saved = _saved_verdict(key)
-        if saved is not None:
-            return saved[0]
-        reason = _probe()
-        _save_verdict(key, reason)
+        reason: str | None = remembered(
+            VERDICT_FILE,
+            _verdict_key(),
+            _probe,
+            lambda saved: saved is None or isinstance(saved, str),
+        )
         return reason
 
 
 def _verdict_key() -> dict[str, object] | None:
     """What the probe's answer depends on: the boot (the kernel, its features and sysctls)
     and the filesystem the idmapped mounts are staged on. None when it cannot be told."""
+    boot = boot_id()
     try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip()
         device = os.stat(state_root()).st_dev
     except OSError:
         return None
+    if boot is None:
+        return None
     return {"boot": boot, "kernel": os.uname().release, "device": device}
-
-
-def _saved_verdict(key: dict[str, object] | None) -> tuple[str | None] | None:
-    """The saved answer for ``key`` (a 1-tuple: the answer itself may be None), or None
-    when there is none to trust (another boot, no file, a link, not ours, damaged)."""
-    if key is None:
-        return None
-    try:
-        fd = os.open(state_root() / VERDICT_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 4096:
-            return None
-        saved = json.loads(os.read(fd, 4096))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    if not isinstance(saved, dict) or saved.get("key") != key:
-        return None
-    reason = saved.get("reason")
-    return (reason,) if reason is None or isinstance(reason, str) else None
-
-
-def _save_verdict(key: dict[str, object] | None, reason: str | None) -> None:
-    """Keep the answer for the next process (best effort: it probes again without it)."""
-    if key is None:
-        return
-    path = state_root() / VERDICT_FILE
-    temp = path.with_name(f".{VERDICT_FILE}.{os.getpid()}.{threading.get_ident()}")
-    data = json.dumps({"key": key, "reason": reason}).encode()
-    with contextlib.suppress(OSError):
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-    with contextlib.suppress(OSError):
-        temp.unlink()
 
 
 def _probe() -> str | None:

@@ -7,11 +7,12 @@ owner died (SIGKILL of the host process) is removed by the next start of its bac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +111,64 @@ def write_owner(state_dir: Path, backend: str, **facts: object) -> None:
     ``owner.json``: :func:`orphaned_boxes` reads it back once the owner is dead."""
     owner = {"backend": backend, "host_pid": os.getpid(), **facts, "created": time.time()}
     (state_dir / "owner.json").write_text(json.dumps(owner))
+
+
+def boot_id() -> str | None:
+    """This boot's id (the kernel's, new at every boot), or None where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def remembered(
+    name: str,
+    key: dict[str, Any] | None,
+    find: Callable[[], Any],
+    valid: Callable[[Any], bool] = lambda value: True,
+) -> Any:
+    """``find()``, kept in the state root as ``name`` under ``key`` (what its answer depends
+    on) so that later processes read it instead of finding it again (a host probe a
+    ``corral run`` would otherwise pay for on every call). JSON values only. ``key`` None:
+    not kept. A record that is another key's, not a regular file of this user (a link), or
+    damaged (or whose value is not ``valid``) is not believed: ``find()`` runs and replaces
+    it. Blocking."""
+    if key is None:
+        return find()
+    path = state_root() / name
+    found = _recalled(path, key)
+    if found is not None and valid(found[0]):
+        return found[0]
+    value = find()
+    temp = path.with_name(f".{name}.{os.getpid()}.{time.monotonic_ns()}")
+    with contextlib.suppress(OSError):  # best effort: the next process finds it again
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, json.dumps({"key": key, "value": value}).encode())
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    with contextlib.suppress(OSError):
+        temp.unlink()
+    return value
+
+
+def _recalled(path: Path, key: dict[str, Any]) -> tuple[Any] | None:
+    """The value kept at ``path`` for ``key`` (in a 1-tuple: it may be None), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > 1 << 16:
+            return None
+        saved = json.loads(os.read(fd, 1 << 16))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(saved, dict) or saved.get("key") != key or "value" not in saved:
+        return None
+    return (saved["value"],)
