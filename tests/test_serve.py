@@ -128,7 +128,7 @@ exit runs the atexit handlers: corral.client.cli.exit_now)."""
 def test_run_through_the_server_imports_only_the_c_halves(server: Served, workspace: Path) -> None:
     # The interpreter's start is most of what a `corral run` through a server costs; the
     # Python layers of json and socket (re, enum, selectors, ...) were another half of it.
-    heavy = {"json", "socket", "re", "enum", "selectors", "typing", "argparse", "importlib.util"}
+    heavy = {"json", "socket", "re", "enum", "selectors", "typing", "argparse"}
     heavy |= {"asyncio", "pydantic", "corral.policy", "corral.sandbox", "threading"}
     r = subprocess.run(
         [sys.executable, "-c", LOADED_AT_EXIT, "run", "--", "sh", "-c", "echo hi; exit 3"],
