@@ -114,6 +114,29 @@ def test_run_through_the_server_keeps_the_cli_statuses(server: Served, workspace
     assert b"refusing /" in r.stderr
 
 
+def test_run_through_the_server_passes_arguments_that_are_not_utf8(
+    server: Served, workspace: Path
+) -> None:
+    # As in-process: a name in Latin-1 (not UTF-8) reaches the box's command byte for byte.
+    name = os.fsdecode(b"caf\xe9.txt")
+    (workspace / name).write_bytes(b"latin\n")
+    r = cli(server, "run", "--", "cat", name, cwd=workspace)
+    assert (r.returncode, r.stdout) == (0, b"latin\n"), r.stderr
+    r = cli(server, "run", "--", "printf", "%s", os.fsdecode(b"a\xffb"), cwd=workspace)
+    assert (r.returncode, r.stdout) == (0, b"a\xffb"), r.stderr
+
+
+def test_a_malformed_run_header_is_one_sentence(server: Served) -> None:
+    with http(server) as client:
+        for header, says in (('{"argv": [1]}', "argv.0: "), ("{nope", "line 1 column 2")):
+            r = client.post("/v1/cli/run", headers={"X-Corral-Run": header})
+            assert r.status_code == 400
+            error = r.json()["error"]
+            assert error["code"] == "invalid_input"
+            assert error["message"].startswith("bad X-Corral-Run header: ")
+            assert says in error["message"] and "\n" not in error["message"]
+
+
 LOADED_AT_EXIT = """
 import atexit, sys
 atexit.register(lambda: print(*sorted(sys.modules), file=sys.stderr))
@@ -233,6 +256,28 @@ async def test_the_same_code_runs_local_and_remote(make_box: Any, workspace: Pat
         stream = await sb.exec_stream(["echo", "awaited"])
         first, *_ = [e async for e in stream]
         assert first.data == b"awaited\n"
+
+
+async def test_names_that_are_not_utf8_local_and_remote(make_box: Any, workspace: Path) -> None:
+    # The library hands out such a name as os.fsdecode does (lone surrogates), and takes it
+    # back the same way; over HTTP it must survive JSON, query strings and exec's argv.
+    name = os.fsdecode(b"caf\xe9")
+    (workspace / "given").mkdir()
+    (workspace / "given" / f"{name}.txt").write_bytes(b"latin\n")
+    async with make_box(workspace=workspace) as sb:
+        listed = [f.name for f in await sb.files.list("given")]
+        assert listed == [f"{name}.txt"]
+        assert await sb.files.read(f"given/{listed[0]}") == b"latin\n"
+        assert (await sb.files.stat(f"given/{name}.txt")) is not None
+        await sb.files.mkdir(f"{name}-dir")
+        assert await sb.files.write(f"{name}-dir/{name}.bin", b"\xff") == 1
+        assert (workspace / f"{name}-dir" / f"{name}.bin").read_bytes() == b"\xff"
+        r = await sb.run(["cat", f"given/{name}.txt"], cwd=f"/workspace/{name}-dir/..")
+        assert (r.exit_code, r.stdout) == (0, "latin\n")
+        events = [e async for e in sb.exec_stream(["printf", "%s", name], env={"N": name})]
+        assert events[0].data == b"caf\xe9"
+        await sb.files.remove(f"{name}-dir", recursive=True)
+        assert not (workspace / f"{name}-dir").exists()
 
 
 async def test_processes_and_checks_local_and_remote(make_box: Any, workspace: Path) -> None:

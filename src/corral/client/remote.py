@@ -25,11 +25,11 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import AsyncIterator, Generator, Mapping
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
 
@@ -69,6 +69,26 @@ def connect(url: str | None = None, token: str | None = None, *, timeout: float 
     return Remote(
         url or os.environ.get("CORRAL_HOST") or f"unix:{default_socket()}", token, timeout=timeout
     )
+
+
+def with_query(path: str, params: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> str:
+    """``path?query``, each text value written as the bytes ``os.fsencode`` makes of it:
+    httpx writes UTF-8, which a name that is not UTF-8 (a ``str`` with lone surrogates, as
+    the library hands such names out) does not survive; the server reads them back (its
+    ``api.exact``). Other values as httpx writes them (True: ``true``, None: empty); a list
+    repeats its key."""
+    items = params.items() if isinstance(params, Mapping) else params
+    pairs: list[tuple[str, bytes]] = []
+    for key, value in items:
+        for one in value if isinstance(value, list | tuple) else [value]:
+            if one is None:
+                pairs.append((key, b""))
+            elif isinstance(one, bool):
+                pairs.append((key, b"true" if one else b"false"))
+            else:
+                pairs.append((key, os.fsencode(one) if isinstance(one, str) else str(one).encode()))
+    query = urlencode(pairs, quote_via=quote)
+    return f"{path}?{query}" if query else path
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -147,6 +167,15 @@ class Remote:
         await self.http.aclose()
 
     async def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        if "params" in kwargs:
+            path = with_query(path, kwargs.pop("params"))
+        if "json" in kwargs:
+            # JSON with every non-ASCII character escaped, as the stdlib writes it: httpx
+            # writes UTF-8, which cannot carry a lone surrogate, and that is how a command
+            # line or a path holds bytes that are not UTF-8 (os.fsdecode), as in-process.
+            body = json.dumps(kwargs.pop("json"), allow_nan=False).encode()
+            kwargs["content"] = body
+            kwargs["headers"] = {**kwargs.get("headers", {}), "Content-Type": "application/json"}
         try:
             response = await self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
@@ -626,7 +655,7 @@ class RemoteExecStream(_FrameEvents):
     async def _events(self) -> AsyncIterator[ExecEvent]:
         remote = self.sandbox.remote
         request = remote.http.build_request(
-            "POST", f"{self.sandbox.path}/exec", params=self.params, timeout=None
+            "POST", with_query(f"{self.sandbox.path}/exec", self.params), timeout=None
         )
         try:
             response = await remote.http.send(request, stream=True)
@@ -663,13 +692,11 @@ class RemotePipedStream(_FrameEvents):
         self._ws: Any = None
 
     async def _open(self) -> RemotePipedStream:
-        from urllib.parse import urlencode
-
         from websockets.asyncio.client import connect, unix_connect
         from websockets.exceptions import InvalidHandshake, InvalidStatus
 
         remote = self.sandbox.remote
-        path = f"{self.sandbox.path}/exec/ws?{urlencode(self.params)}"
+        path = with_query(f"{self.sandbox.path}/exec/ws", self.params)
         try:
             if remote.url.startswith("unix:"):
                 self._ws = await unix_connect(

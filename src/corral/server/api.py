@@ -19,14 +19,16 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
@@ -35,7 +37,7 @@ from corral.policy import Policy
 from corral.processes import Process
 from corral.sandbox import Sandbox
 from corral.server.approvals import Approvals
-from corral.server.auth import deny_websocket, error_body, status_for
+from corral.server.auth import AsciiJSONResponse, deny_websocket, error_body, status_for
 from corral.server.boxes import Boxes, HeldBox
 from corral.server.dashboard import add_dashboard
 from corral.server.metrics import Metrics
@@ -205,6 +207,37 @@ class CliRunIn(_In):
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+def _query_pairs(request: HTTPConnection) -> list[tuple[str, str]]:
+    """The query as the client's bytes meant it: a value that is not UTF-8 (a name the
+    remote SDK sent as ``os.fsencode`` made it) comes back as ``os.fsdecode`` gives it, with
+    lone surrogates, where Starlette's own parse puts U+FFFD."""
+    raw = request.scope.get("query_string", b"").decode("latin-1")
+    return parse_qsl(raw, keep_blank_values=True, errors="surrogateescape")
+
+
+def exact(request: HTTPConnection, name: str, value: str) -> str:
+    """Query parameter ``name`` (``value`` as Starlette parsed it), byte for byte."""
+    if "\ufffd" not in value:
+        return value
+    found = [v for k, v in _query_pairs(request) if k == name]
+    return found[-1] if found else value  # the last, as Starlette takes it
+
+
+def exact_all(request: HTTPConnection, name: str, values: list[str]) -> list[str]:
+    """Every value of query parameter ``name``, byte for byte (see :func:`exact`)."""
+    if not any("\ufffd" in v for v in values):
+        return values
+    return [v for k, v in _query_pairs(request) if k == name]
+
+
+def _problems(found: Sequence[Any]) -> str:
+    """pydantic's errors on one line: ``where: what`` for the first five."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in found[:5]
+    )
+
+
 def _session_out(sb: Sandbox, session_id: str) -> SessionOut:
     s = sb.session(session_id)
     return SessionOut(
@@ -440,12 +473,15 @@ def build_api(  # noqa: C901
         '{"error": {"code", "message", "retryable"}}.',
         docs_url=None,
         redoc_url=None,
+        default_response_class=AsciiJSONResponse,  # names that are not UTF-8 (see its doc)
     )
     started = time.time()
 
     @app.exception_handler(errors.SandboxError)
-    async def sandbox_error(request: Request, exc: errors.SandboxError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message), status_code=status_for(exc.code))
+    async def sandbox_error(request: Request, exc: errors.SandboxError) -> AsciiJSONResponse:
+        return AsciiJSONResponse(
+            error_body(exc.code, exc.message), status_code=status_for(exc.code)
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -459,17 +495,17 @@ def build_api(  # noqa: C901
             message = f"{request.url.path} does not take {request.method} (see /openapi.json)"
         else:
             message = str(exc.detail)
-        return JSONResponse(
+        return AsciiJSONResponse(
             error_body(errors.ErrorCode.INVALID_INPUT, message),
             status_code=exc.status_code,
             headers=exc.headers,
         )
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> AsciiJSONResponse:
         """A bug answers with the stable error body and a sentence, never a bare 500; the
         traceback goes to the server's log."""
-        return JSONResponse(
+        return AsciiJSONResponse(
             error_body(
                 errors.ErrorCode.INTERNAL_ERROR,
                 f"the server failed on {request.method} {request.url.path} "
@@ -479,13 +515,10 @@ def build_api(  # noqa: C901
         )
 
     @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in exc.errors()[:5]
-        )
-        return JSONResponse(
-            error_body(errors.ErrorCode.INVALID_INPUT, f"bad request: {problems}"), status_code=400
+    async def bad_request(request: Request, exc: RequestValidationError) -> AsciiJSONResponse:
+        return AsciiJSONResponse(
+            error_body(errors.ErrorCode.INVALID_INPUT, f"bad request: {_problems(exc.errors())}"),
+            status_code=400,
         )
 
     app.add_middleware(_CountResponses, metrics=metrics)
@@ -628,7 +661,9 @@ def build_api(  # noqa: C901
         stdin: Annotated[bool, Query(description="the request body is stdin")] = False,
     ) -> StreamingResponse:
         sb = box(box_id).sandbox
-        variables = _env_items(env or [])
+        cmd = exact_all(request, "cmd", cmd)
+        cwd = None if cwd is None else exact(request, "cwd", cwd)
+        variables = _env_items(exact_all(request, "env", env or []))
         data = await _body(request) if stdin else None
         gen = _stream_command(
             sb,
@@ -653,8 +688,16 @@ def build_api(  # noqa: C901
         can be the command's stdin."""
         raw = request.headers.get("x-corral-run", "")
         try:
-            spec = CliRunIn.model_validate_json(raw)
-        except ValueError as exc:
+            # Python's own JSON parser: it keeps an escaped lone surrogate, which is how a
+            # command line's non-UTF-8 bytes travel (os.fsdecode's surrogateescape), where
+            # pydantic's refuses the whole header.
+            spec = CliRunIn.model_validate(json.loads(raw))
+        except ValidationError as exc:
+            raise errors.SandboxError(
+                f"bad X-Corral-Run header: {_problems(exc.errors())}",
+                code=errors.ErrorCode.INVALID_INPUT,
+            ) from None
+        except ValueError as exc:  # not JSON
             raise errors.SandboxError(
                 f"bad X-Corral-Run header: {exc}", code=errors.ErrorCode.INVALID_INPUT
             ) from None
@@ -788,11 +831,13 @@ def build_api(  # noqa: C901
 
     # -- files ---------------------------------------------------------------------------------
     @app.get("/v1/boxes/{box_id}/files", tags=["files"])
-    async def list_files(box_id: str, path: str = ".") -> list[dict[str, Any]]:
+    async def list_files(box_id: str, request: Request, path: str = ".") -> list[dict[str, Any]]:
+        path = exact(request, "path", path)
         return [f.to_dict() for f in await box(box_id).sandbox.files.list(path)]
 
     @app.get("/v1/boxes/{box_id}/files/stat", tags=["files"])
-    async def stat_file(box_id: str, path: str) -> dict[str, Any]:
+    async def stat_file(box_id: str, path: str, request: Request) -> dict[str, Any]:
+        path = exact(request, "path", path)
         found = await box(box_id).sandbox.files.stat(path)
         if found is None:
             raise errors.FileNotFound(f"{path}: no such file or directory in the box")
@@ -807,9 +852,11 @@ def build_api(  # noqa: C901
     async def read_file(
         box_id: str,
         path: str,
+        request: Request,
         offset: Annotated[int, Query(ge=0)] = 0,
         length: Annotated[int | None, Query(ge=0)] = None,
     ) -> StreamingResponse:
+        path = exact(request, "path", path)
         files = box(box_id).sandbox.files
         first = await files.read(path, offset=offset, length=min(CHUNK, length or CHUNK))
 
@@ -833,6 +880,7 @@ def build_api(  # noqa: C901
     async def write_file(
         box_id: str, path: str, request: Request, append: bool = False
     ) -> dict[str, Any]:
+        path = exact(request, "path", path)
         files = box(box_id).sandbox.files
         pending = bytearray()
         written = 0
@@ -848,12 +896,16 @@ def build_api(  # noqa: C901
         return {"path": path, "bytes": written}
 
     @app.delete("/v1/boxes/{box_id}/files", tags=["files"], status_code=204)
-    async def remove_file(box_id: str, path: str, recursive: bool = False) -> Response:
+    async def remove_file(
+        box_id: str, path: str, request: Request, recursive: bool = False
+    ) -> Response:
+        path = exact(request, "path", path)
         await box(box_id).sandbox.files.remove(path, recursive=recursive)
         return Response(status_code=204)
 
     @app.post("/v1/boxes/{box_id}/files/mkdir", tags=["files"], status_code=204)
-    async def make_dir(box_id: str, path: str, parents: bool = True) -> Response:
+    async def make_dir(box_id: str, path: str, request: Request, parents: bool = True) -> Response:
+        path = exact(request, "path", path)
         await box(box_id).sandbox.files.mkdir(path, parents=parents)
         return Response(status_code=204)
 
@@ -903,11 +955,12 @@ def build_api(  # noqa: C901
         try:
             sb = box(box_id).sandbox
             timeout = _timeout_param(params.get("timeout"))
-            variables = _env_items(params.getlist("env"))
+            variables = _env_items(exact_all(websocket, "env", params.getlist("env")))
+            cwd = params.get("cwd")
             stream = await sb.exec_stream(
-                params.getlist("cmd"),
+                exact_all(websocket, "cmd", params.getlist("cmd")),
                 stdin="pipe",
-                cwd=params.get("cwd"),
+                cwd=None if cwd is None else exact(websocket, "cwd", cwd),
                 env=variables or None,
                 timeout=timeout,
             )

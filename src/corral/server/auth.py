@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import parse_qs
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
@@ -101,6 +102,17 @@ def status_for(code: errors.ErrorCode) -> int:
 def error_body(code: errors.ErrorCode | str, message: str) -> dict[str, object]:
     retryable = code in errors.RETRYABLE
     return {"error": {"code": str(code), "message": message, "retryable": retryable}}
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped, as the stdlib writes it by default. A
+    path or command line holding bytes that are not UTF-8 is a ``str`` with lone surrogates
+    (``os.fsdecode``), as the library hands it out; UTF-8, which Starlette and pydantic
+    write, cannot carry those (the answer failed), an escape can, and Python's ``json``
+    (the remote SDK's, through httpx) reads them back as they were."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -299,10 +311,8 @@ async def deny_websocket(websocket: Any, exc: errors.SandboxError) -> None:
     where the server cannot answer a handshake with a response)."""
     status = status_for(exc.code)
     if "websocket.http.response" in (websocket.scope.get("extensions") or {}):
-        from starlette.responses import JSONResponse
-
         await websocket.send_denial_response(
-            JSONResponse(error_body(exc.code, exc.message), status_code=status)
+            AsciiJSONResponse(error_body(exc.code, exc.message), status_code=status)
         )
         return
     await websocket.close(code=4000 + min(status, 999), reason=str(exc.code))
