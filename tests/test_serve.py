@@ -124,6 +124,20 @@ def test_run_through_the_server_passes_arguments_that_are_not_utf8(
     assert (r.returncode, r.stdout) == (0, b"latin\n"), r.stderr
     r = cli(server, "run", "--", "printf", "%s", os.fsdecode(b"a\xffb"), cwd=workspace)
     assert (r.returncode, r.stdout) == (0, b"a\xffb"), r.stderr
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:  # and corral cp, both ways, a directory of such names included
+        (workspace / "d").mkdir()
+        (workspace / "d" / name).write_bytes(b"in dir\n")
+        r = cli(server, "cp", name, f"{box}:copy-{name}", cwd=workspace)
+        assert r.returncode == 0, r.stderr
+        r = cli(server, "cp", f"{box}:copy-{name}", f"back-{name}", cwd=workspace)
+        assert r.returncode == 0, r.stderr
+        assert (workspace / f"back-{name}").read_bytes() == b"latin\n"
+        r = cli(server, "cp", f"{box}:d", "d-back", cwd=workspace)
+        assert r.returncode == 0, r.stderr
+        assert (workspace / "d-back" / name).read_bytes() == b"in dir\n"
+    finally:
+        cli(server, "rm", box, cwd=workspace)
 
 
 def test_a_malformed_run_header_is_one_sentence(server: Served) -> None:

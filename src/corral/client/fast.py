@@ -348,8 +348,9 @@ def locate() -> Conn | None:
 
 
 def q(value: str) -> str:
-    """``urllib.parse.quote(value, safe="")``, without importing urllib."""
-    return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in value.encode())
+    """``urllib.parse.quote(os.fsencode(value), safe="")``, without importing urllib: a name
+    that is not UTF-8 goes as its bytes (the server reads it back so, ``api.exact``)."""
+    return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in os.fsencode(value))
 
 
 def chunks(fd: int, size: int = 1 << 16) -> Iterator[bytes]:
