@@ -349,7 +349,7 @@ def locate() -> Conn | None:
 
 def q(value: str) -> str:
     """``urllib.parse.quote(os.fsencode(value), safe="")``, without importing urllib: a name
-    that is not UTF-8 goes as its bytes (the server reads it back so, ``api.exact``)."""
+    that is not UTF-8 goes as its bytes (the server reads it back so, ``api._exact``)."""
     return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in os.fsencode(value))
 
 

@@ -71,11 +71,11 @@ def connect(url: str | None = None, token: str | None = None, *, timeout: float 
     )
 
 
-def with_query(path: str, params: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> str:
+def _with_query(path: str, params: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> str:
     """``path?query``, each text value written as the bytes ``os.fsencode`` makes of it:
     httpx writes UTF-8, which a name that is not UTF-8 (a ``str`` with lone surrogates, as
     the library hands such names out) does not survive; the server reads them back (its
-    ``api.exact``). Other values as httpx writes them (True: ``true``, None: empty); a list
+    ``api._exact``). Other values as httpx writes them (True: ``true``, None: empty); a list
     repeats its key."""
     items = params.items() if isinstance(params, Mapping) else params
     pairs: list[tuple[str, bytes]] = []
@@ -168,7 +168,7 @@ class Remote:
 
     async def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         if "params" in kwargs:
-            path = with_query(path, kwargs.pop("params"))
+            path = _with_query(path, kwargs.pop("params"))
         if "json" in kwargs:
             # JSON with every non-ASCII character escaped, as the stdlib writes it: httpx
             # writes UTF-8, which cannot carry a lone surrogate, and that is how a command
@@ -655,7 +655,7 @@ class RemoteExecStream(_FrameEvents):
     async def _events(self) -> AsyncIterator[ExecEvent]:
         remote = self.sandbox.remote
         request = remote.http.build_request(
-            "POST", with_query(f"{self.sandbox.path}/exec", self.params), timeout=None
+            "POST", _with_query(f"{self.sandbox.path}/exec", self.params), timeout=None
         )
         try:
             response = await remote.http.send(request, stream=True)
@@ -696,7 +696,7 @@ class RemotePipedStream(_FrameEvents):
         from websockets.exceptions import InvalidHandshake, InvalidStatus
 
         remote = self.sandbox.remote
-        path = with_query(f"{self.sandbox.path}/exec/ws", self.params)
+        path = _with_query(f"{self.sandbox.path}/exec/ws", self.params)
         try:
             if remote.url.startswith("unix:"):
                 self._ws = await unix_connect(

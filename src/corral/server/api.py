@@ -215,7 +215,7 @@ def _query_pairs(request: HTTPConnection) -> list[tuple[str, str]]:
     return parse_qsl(raw, keep_blank_values=True, errors="surrogateescape")
 
 
-def exact(request: HTTPConnection, name: str, value: str) -> str:
+def _exact(request: HTTPConnection, name: str, value: str) -> str:
     """Query parameter ``name`` (``value`` as Starlette parsed it), byte for byte."""
     if "\ufffd" not in value:
         return value
@@ -223,8 +223,8 @@ def exact(request: HTTPConnection, name: str, value: str) -> str:
     return found[-1] if found else value  # the last, as Starlette takes it
 
 
-def exact_all(request: HTTPConnection, name: str, values: list[str]) -> list[str]:
-    """Every value of query parameter ``name``, byte for byte (see :func:`exact`)."""
+def _exact_all(request: HTTPConnection, name: str, values: list[str]) -> list[str]:
+    """Every value of query parameter ``name``, byte for byte (see :func:`_exact`)."""
     if not any("\ufffd" in v for v in values):
         return values
     return [v for k, v in _query_pairs(request) if k == name]
@@ -661,9 +661,9 @@ def build_api(  # noqa: C901
         stdin: Annotated[bool, Query(description="the request body is stdin")] = False,
     ) -> StreamingResponse:
         sb = box(box_id).sandbox
-        cmd = exact_all(request, "cmd", cmd)
-        cwd = None if cwd is None else exact(request, "cwd", cwd)
-        variables = _env_items(exact_all(request, "env", env or []))
+        cmd = _exact_all(request, "cmd", cmd)
+        cwd = None if cwd is None else _exact(request, "cwd", cwd)
+        variables = _env_items(_exact_all(request, "env", env or []))
         data = await _body(request) if stdin else None
         gen = _stream_command(
             sb,
@@ -832,12 +832,12 @@ def build_api(  # noqa: C901
     # -- files ---------------------------------------------------------------------------------
     @app.get("/v1/boxes/{box_id}/files", tags=["files"])
     async def list_files(box_id: str, request: Request, path: str = ".") -> list[dict[str, Any]]:
-        path = exact(request, "path", path)
+        path = _exact(request, "path", path)
         return [f.to_dict() for f in await box(box_id).sandbox.files.list(path)]
 
     @app.get("/v1/boxes/{box_id}/files/stat", tags=["files"])
     async def stat_file(box_id: str, path: str, request: Request) -> dict[str, Any]:
-        path = exact(request, "path", path)
+        path = _exact(request, "path", path)
         found = await box(box_id).sandbox.files.stat(path)
         if found is None:
             raise errors.FileNotFound(f"{path}: no such file or directory in the box")
@@ -856,7 +856,7 @@ def build_api(  # noqa: C901
         offset: Annotated[int, Query(ge=0)] = 0,
         length: Annotated[int | None, Query(ge=0)] = None,
     ) -> StreamingResponse:
-        path = exact(request, "path", path)
+        path = _exact(request, "path", path)
         files = box(box_id).sandbox.files
         first = await files.read(path, offset=offset, length=min(CHUNK, length or CHUNK))
 
@@ -880,7 +880,7 @@ def build_api(  # noqa: C901
     async def write_file(
         box_id: str, path: str, request: Request, append: bool = False
     ) -> dict[str, Any]:
-        path = exact(request, "path", path)
+        path = _exact(request, "path", path)
         files = box(box_id).sandbox.files
         pending = bytearray()
         written = 0
@@ -899,13 +899,13 @@ def build_api(  # noqa: C901
     async def remove_file(
         box_id: str, path: str, request: Request, recursive: bool = False
     ) -> Response:
-        path = exact(request, "path", path)
+        path = _exact(request, "path", path)
         await box(box_id).sandbox.files.remove(path, recursive=recursive)
         return Response(status_code=204)
 
     @app.post("/v1/boxes/{box_id}/files/mkdir", tags=["files"], status_code=204)
     async def make_dir(box_id: str, path: str, request: Request, parents: bool = True) -> Response:
-        path = exact(request, "path", path)
+        path = _exact(request, "path", path)
         await box(box_id).sandbox.files.mkdir(path, parents=parents)
         return Response(status_code=204)
 
@@ -955,12 +955,12 @@ def build_api(  # noqa: C901
         try:
             sb = box(box_id).sandbox
             timeout = _timeout_param(params.get("timeout"))
-            variables = _env_items(exact_all(websocket, "env", params.getlist("env")))
+            variables = _env_items(_exact_all(websocket, "env", params.getlist("env")))
             cwd = params.get("cwd")
             stream = await sb.exec_stream(
-                exact_all(websocket, "cmd", params.getlist("cmd")),
+                _exact_all(websocket, "cmd", params.getlist("cmd")),
                 stdin="pipe",
-                cwd=None if cwd is None else exact(websocket, "cwd", cwd),
+                cwd=None if cwd is None else _exact(websocket, "cwd", cwd),
                 env=variables or None,
                 timeout=timeout,
             )
