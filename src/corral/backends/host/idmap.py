@@ -241,11 +241,11 @@ def _verdict_key() -> dict[str, object] | None:
     """What the probe's answer depends on: the boot (the kernel, its features and sysctls)
     and the filesystem the idmapped mounts are staged on. None when it cannot be told."""
     boot = boot_id()
+    if boot is None:
+        return None
     try:
         device = os.stat(state_root()).st_dev
     except OSError:
-        return None
-    if boot is None:
         return None
     return {"boot": boot, "kernel": os.uname().release, "device": device}
 
