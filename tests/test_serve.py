@@ -151,6 +151,24 @@ def test_a_malformed_run_header_is_one_sentence(server: Served) -> None:
             assert says in error["message"] and "\n" not in error["message"]
 
 
+def test_boxes_are_filtered_by_labels_that_are_not_utf8(server: Served) -> None:
+    # A label set in JSON as a lone surrogate (how Python spells a byte that is not UTF-8) is
+    # found by the same byte in the query, not mistaken for any other undecodable byte.
+    with http(server) as client:
+        box = client.post(
+            "/v1/boxes", content=b'{"labels": {"who": "caf\\udce9"}}', headers=_JSON
+        ).json()["id"]
+        try:
+            found = [b["id"] for b in client.get("/v1/boxes?label=who=caf%E9").json()]
+            assert found == [box]
+            assert client.get("/v1/boxes?label=who=caf%E8").json() == []
+        finally:
+            client.delete(f"/v1/boxes/{box}")
+
+
+_JSON = {"content-type": "application/json"}
+
+
 LOADED_AT_EXIT = """
 import atexit, sys
 atexit.register(lambda: print(*sorted(sys.modules), file=sys.stderr))

@@ -562,9 +562,11 @@ def build_api(  # noqa: C901
 
     @app.get("/v1/boxes", tags=["boxes"])
     async def list_boxes(
+        request: Request,
         label: Annotated[list[str] | None, Query(description="K=V, all must match")] = None,
     ) -> list[BoxOut]:
-        wanted = dict(item.partition("=")[::2] for item in label or [])
+        exact = _exact_all(request, "label", label or [])
+        wanted = dict(item.partition("=")[::2] for item in exact)
         return [BoxOut(**h.describe()) for h in boxes.matching(wanted)]
 
     @app.get("/v1/boxes/{box_id}", tags=["boxes"])
