@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from corral import errors
-from corral.backends.host.state import cache_root, pid_alive
+from corral.backends.host.state import cache_root, pid_alive, replace_file
 from corral.images import oci, registry
 from corral.images.unpack import Limits, clone_tree, remove_tree, unpack_layer
 
@@ -240,9 +240,7 @@ class ImageStore:
 
     def _record(self, record: ImageRecord) -> None:
         path = self.root / "refs" / f"{_key(record.ref)}.json"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record.to_json(), indent=1))
-        os.replace(tmp, path)
+        replace_file(path, json.dumps(record.to_json(), indent=1).encode(), 0o644)
 
     def commit(
         self,

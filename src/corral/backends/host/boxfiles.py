@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from corral.backends.host.state import state_root
+from corral.backends.host.state import replace_file, state_root
 from corral.backends.users import BOX_UID, group_text, passwd_text
 
 
@@ -36,7 +35,4 @@ def _ensure(path: Path, text: str) -> None:
             return
     except OSError:
         pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    tmp.chmod(0o644)
-    os.replace(tmp, path)
+    replace_file(path, text.encode(), 0o644)

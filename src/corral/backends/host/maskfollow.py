@@ -29,14 +29,12 @@ masks each place found as it masks the spelled path (and wherever a share shows 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
 import logging
 import os
 import stat
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,15 +325,7 @@ class _Records:
             "entries": {k: [o.to_json() for o in v] for k, v in entries.items()},
         }
         # One temporary file per writer: two boxes may start at once on one workspace.
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=path.stem, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(body))
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        state.replace_file(path, json.dumps(body).encode())
         if not _Records.pruned:
             _Records.pruned = True
             self.prune()

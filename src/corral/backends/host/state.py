@@ -113,6 +113,29 @@ def write_owner(state_dir: Path, backend: str, **facts: object) -> None:
     (state_dir / "owner.json").write_text(json.dumps(owner))
 
 
+def replace_file(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """``path`` holds ``data``, written whole: into a new file beside it (created, never
+    opened through a link a writer could have planted) that is then renamed over ``path``,
+    so a reader (a box binding it, another process) sees the old content or the new, never a
+    part. Each call has its own temporary name (two writers at once do not meet), removed if
+    anything fails."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # not narrowed by the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
 def boot_id() -> str | None:
     """This boot's id (the kernel's, new at every boot), or None where it cannot be read."""
     try:
@@ -141,16 +164,8 @@ def remembered(
     if found is not None and valid(found[0]):
         return found[0]
     value = find()
-    temp = path.with_name(f".{name}.{os.getpid()}.{time.monotonic_ns()}")
     with contextlib.suppress(OSError):  # best effort: the next process finds it again
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, json.dumps({"key": key, "value": value}).encode())
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-    with contextlib.suppress(OSError):
-        temp.unlink()
+        replace_file(path, json.dumps({"key": key, "value": value}).encode())
     return value
 
 
