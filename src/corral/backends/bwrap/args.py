@@ -222,6 +222,9 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
     # The box user's home is made by the agent, as that user (a tmpfs here is box root's).
     args += ["--tmpfs", "/run", "--perms", "0755", "--tmpfs", "/home"]
     args += ["--chmod", "1777", "/tmp"]
+    # POSIX shared memory (multiprocessing's locks and pools, shm_open) wants a /dev/shm
+    # anyone may write, as OCI and the microVM give it: bwrap's --dev leaves a 0755 dir.
+    args += ["--size", str(fs.tmp_size), "--tmpfs", "/dev/shm", "--chmod", "1777", "/dev/shm"]
     args += ["--ro-bind", str(inp.agent_dir), GUEST_AGENT_DIR]
     interpreter: tuple[str, ...] = (inp.python,)
     if inp.image_root is not None and inp.hidden is not None:
