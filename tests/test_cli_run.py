@@ -105,8 +105,9 @@ def test_stdin_env_workdir_and_mount(workspace: Path, tmp_path: Path) -> None:
     [
         ("--timeout", "0", "greater than 0"),
         ("--timeout", "-1", "greater than 0"),
-        ("--memory", "0", "at least 16M"),
-        ("--memory", "1k", "at least 16M"),
+        ("--memory", "0", "from 16M to 8P"),
+        ("--memory", "1k", "from 16M to 8P"),
+        ("--memory", "9P", "from 16M to 8P"),
         ("--cpus", "0", "0.01 to 4096"),
         ("--cpus", "-1", "0.01 to 4096"),
         ("--pids", "1", "from 4 to 4194304"),

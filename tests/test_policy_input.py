@@ -38,6 +38,21 @@ def test_every_policy_model_raises_policy_error(build: object) -> None:
         build()  # type: ignore[operator]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("memory_bytes", 2**64 + (64 << 20)),  # a cgroup took it as 64 MiB (wrapped)
+        ("memory_bytes", 10**30),
+        ("memory_bytes", "9P"),
+        ("output_bytes", 10**20),
+    ],
+)
+def test_a_size_beyond_any_machine_is_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(PolicyError, match=f"limits.{field}: more than 8 PiB"):
+        Policy.from_dict({"limits": {field: value}})
+    assert Policy.from_dict({"limits": {field: "8P"}}).limits.model_dump()[field] == 1 << 53
+
+
 def test_a_string_where_a_list_is_expected_is_one_entry() -> None:
     p = Policy.from_dict(
         {

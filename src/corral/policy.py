@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -31,14 +32,14 @@ from pydantic import (
 from corral import specconfig
 from corral.bounds import CPU_PERIOD_US as CPU_PERIOD_US
 from corral.bounds import MAX_CPU_QUOTA as MAX_CPU_QUOTA
-from corral.bounds import MAX_PIDS, MAX_RLIMIT
+from corral.bounds import MAX_PIDS, MAX_RLIMIT, check_size
 from corral.bounds import MIN_CPU_QUOTA as MIN_CPU_QUOTA
 from corral.bounds import MIN_MEMORY_BYTES as MIN_MEMORY_BYTES
 from corral.bounds import MIN_PIDS as MIN_PIDS
 from corral.bounds import parse_size as parse_size
 from corral.errors import PolicyError
 
-Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0)]
+Size = Annotated[int, BeforeValidator(parse_size), Field(gt=0), AfterValidator(check_size)]
 
 VM_GUEST_MEMORY_MB = 128
 """What a microVM's own kernel, initramfs and guest agent take of its RAM beside the box's

@@ -29,6 +29,7 @@ from corral import errors
 from corral.bounds import (
     MAX_CPU_QUOTA,
     MAX_PIDS,
+    MAX_SIZE,
     MIN_CPU_QUOTA,
     MIN_MEMORY_BYTES,
     MIN_PIDS,
@@ -146,8 +147,8 @@ def _memory(text: str) -> int:
             "--memory",
             text,
             _size,
-            lambda v: v >= MIN_MEMORY_BYTES,
-            f"must be a size of at least {MIN_MEMORY_BYTES >> 20}M, e.g. 512M or 2G",
+            lambda v: MIN_MEMORY_BYTES <= v <= MAX_SIZE,
+            f"must be a size from {MIN_MEMORY_BYTES >> 20}M to 8P, e.g. 512M or 2G",
         )
     )
 
