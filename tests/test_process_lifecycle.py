@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from corral import Policy, PolicyError, Sandbox
+from corral import Policy, PolicyError, Sandbox, SandboxError
 from corral.backends.host.state import state_root
+from corral.errors import ErrorCode
 
 GRACE = 0.5
 
@@ -135,6 +136,21 @@ async def test_the_result_reports_the_effective_timeout_and_the_ending(
         assert r.to_dict()["ended"] == "signalled"
     async with Sandbox(box_policy, workspace=workspace) as sb:
         assert (await sb.run("true")).timeout is None
+
+
+async def test_a_bad_timeout_is_refused_before_anything_starts(box: Sandbox) -> None:
+    for bad in ("5", -1, 0, float("nan"), float("inf"), True):
+        with pytest.raises(SandboxError, match="timeout must be a number of seconds") as info:
+            await box.run("touch /tmp/started", timeout=bad)  # type: ignore[arg-type]
+        assert info.value.code is ErrorCode.INVALID_INPUT
+        with pytest.raises(SandboxError, match="timeout must be"):
+            box.exec_stream("touch /tmp/started", timeout=bad)  # type: ignore[arg-type]
+    assert (await box.run("test -e /tmp/started")).exit_code == 1  # nothing ran
+    proc = await box.spawn("sleep 30")
+    assert (await proc.wait(0)).status == "timeout"  # 0 or less: a look, as before
+    with pytest.raises(SandboxError, match="timeout must be a number of seconds, or None"):
+        await proc.wait("1")  # type: ignore[arg-type]
+    await proc.terminate(grace=0)
 
 
 @pytest.mark.parametrize("grace", [-1, "soon", 301])

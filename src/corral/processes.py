@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import math
 import shlex
 import signal as _signal
 import time
@@ -75,6 +76,26 @@ async def end_all(
                 return_exceptions=True,
             )
             await asyncio.gather(*(p._exited.wait() for p in procs))
+
+
+def checked_timeout(value: object, *, poll: bool = False) -> float | None:
+    """``value`` as a timeout in seconds: None (none), or a finite number above 0 (any
+    finite number where ``poll``: 0 or less asks without waiting); anything else is a clear
+    error, raised before anything starts."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (poll or value > 0)
+    ):
+        return float(value)
+    floor = "" if poll else " greater than 0"
+    raise errors.SandboxError(
+        f"timeout must be a number of seconds{floor}, or None for none (got {value!r})",
+        code=errors.ErrorCode.INVALID_INPUT,
+    )
 
 
 def parse_signal(sig: str | int) -> int:
@@ -201,6 +222,7 @@ class Process:
         Cancelling the wait (``task.cancel()``, an enclosing ``asyncio.timeout``) ends the
         process as :meth:`terminate` does, waits for that, then lets the cancellation through.
         """
+        timeout = checked_timeout(timeout, poll=True)
         if timeout is not None and timeout <= 0:
             if self.exit_code is None:
                 return self._timeout_result(0)

@@ -43,7 +43,13 @@ from corral.models import CommandResult, NetworkRefusal, ProcessInfo, Snapshot, 
 from corral.net import BoxNetwork
 from corral.net.box import load_network, network_loaded
 from corral.policy import DEFAULT_WORKDIR, Limits, Policy, PublishedPort, RlimitName
-from corral.processes import Process, ProcessRegistry, end_all, end_in_background
+from corral.processes import (
+    Process,
+    ProcessRegistry,
+    checked_timeout,
+    end_all,
+    end_in_background,
+)
 from corral.sessions.pty import PtySession, SessionRegistry
 from corral.sessions.terminal import (
     DEFAULT_DETACH_KEYS,
@@ -1073,6 +1079,7 @@ class Sandbox:
         SIGKILL after ``limits.kill_grace_secs``) and the output produced so far is kept
         (``timed_out=True``). Cancelling the call ends the command the same way, waits for
         that, then lets the cancellation through: nothing of it is left in the box."""
+        timeout = checked_timeout(timeout)
         timeout = timeout if timeout is not None else self.policy.limits.exec_timeout_secs
         oom_before = self.oom_kills()
         pids_before = self._pids_limit_hits()
@@ -1286,6 +1293,7 @@ class Sandbox:
         sb.exec_stream(...)``, ``async with sb.exec_stream(...) as stream`` or ``stream =
         await sb.exec_stream(...)``. The command starts on first use."""
         argv = to_argv(cmd)
+        timeout = checked_timeout(timeout)
 
         async def start() -> ExecStream:
             proc = await self.spawn(argv, cwd=cwd, env=env, stdin=stdin, pty=tty)
