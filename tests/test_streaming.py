@@ -125,3 +125,42 @@ async def test_heavy_output_comes_in_large_chunks_byte_exact(sandbox: Sandbox) -
     same = await asyncio.to_thread(lambda: joined(events, Stdout) == bytes(range(256)) * 32768)
     assert same
     assert max(len(e.data) for e in events if isinstance(e, Stdout)) > 65536
+
+
+async def test_a_stream_nobody_reads_holds_its_command_not_the_host(sandbox: Sandbox) -> None:
+    size = 48 << 20  # far more than a held stream lets through (4 MiB, a pipe, the channel)
+    command = f"head -c {size} /dev/zero; touch /tmp/all-written"
+    async with sandbox.exec_stream(command) as stream:
+        async with asyncio.timeout(30):
+            while not stream.process.output_held:  # noqa: ASYNC110 (no event to wait on)
+                await asyncio.sleep(0.02)  # no event says "the box stopped reading"
+        # Held: the command blocks on its pipe instead of the host queueing all 48 MiB.
+        assert (await sandbox.run("test -e /tmp/all-written")).exit_code == 1
+        events = await collect(stream)  # a reader again: it is released and runs to the end
+    assert sum(len(e.data) for e in events if isinstance(e, Stdout)) == size
+    assert events[-1] == Exited(0)
+    assert not stream.process.output_held
+    assert (await sandbox.run("test -e /tmp/all-written")).exit_code == 0
+
+
+async def test_leaving_an_async_for_early_ends_the_command(sandbox: Sandbox) -> None:
+    script = "trap 'echo term > /tmp/ended; exit 0' TERM; echo up; while :; do sleep 0.1; done"
+    async for event in sandbox.exec_stream(script):
+        assert event == Stdout(b"up\n")
+        break
+    (pid,) = [p.pid for p in sandbox.processes() if "trap" in p.command]
+    assert (
+        await sandbox.process(pid).wait(10)
+    ).status == "exited"  # ended by the loop's exit, on its TERM
+    assert (await sandbox.run("cat /tmp/ended")).stdout == "term\n"
+
+
+async def test_the_call_tells_whether_its_timeout_ended_the_command(sandbox: Sandbox) -> None:
+    pending = sandbox.exec_stream("sleep 60", timeout=0.3)
+    events = [event async for event in pending]
+    assert pending.timed_out and events == [Exited(-15)]
+
+
+async def test_waiting_on_a_stream_that_was_never_read_is_not_held(sandbox: Sandbox) -> None:
+    stream = await sandbox.exec_stream(f"head -c {24 << 20} /dev/zero")
+    assert await stream.wait(60) == 0  # its unread output is dropped, never holding it

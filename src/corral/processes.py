@@ -117,6 +117,43 @@ def parse_signal(sig: str | int) -> int:
     )
 
 
+HOLD_BYTES = 4 << 20
+"""A subscriber this far behind holds its process (see :class:`Listener`)."""
+RELEASE_BYTES = 1 << 20
+"""... until every subscriber is back under this."""
+
+Event = tuple[str, bytes | int]
+"""("stdout" | "stderr" | "pty", bytes), and finally ("exit", code)."""
+
+
+class Listener(asyncio.Queue[Event]):
+    """One subscriber's queue of a process's events, counting the bytes not yet taken. Past
+    :data:`HOLD_BYTES` the process is held: the agent stops reading its stdout and stderr,
+    so it blocks on a full pipe as it would behind any slow reader, until the subscriber is
+    back under :data:`RELEASE_BYTES`. A reader that stops reading costs the host 4 MiB, not
+    what the box can print. (A process on a terminal is never held.)"""
+
+    def __init__(self, process: Process) -> None:
+        super().__init__()
+        self.backlog = 0
+        self._process = process
+
+    def put_nowait(self, item: Event) -> None:
+        super().put_nowait(item)
+        if isinstance(item[1], bytes):
+            self.backlog += len(item[1])
+            if self.backlog > HOLD_BYTES:
+                self._process._flow()
+
+    def get_nowait(self) -> Event:  # Queue.get() takes its item through this
+        item = super().get_nowait()
+        if isinstance(item[1], bytes):
+            self.backlog -= len(item[1])
+            if self.backlog < RELEASE_BYTES and self._process._held:
+                self._process._flow()
+        return item
+
+
 class Process:
     """A process in the box. Made by ``Sandbox.spawn``; no public constructor."""
 
@@ -149,7 +186,10 @@ class Process:
         self.lost = False
         """True when the box died under the process (it is reported as killed)."""
         self._terminating = False
-        self._listeners: list[asyncio.Queue[tuple[str, bytes | int]]] = []
+        self._listeners: list[Listener] = []
+        self._held = False
+        """Whether the agent was last asked to hold this process's output."""
+        self._flowing: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
         state = "running" if self.exit_code is None else f"exited with status {self.exit_code}"
@@ -193,17 +233,41 @@ class Process:
             self.lost = True
             self._on_exit(-int(_signal.SIGKILL), None)
 
-    def subscribe(self) -> asyncio.Queue[tuple[str, bytes | int]]:
-        """A queue of ("stdout"|"stderr"|"pty", bytes) and finally ("exit", code)."""
-        q: asyncio.Queue[tuple[str, bytes | int]] = asyncio.Queue()
+    def subscribe(self) -> Listener:
+        """A queue of ("stdout"|"stderr"|"pty", bytes) and finally ("exit", code); one that
+        falls behind holds the process (:class:`Listener`): read it, or unsubscribe."""
+        q = Listener(self)
         if self.exit_code is not None:
             q.put_nowait(("exit", self.exit_code))
         self._listeners.append(q)
         return q
 
-    def unsubscribe(self, q: asyncio.Queue[tuple[str, bytes | int]]) -> None:
+    def unsubscribe(self, q: Listener) -> None:
         if q in self._listeners:
             self._listeners.remove(q)
+            if self._held:
+                self._flow()
+
+    def _flow(self) -> None:
+        """Bring the agent's hold of this process's output in line with its subscribers
+        (one request at a time, in a task: called from a queue's put or get)."""
+        if self._flowing is None or self._flowing.done():
+            self._flowing = asyncio.get_running_loop().create_task(self._send_flow())
+
+    def _hold_wanted(self) -> bool:
+        if self.exit_code is not None:
+            return False
+        if self._held:
+            return any(q.backlog >= RELEASE_BYTES for q in self._listeners)
+        return any(q.backlog > HOLD_BYTES for q in self._listeners)
+
+    async def _send_flow(self) -> None:
+        while (hold := self._hold_wanted()) != self._held:
+            self._held = hold
+            try:
+                await self._request("flow", pid=self.pid, hold=hold)
+            except errors.SandboxError:
+                return  # exited meanwhile, or the box is gone: nothing is held
 
     def output(self, stream: Literal["stdout", "stderr"] = "stdout") -> str:
         """Output captured so far (partial while running, complete after exit)."""
@@ -211,6 +275,13 @@ class Process:
 
     def output_bytes(self, stream: Literal["stdout", "stderr"] = "stdout") -> bytes:
         return self._buffers[stream].getvalue()
+
+    @property
+    def output_held(self) -> bool:
+        """Whether the box stopped reading this process's output because a subscriber (an
+        ``exec_stream``, a follow over the API) is 4 MiB behind: it blocks writing until
+        that reader catches up or goes away."""
+        return self._held
 
     @property
     def truncated(self) -> bool:

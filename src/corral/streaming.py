@@ -19,14 +19,18 @@ entering it starts the command (once) and gives the :class:`ExecStream`.
 With ``stdin="pipe"`` the stream is also a writer (``write``, ``close_stdin``); with
 ``tty=True`` the command runs on a terminal and everything it prints arrives as ``Stdout``.
 Events are queued as they arrive, so a consumer that is slow never loses output, and the
-host-side store of the process (capped, head and tail) still has it afterwards.
+host-side store of the process (capped, head and tail) still has it afterwards. A consumer
+4 MiB behind holds the command (the box stops reading its output, so it blocks writing, as
+behind any slow pipe) until it catches up: a stream nobody reads costs the host 4 MiB, not
+what the box can print. Leaving an ``async for`` early ends the command, as leaving an
+``async with`` block does (SIGTERM, ``limits.kill_grace_secs``, SIGKILL).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -133,11 +137,14 @@ class ExecStream:
         self.process.unsubscribe(self._queue)
 
     async def wait(self, timeout: float | None = None) -> int:
-        """Wait for exit (events not consumed are dropped from this stream); the status."""
+        """Wait for exit; the status. Events not consumed are dropped from this stream, and
+        it takes no more (so nothing it would hold back stops the command ending)."""
+        self._early.clear()
+        self._finished = True  # the stream's own timeout still stands until the exit
+        self.process.unsubscribe(self._queue)
         result = await self.process.wait(timeout)
         if result.status == "timeout":
             raise errors.Timeout(f"{self.process.command!r} still running after {timeout:g} s")
-        self._early.clear()
         self._finish()
         assert self.process.exit_code is not None
         return self.process.exit_code
@@ -176,6 +183,7 @@ class ExecStream:
         tb: TracebackType | None,
     ) -> None:
         if self.process.exit_code is None:  # left early: SIGTERM, the grace, SIGKILL
+            self._finish()  # first: nobody reads what it prints meanwhile, so nothing holds it
             with contextlib.suppress(errors.SandboxError):
                 await self.process.terminate()
         self._finish()
@@ -219,8 +227,24 @@ class PendingExecStream:
     def __await__(self) -> Generator[Any, None, ExecStream]:
         return self._started().__await__()
 
+    @property
+    def timed_out(self) -> bool:
+        """Whether the ``timeout`` given to ``exec_stream`` ended the command."""
+        return self._stream is not None and self._stream.timed_out
+
     def __aiter__(self) -> AsyncIterator[ExecEvent]:
-        return self
+        return self._events()
+
+    async def _events(self) -> AsyncGenerator[ExecEvent, None]:
+        """The events; leaving the loop early (``break``, an exception) ends the command:
+        the generator's close (asyncio runs it once the loop drops the generator, at once
+        in CPython) leaves the stream as ``async with`` does."""
+        stream = await self._started()
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.__aexit__(None, None, None)
 
     async def __anext__(self) -> ExecEvent:
         stream = await self._started()

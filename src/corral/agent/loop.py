@@ -68,6 +68,8 @@ class Child:
         self.started = time.monotonic()
         # Set by a ``terminate`` request: its exit is reported once its group is gone.
         self.ending: commands.Termination | None = None
+        self.held = False
+        """A ``flow`` request holds its output: its fds are not read until released."""
 
     @property
     def pty(self) -> int | None:
@@ -250,13 +252,20 @@ class Agent:
 
     def apply_backpressure(self) -> None:
         if not self.paused and len(self.outbuf) + len(self.later) > HIGH_WATER:
+            watched = [fd for fd in self.fd_owner if self.watched(fd)]
             self.paused = True
-            for fd in self.fd_owner:
+            for fd in watched:
                 self.sel.unregister(fd)
         elif self.paused and len(self.outbuf) + len(self.later) < LOW_WATER:
             self.paused = False
             for fd in self.fd_owner:
-                self.sel.register(fd, lean.EVENT_READ, "out")
+                if self.watched(fd):
+                    self.sel.register(fd, lean.EVENT_READ, "out")
+
+    def watched(self, fd: int) -> bool:
+        """Whether the output fd ``fd`` is in the selector: not while the channel is backed
+        up (all of them), nor while its process is held (``flow``)."""
+        return not self.paused and not self.fd_owner[fd].held
 
     def on_channel(self, mask: int) -> None:
         if mask & lean.EVENT_WRITE:
@@ -380,7 +389,7 @@ class Agent:
         for fd in fds:
             os.set_blocking(fd, False)
             self.fd_owner[fd] = child
-            if not self.paused:
+            if self.watched(fd):
                 self.sel.register(fd, lean.EVENT_READ, "out")
         if stdin_fd is not None:
             os.set_blocking(stdin_fd, False)
@@ -403,6 +412,19 @@ class Agent:
         if h.get("eof"):
             child.stdin_close_after = True
         self.pump_stdin(child)
+        return {"ok": True}
+
+    def op_flow(self, h: protocol.FlowRequest, payload: bytes) -> protocol.Done:
+        child = self.children.get(h["pid"])
+        if child is None or child.pty is not None or child.held == h["hold"]:
+            return {"ok": True}  # gone (its exit is on its way), on a terminal, or as asked
+        was = {fd: self.watched(fd) for fd in child.fds}
+        child.held = h["hold"]
+        for fd, watched in was.items():
+            if watched and not self.watched(fd):
+                self.sel.unregister(fd)
+            elif not watched and self.watched(fd):
+                self.sel.register(fd, lean.EVENT_READ, "out")
         return {"ok": True}
 
     def op_close_stdin(self, h: protocol.CloseStdinRequest, payload: bytes) -> protocol.Done:
@@ -536,7 +558,7 @@ class Agent:
     def close_output(self, child: Child, fd: int) -> None:
         if fd not in self.fd_owner:
             return
-        if not self.paused:
+        if self.watched(fd):
             self.sel.unregister(fd)
         del self.fd_owner[fd]
         if fd == child.stdin_fd:

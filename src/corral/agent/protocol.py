@@ -118,6 +118,7 @@ REQUESTS: dict[str, dict[str, str]] = {
     },
     "write": {"pid": "int", "eof": "?bool"},
     "close_stdin": {"pid": "int"},
+    "flow": {"pid": "int", "hold": "bool"},
     "signal": {"pid": "int", "signal": "int", "group": "?bool"},
     "terminate": {"pid": "int", "grace": "number"},
     "resize": {"pid": "int", "rows": "int", "cols": "int"},
@@ -148,6 +149,7 @@ REPLIES: dict[str, dict[str, str]] = {
     "spawn": {"pid": "int"},
     "write": _DONE,
     "close_stdin": _DONE,
+    "flow": _DONE,
     "signal": {"delivered": "bool"},
     "terminate": {"delivered": "bool"},
     "resize": _DONE,
@@ -449,6 +451,16 @@ if TYPE_CHECKING:
         id: int
         pid: int
 
+    class FlowRequest(TypedDict):
+        """``hold``: stop reading the process's stdout and stderr (a reader on the host is
+        behind: the process then blocks on a full pipe, as under any slow reader); False
+        reads them again. A process on a terminal is never held."""
+
+        op: Literal["flow"]
+        id: int
+        pid: int
+        hold: bool
+
     class SignalRequest(TypedDict):
         op: Literal["signal"]
         id: int
@@ -546,7 +558,7 @@ if TYPE_CHECKING:
     class SpawnReply(TypedDict):
         pid: int
 
-    WriteReply = CloseStdinReply = ResizeReply = ShutdownReply = PublishReply = Done
+    WriteReply = CloseStdinReply = FlowReply = ResizeReply = ShutdownReply = PublishReply = Done
     FileMkdirReply = FileRemoveReply = Done
 
     class SignalReply(TypedDict):

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from corral import errors
-from corral.processes import Process, Request, end_all
+from corral.processes import Listener, Process, Request, end_all
 from corral.sessions.expect import Case, ExpectBuffer, Expecter, Match
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ class PtySession:
         await self._ended.wait()
         return self.exit_code
 
-    async def _run_pump(self, queue: asyncio.Queue[tuple[str, bytes | int]]) -> None:
+    async def _run_pump(self, queue: Listener) -> None:
         try:
             while True:
                 kind, data = await queue.get()
