@@ -328,3 +328,18 @@ def _exec_in_child(cwd: Path, *args: str) -> None:
         os.execv(sys.executable, [*CORRAL, *args])
     finally:
         os._exit(127)
+
+
+def test_stdin_the_command_does_not_read_is_dropped_without_a_word(workspace: Path) -> None:
+    # As `yes | head -1`: the command is done long before its input is.
+    for _ in range(3):  # the reader thread's race with the end: it printed a traceback 4 of 4
+        r = corral("run", "--stdin", "--", "head", "-1", cwd=workspace, stdin=b"y\n" * 4_000_000)
+        assert (r.returncode, r.stdout, r.stderr) == (0, b"y\n", b"")
+
+
+def test_a_workspace_whose_name_is_not_utf8(workspace: Path) -> None:
+    odd = workspace / os.fsdecode(b"ws\xff")
+    odd.mkdir()
+    (odd / "f").write_bytes(b"here\n")
+    r = corral("run", "--", "cat", "f", cwd=odd)
+    assert (r.returncode, r.stdout) == (0, b"here\n"), r.stderr

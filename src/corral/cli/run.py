@@ -454,6 +454,7 @@ def _feed_stdin(stream: Any) -> asyncio.Future[None]:
     """Copy corral's stdin to the command as it arrives, then close the command's stdin. A
     daemon thread reads (a terminal never ends; nothing waits for it at exit)."""
     import asyncio
+    import concurrent.futures
     import threading
 
     loop = asyncio.get_running_loop()
@@ -467,8 +468,8 @@ def _feed_stdin(stream: Any) -> asyncio.Future[None]:
                 data = b""
             try:
                 asyncio.run_coroutine_threadsafe(chunks.put(data), loop).result()
-            except (RuntimeError, asyncio.CancelledError):
-                return
+            except (RuntimeError, asyncio.CancelledError, concurrent.futures.CancelledError):
+                return  # the command is done with its stdin, or corral is ending
             if not data:
                 return
 

@@ -351,7 +351,7 @@ def hide_options(argv: list[str]) -> tuple[list[str], bytes]:
     command after ``--``) and the NUL-separated options to write to that fd."""
     end = argv.index("--")
     options = argv[1:end]
-    data = b"".join(arg.encode() + b"\0" for arg in options)
+    data = b"".join(os.fsencode(arg) + b"\0" for arg in options)
     return [argv[0], "--args", "", *argv[end:]], data
 
 
