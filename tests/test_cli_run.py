@@ -343,3 +343,43 @@ def test_a_workspace_whose_name_is_not_utf8(workspace: Path) -> None:
     (odd / "f").write_bytes(b"here\n")
     r = corral("run", "--", "cat", "f", cwd=odd)
     assert (r.returncode, r.stdout) == (0, b"here\n"), r.stderr
+
+
+CONSOLE = [sys.executable, "-c", "from corral.client.cli import console; console()"]
+"""The console script as installed (``corral``), not ``python -m corral.cli``."""
+
+
+def test_output_that_cannot_be_written_is_one_line(workspace: Path) -> None:
+    for args in (["run", "--", "echo", "hi"], ["run", "--json", "--", "echo", "hi"]):
+        with open("/dev/full", "wb") as full:
+            r = subprocess.run(
+                [*CONSOLE, *args], cwd=workspace, stdout=full, stderr=subprocess.PIPE, timeout=60
+            )
+        assert r.returncode == 120, r.stderr
+        assert r.stderr.endswith(b"corral: cannot write the output: No space left on device\n")
+        assert b"Traceback" not in r.stderr
+
+
+def test_closed_standard_fds_are_not_taken_by_corral_s_own_files(workspace: Path) -> None:
+    # `corral run ... >&-`: fd 1 would be the first file corral opens, and get the output.
+    script = 'exec "$@" >&- <&-'
+    r = subprocess.run(
+        ["sh", "-c", script, "sh", *CONSOLE, "run", "--", "echo", "hi"],
+        cwd=workspace,
+        capture_output=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
+
+
+def test_ctrl_c_while_corral_is_still_importing_exits_130(workspace: Path) -> None:
+    proc = subprocess.Popen(
+        [*CONSOLE, "run", "--", "sleep", "30"], cwd=workspace, stderr=subprocess.PIPE
+    )
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 30
+    while b"pydantic_core" not in maps.read_bytes():  # mid-import: its first compiled module
+        assert time.monotonic() < deadline and proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and b"Traceback" not in err, err

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 __all__ = ["build_policy", "main", "make_parser"]
 
 EXIT_PIPE = 141
+EXIT_OUTPUT = 120
+"""stdout could not take the output (what Python itself exits with when its flush fails)."""
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+"""A write to stdout failing with these is the output's destination, not corral."""
 
 # The first imports of the command are argparse-level: each command's module is imported only
 # when that command runs (or for the full help), and each keeps the library out of its own
@@ -129,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = make_parser(argv).parse_args(argv)
         except UsageError as exc:
             return _fail(str(exc), str(errors.ErrorCode.INVALID_INPUT), EXIT_USAGE, as_json)
+        _import_pydantic_core()
         try:
             return int(args.func(args))
         except errors.PolicyError as exc:
@@ -145,10 +150,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet_stdout()
         return EXIT_PIPE
     except OSError as exc:
-        if exc.errno != errno.EPIPE:
+        if exc.errno == errno.EPIPE:
+            _quiet_stdout()
+            return EXIT_PIPE
+        if exc.errno not in OUTPUT_ERRNOS or exc.filename is not None:
             raise
+        # stdout cannot take the output (a full disk, a dead device): one line, no traceback.
         _quiet_stdout()
-        return EXIT_PIPE
+        sys.stderr.write(f"corral: cannot write the output: {os.strerror(exc.errno)}\n")
+        return EXIT_OUTPUT
+
+
+def _import_pydantic_core() -> None:
+    """Import pydantic's compiled core (every command that builds a policy needs it) with a
+    Ctrl-C ending the process at once: a KeyboardInterrupt raised inside its initialisation
+    makes it abort with a Rust panic (exit 1, a panic message) instead of exiting 130. No
+    box exists yet, so there is nothing to clean up."""
+    import signal
+
+    if "pydantic_core" in sys.modules or signal.getsignal(signal.SIGINT) is not (
+        signal.default_int_handler
+    ):
+        return
+    signal.signal(signal.SIGINT, lambda number, frame: os._exit(130))
+    try:
+        import pydantic_core  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _quiet_stdout() -> None:

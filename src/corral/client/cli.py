@@ -55,8 +55,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console() -> NoReturn:
-    """The console script: :func:`main`, then :func:`exit_now` with its status."""
-    exit_now(main())
+    """The console script: :func:`main`, then :func:`exit_now` with its status (130 on a
+    Ctrl-C at any point, the imports included)."""
+    _standard_fds()
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        status = 130
+    exit_now(status)
+
+
+def _standard_fds() -> None:
+    """Started with stdin, stdout or stderr closed (``cmd >&-``), open /dev/null there:
+    else the first file or socket corral opens takes that number, and the box's output (or
+    its input) goes to it."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            name = ("stdin", "stdout", "stderr")[fd]
+            if getattr(sys, name) is None:  # the interpreter saw it closed
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))  # noqa: SIM115
 
 
 def exit_now(status: int) -> NoReturn:
