@@ -350,3 +350,95 @@ def test_mcp_network_options_are_checked_before_serving(tmp_path: Path) -> None:
     )
     assert r.returncode != 0 and "contradicts" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _mcp(*args: str) -> Any:
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "corral", "mcp", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--capabilities", "run_command,vfs_reed"], "unknown capability vfs_reed: use tool names"),
+        (["--workspace", "/nonexistent"], "workspace /nonexistent is not a directory"),
+        (["--http", "127.0.0.1:99999"], "cannot listen on 127.0.0.1:99999: a port is 0 to 65535"),
+        (["--http", "192.0.2.1:80"], "cannot listen on 192.0.2.1:80: Cannot assign requested"),
+    ],
+)
+def test_bad_mcp_options_are_one_line_before_serving(args: list[str], says: str) -> None:
+    r = _mcp(*args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"corral: {r.stderr.removeprefix('corral: ')}" and says in r.stderr
+    assert r.stderr.count("\n") == 1 and "serving" not in r.stderr
+
+
+def test_a_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = _mcp("--http", f"127.0.0.1:{taken.getsockname()[1]}")
+    assert r.returncode == 2 and "Address already in use" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_toolbox_refuses_an_unknown_capability() -> None:
+    from corral.errors import SandboxError
+    from corral.tools.toolbox import checked_capabilities
+
+    with pytest.raises(SandboxError, match="unknown capabilities a, b: "):
+        checked_capabilities({"run_command", "b", "a"})
+    assert checked_capabilities({"*", "tool.invoke:vfs_read", "sandbox.exec"}) is not None
+
+
+def test_ctrl_c_ends_the_stdio_server_while_its_client_holds_stdin(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corral", "mcp"],
+        stdin=subprocess.PIPE,  # held open, as a client holds it
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    assert b"serving on stdio" in proc.stderr.readline()  # its signal handler is in place
+    proc.send_signal(signal.SIGINT)
+    try:
+        assert proc.wait(timeout=20) == 130  # it waited for stdin to close before
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_http_token_file_goes_with_the_server() -> None:
+    import re
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corral", "mcp", "--http", "127.0.0.1:0"],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    try:
+        line = proc.stderr.readline()
+        found = re.search(r"token in (\S+) ", line)
+        assert found, line
+        token_file = Path(found.group(1))
+        assert token_file.is_file()  # a port-0 address is never used again: nothing reuses it
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert not token_file.exists()
+    finally:
+        proc.kill()
+        proc.communicate()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -22,6 +23,8 @@ from corral.tools.presets import PRESETS
 from corral.tools.secrets import SecretStore
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from corral.tools.mcp import ServerConfig
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -91,6 +94,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     from corral.tools.mcp import ServerConfig, parse_capabilities
     from corral.workspaces import refuse_dangerous_workspace
 
+    if args.workspace and not Path(args.workspace).is_dir():  # refused now, not per tool call
+        raise errors.SandboxError(
+            f"workspace {args.workspace} is not a directory; create it or pick another",
+            code=errors.ErrorCode.INVALID_INPUT,
+        )
     trust = bool(getattr(args, "trust_writable_policy", False))
     loaded = Policy.load(args.policy, trust_writable=trust) if args.policy else Policy()
     names = list(args.preset)
@@ -137,6 +145,35 @@ def _say(line: str) -> None:
     print(f"corral mcp: {line}", file=sys.stderr, flush=True)
 
 
+async def _stdio_until_interrupted(
+    config: ServerConfig, serve_stdio: Callable[..., Awaitable[None]], line: str
+) -> None:
+    """``serve_stdio``, where a Ctrl-C (SIGINT) stops the server, closes its sandboxes and
+    exits 130 at once: the MCP SDK reads stdin in a thread no cancellation stops, so the
+    process would otherwise wait for the client to close stdin."""
+    import signal
+
+    task = asyncio.current_task()
+    assert task is not None
+    interrupted = False
+
+    def on_interrupt() -> None:
+        nonlocal interrupted
+        interrupted = True
+        task.cancel()
+
+    def after() -> None:
+        if interrupted:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(130)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, on_interrupt)
+    _say(line)  # once a Ctrl-C is handled: a client (or a test) may send one from now on
+    await serve_stdio(config, after)
+
+
 def cmd_mcp(args: argparse.Namespace) -> int:
     from corral.server.transport import LOOPBACK, bind_unix, new_token, write_token_file
     from corral.tools.mcp import describe_config, serve_http, serve_stdio
@@ -162,8 +199,8 @@ def cmd_mcp(args: argparse.Namespace) -> int:
                 path.unlink()
         return 0
     if not args.http:
-        _say(f"serving on stdio; {describe_config(config)}")
-        asyncio.run(serve_stdio(config))
+        line = f"serving on stdio; {describe_config(config)}"
+        asyncio.run(_stdio_until_interrupted(config, serve_stdio, line))
         return 0
     host, _, port = args.http.rpartition(":")
     if not host or not port.isdigit():
@@ -179,21 +216,40 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     # shows the port the kernel picked).
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, int(port)))
-    sock.listen(128)
+    try:
+        if int(port) > 65535:
+            raise OSError(errno.EINVAL, "a port is 0 to 65535")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port)))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise errors.SandboxError(
+            f"cannot listen on {args.http}: {exc.strerror or exc}",
+            code=errors.ErrorCode.INVALID_INPUT,
+        ) from None
     bound = sock.getsockname()[1]
     where = "no token (--insecure-no-token: any local user can connect)"
+    token_file: Path | None = None
     if token is None and not insecure:
         token = new_token()
-        path = write_token_file(token, f"mcp-{host}-{bound}.token")
-        where = f"token in {path} (send Authorization: Bearer <token>)"
+        token_file = write_token_file(token, f"mcp-{host}-{bound}.token")
+        where = f"token in {token_file} (send Authorization: Bearer <token>)"
     elif token is not None:
         where = "token from --token" if args.token else "token from CORRAL_MCP_TOKEN"
     url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}/mcp"
     _say(f"serving streamable HTTP on {url}; {where}; {describe_config(config)}")
-    with sock:
-        asyncio.run(
-            serve_http(config, host, bound, token=token, insecure_no_token=insecure, sock=sock)
-        )
+    import signal
+
+    # uvicorn shuts down on SIGTERM, then raises it again: exit (143) through the finally.
+    signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    try:
+        with sock:
+            asyncio.run(
+                serve_http(config, host, bound, token=token, insecure_no_token=insecure, sock=sock)
+            )
+    finally:
+        if token_file is not None:  # the token dies with the server: nothing to reuse it
+            with contextlib.suppress(OSError):
+                token_file.unlink()
     return 0

@@ -20,7 +20,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from corral.server.transport import (
 )
 from corral.tools.approvals import PermissionMode, Rule
 from corral.tools.secrets import SecretStore
-from corral.tools.toolbox import Toolbox, allowed_tools, tool_schemas
+from corral.tools.toolbox import Toolbox, allowed_tools, checked_capabilities, tool_schemas
 from corral.workspaces import refuse_dangerous_workspace
 
 logger = logging.getLogger("corral.mcp")
@@ -295,16 +295,23 @@ def build_server(
     return server
 
 
-async def serve_stdio(config: ServerConfig) -> None:
+async def serve_stdio(config: ServerConfig, after: Callable[[], None] | None = None) -> None:
+    """Serve MCP on stdin/stdout until the client closes stdin. ``after`` runs once the
+    server has stopped and its sessions' sandboxes are closed, before the SDK's stdin reader
+    is waited for (a thread that only the client closing stdin ends)."""
     server = build_server(config)
     async with stdio_server() as (read_stream, write_stream):
-        await server.run(read_stream, write_stream, server.create_initialization_options())
+        try:
+            await server.run(read_stream, write_stream, server.create_initialization_options())
+        finally:
+            if after is not None:
+                after()
 
 
 def parse_capabilities(values: Iterable[str] | None) -> frozenset[str] | None:
     if not values:
         return None
-    return frozenset(c.strip() for v in values for c in v.split(",") if c.strip())
+    return checked_capabilities(c.strip() for v in values for c in v.split(",") if c.strip())
 
 
 # ---- streamable HTTP -------------------------------------------------------------------------

@@ -77,6 +77,25 @@ def capability_of(tool: str) -> str:
     return EXEC_CAPABILITY if tool == EXEC_CAPABILITY else f"tool.invoke:{tool}"
 
 
+def checked_capabilities(capabilities: Iterable[str] | None) -> frozenset[str] | None:
+    """``capabilities`` as a set, each one a tool's name, its capability (``sandbox.exec``,
+    ``tool.invoke:<name>``) or ``*``; a name that is none of these (a typo would serve
+    fewer tools without a word) is an ``invalid_input`` error naming it."""
+    if capabilities is None:
+        return None
+    caps = frozenset(capabilities)
+    known = {"*"} | {spec.name for spec in TOOLS} | {capability_of(spec.name) for spec in TOOLS}
+    unknown = sorted(caps - known)
+    if unknown:
+        raise errors.SandboxError(
+            f"unknown capabilit{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}: "
+            f"use tool names ({', '.join(spec.name for spec in TOOLS)}), their capabilities "
+            "(sandbox.exec, tool.invoke:<name>) or *",
+            code=errors.ErrorCode.INVALID_INPUT,
+        )
+    return caps
+
+
 def allowed_tools(
     capabilities: Iterable[str] | None = None, permission_mode: PermissionMode = "default"
 ) -> list[ToolSpec]:
@@ -174,7 +193,7 @@ class Toolbox:
         """``share_shells``: shells the agent opens can be joined by a human with
         ``corral attach`` (the MCP server sets it); by default they stay private."""
         self.sandbox = sandbox
-        self.capabilities = None if capabilities is None else frozenset(capabilities)
+        self.capabilities = checked_capabilities(capabilities)
         self.gate = Gate(permission_mode, None if rules is None else tuple(rules))
         self.approver = approver
         if secrets is None:  # the environment's, and the policy's secrets_file
