@@ -297,3 +297,24 @@ async def test_a_box_that_dies_in_the_grace_ends_the_close_at_once(
         await closing
     assert proc.ended == "lost"
     assert not (state_root() / "boxes" / sb.sandbox_id).exists()
+
+
+async def test_a_cancelled_request_does_not_break_the_box(box: Sandbox) -> None:
+    # The agent answers a request whose caller has gone (an HTTP client that hung up, an
+    # asyncio timeout): the late reply is dropped, not taken for a protocol violation.
+    channel = box._channel
+    assert channel is not None
+    for _ in range(3):
+        task = asyncio.ensure_future(box.info())
+        for _ in range(50):  # the few loop steps until the request is on the wire
+            if channel._pending:
+                break
+            await asyncio.sleep(0)
+        assert channel._pending, "the request was never sent"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert channel._abandoned  # its reply is still to come
+        r = await box.run("echo still-here")
+        assert (r.exit_code, r.stdout) == (0, "still-here\n")
+        assert not channel._abandoned  # came, and was dropped

@@ -64,6 +64,9 @@ class Channel:
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], Payload]]] = {}
         self._ops: dict[int, str] = {}  # request id -> its operation, to check the reply
         self._hooks: dict[int, Callable[[dict[str, Any]], None]] = {}
+        self._abandoned: dict[int, str] = {}
+        """Requests whose caller was cancelled before the reply came -> their operation:
+        the reply still comes, and is dropped (checked) when it does."""
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._wire: _Wire | None = None
         self.lost: asyncio.Event = asyncio.Event()
@@ -139,10 +142,12 @@ class Channel:
             raise errors.SandboxBroken(f"the sandbox is gone: {self.lost_reason}") from exc
         finally:
             self._pending.pop(req_id, None)
-            self._ops.pop(req_id, None)
+            operation = self._ops.pop(req_id, None)
             self._hooks.pop(req_id, None)
             if fut.done() and not fut.cancelled():
                 fut.exception()  # failed with the channel: retrieved, so it is not logged
+            elif operation is not None and not self.lost.is_set():
+                self._abandoned[req_id] = operation  # its reply is on its way
         error = error_from_reply(header)
         if error is not None:
             raise error
@@ -153,7 +158,12 @@ class Channel:
             req_id = header["re"]
             fut = self._pending.get(req_id) if type(req_id) is int else None
             if fut is None:
-                raise protocol.FrameError(f"reply to an unknown request {req_id!r}")
+                gone = self._abandoned.pop(req_id, None) if type(req_id) is int else None
+                if gone is None:
+                    raise protocol.FrameError(f"reply to an unknown request {req_id!r}")
+                if "error" not in header:
+                    protocol.check_reply(gone, header)
+                return  # its caller was cancelled: nobody waits for it
             if "error" not in header:
                 protocol.check_reply(self._ops[req_id], header)
                 hook = self._hooks.pop(req_id, None)
