@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -164,3 +165,20 @@ async def test_the_call_tells_whether_its_timeout_ended_the_command(sandbox: San
 async def test_waiting_on_a_stream_that_was_never_read_is_not_held(sandbox: Sandbox) -> None:
     stream = await sandbox.exec_stream(f"head -c {24 << 20} /dev/zero")
     assert await stream.wait(60) == 0  # its unread output is dropped, never holding it
+
+
+async def test_piped_stdin_written_while_the_output_is_read(sandbox: Sandbox) -> None:
+    # The agent closed the command's stdin in one event of a batch and then met that fd's
+    # stale "writable" event in the same batch: it died, the command with it (1 in ~10).
+    data = os.urandom(70_000)
+    for _ in range(30):
+        stream = await sandbox.exec_stream(["wc", "-c"], stdin="pipe")
+
+        async def feed(stream: ExecStream = stream) -> None:
+            await stream.write(data)
+            await stream.close_stdin()
+
+        fed = asyncio.ensure_future(feed())
+        events = await collect(stream)
+        await fed
+        assert events == [Stdout(b"70000\n"), Exited(0)]

@@ -592,6 +592,8 @@ class Agent:
         if child.status is None or child.fds or child.ending is not None:
             return
         if child.stdin_fd is not None and child.stdin_fd not in child.fds:
+            if self.sel.get_map().get(child.stdin_fd) is not None:  # input it never took
+                self.sel.unregister(child.stdin_fd)
             try:
                 os.close(child.stdin_fd)
             except OSError:
@@ -748,7 +750,11 @@ class Agent:
                     commands.drain_fd(self.wake_r)
                     self.reap()
                 elif key.data == "stdin":
-                    self.pump_stdin(self.stdin_owner(int(key.fd)))
+                    # An earlier event of this batch may have closed it (its child's stdin
+                    # ended, the child exited): nobody owns it any more, nothing to pump.
+                    owner = self.stdin_owner(int(key.fd))
+                    if owner is not None:
+                        self.pump_stdin(owner)
                 elif int(key.fd) in self.fd_owner:
                     self.on_output(int(key.fd), mask)
             wait = self.tick()
@@ -758,8 +764,8 @@ class Agent:
         except OSError:
             pass
 
-    def stdin_owner(self, fd: int) -> Child:
-        return next(c for c in self.children.values() if c.stdin_fd == fd)
+    def stdin_owner(self, fd: int) -> Child | None:
+        return next((c for c in self.children.values() if c.stdin_fd == fd), None)
 
 
 class AgentError(Exception):
