@@ -16,6 +16,7 @@ import pytest
 from corral import Policy, PolicyError, Sandbox, SandboxError
 from corral.backends.host.state import state_root
 from corral.errors import ErrorCode
+from corral.streaming import Stdout
 
 GRACE = 0.5
 
@@ -318,3 +319,21 @@ async def test_a_cancelled_request_does_not_break_the_box(box: Sandbox) -> None:
         r = await box.run("echo still-here")
         assert (r.exit_code, r.stdout) == (0, "still-here\n")
         assert not channel._abandoned  # came, and was dropped
+
+
+SLEEPERS = "for p in /proc/[0-9]*; do cat $p/comm 2>/dev/null; done | grep -c '^sleep$' || true"
+
+
+async def test_a_timeout_ends_children_that_left_the_command_s_group(box: Sandbox) -> None:
+    # `setsid` (a daemon, a test runner's workers) takes a child out of the command's group:
+    # it is still the command's, and a timeout leaves nothing of it in the box.
+    script = "setsid sleep 300 & setsid sh -c 'trap \"\" TERM; sleep 301' & echo up; sleep 302"
+    r = await box.run(script, timeout=1)
+    assert r.timed_out and r.stdout == "up\n"
+    assert (await box.run(SLEEPERS)).stdout == "0\n"
+    async with box.exec_stream(script) as stream:  # and leaving a stream (terminate) the same
+        async for event in stream:
+            assert event == Stdout(b"up\n")  # its children are started
+            break
+    assert stream.process.ended == "signalled"
+    assert (await box.run(SLEEPERS)).stdout == "0\n"

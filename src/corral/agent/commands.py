@@ -364,20 +364,49 @@ def send_signal(uid: int, gid: int, pid: int, pty_fd: int | None, sig: int, grou
     return True
 
 
+def descendant_groups(pid: int) -> set[int]:
+    """The process groups of ``pid``'s descendants (children, grandchildren...) as /proc
+    shows them now: a child that left the command's group (``setsid``, ``setpgid``: a
+    daemon, a test runner's workers) is still the command's to end. The box's pid 1 and
+    the agent's own group are never among them."""
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after the name, which may hold spaces
+        if len(fields) > 2:
+            parents.setdefault(int(fields[1]), []).append((int(name), int(fields[2])))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child, pgid in parents.get(todo.pop(), ()):
+            found.add(pgid)
+            todo.append(child)
+    return found - {0, 1, os.getpgid(0)}
+
+
 class Termination:
     """A command being terminated: SIGTERM to its groups now, SIGKILL at ``kill_at``, done
-    once no process of them is left. The groups are the command's own (it leads a session)
-    and, on a terminal, the foreground job's."""
+    once no process of them is left. The groups are the command's own (it leads a session),
+    on a terminal the foreground job's, and those its descendants moved to (looked up at the
+    SIGTERM and again at the SIGKILL)."""
 
     def __init__(self, uid: int, gid: int, pid: int, pty_fd: int | None, kill_at: float) -> None:
         self.uid = uid
         self.gid = gid
+        self.pid = pid
         self.groups = {pid}
         if pty_fd is not None:
             try:
                 self.groups.add(os.tcgetpgrp(pty_fd))
             except OSError:
                 pass
+        self.groups |= descendant_groups(pid)
         self.kill_at: float | None = kill_at
         self.give_up_at: float | None = None
         self.signal_all(signal.SIGTERM)
@@ -399,6 +428,7 @@ class Termination:
         """KILL once the grace is over; None when done (``reaped``: the leader's status is
         known), else seconds until the next look is due."""
         if self.kill_at is not None and now >= self.kill_at:
+            self.groups |= descendant_groups(self.pid)  # started in the grace
             self.signal_all(signal.SIGKILL)
             self.kill_at = None
             self.give_up_at = now + GIVE_UP
