@@ -5,6 +5,7 @@ rlimit name refused before it reaches the box."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,26 @@ async def test_a_shared_path_that_does_not_exist_is_refused_naming_the_field(
                 pass
         assert field in info.value.message
         assert f"{missing} does not exist" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("guest", "says"),
+    [
+        ("/workspace", "filesystem.mounts[0].guest: /workspace is the workspace"),
+        ("/workspace/sub/", "/workspace/sub/ is inside the workspace"),
+        ("/proc", "guest path /proc is the box's own"),
+        ("/dev/shm", "guest path /dev/shm is the box's own"),
+        ("/", "guest path / is the box's own"),
+        ("/run/corral/agent", "is the box's own"),
+        ("//sys/../sys", "is the box's own"),
+    ],
+)
+def test_a_mount_over_what_the_box_already_has_is_refused(
+    tmp_path: Path, guest: str, says: str
+) -> None:
+    # -v HOST:/workspace hid the workspace behind a read-only mount; over /proc or /dev it
+    # replaced them, or failed as a generic backend error.
+    with pytest.raises(PolicyError, match=re.escape(says)):
+        Policy.from_dict({"filesystem": {"mounts": [{"host": str(tmp_path), "guest": guest}]}})
+    ok = {"host": str(tmp_path), "guest": "/mnt/data"}
+    assert Policy.from_dict({"filesystem": {"mounts": [ok]}}).filesystem.mounts[0].guest

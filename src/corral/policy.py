@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import posixpath
 import re
 import stat
 from collections.abc import Callable, Mapping
@@ -124,6 +125,10 @@ Paths = Annotated[tuple[str, ...], BeforeValidator(_one_or_many)]
 Names = Annotated[tuple[str, ...], BeforeValidator(_one_or_many)]
 
 
+BOX_OWNED = ("/proc", "/dev", "/sys", "/run/corral")
+"""Guest paths a mount may not cover: the kernel's views and the agent's own directory."""
+
+
 class Mount(_Model):
     """A host directory shared into the box (the spec's shared directories)."""
 
@@ -138,6 +143,13 @@ class Mount(_Model):
     def _absolute_guest(self) -> Mount:
         if not self.guest.startswith("/"):
             raise ValueError(f"guest path must be absolute, got {self.guest!r}")
+        guest = posixpath.normpath(self.guest).replace("//", "/")
+        owned = next((p for p in BOX_OWNED if guest == p or guest.startswith(p + "/")), None)
+        if guest == "/" or owned is not None:
+            raise ValueError(
+                f"guest path {self.guest} is the box's own ({', '.join(BOX_OWNED)} and / are "
+                "made by corral): share it elsewhere, e.g. /mnt/data"
+            )
         return self
 
 
@@ -455,6 +467,16 @@ class Policy(_Model):
             raise ValueError(f"runtime {self.runtime!r} needs backend 'oci'")
         if not self.workdir.startswith("/"):
             raise ValueError(f"workdir must be an absolute path inside the box: {self.workdir!r}")
+        workdir = posixpath.normpath(self.workdir)
+        for i, m in enumerate(self.filesystem.mounts):
+            guest = posixpath.normpath(m.guest)
+            if guest == workdir or guest.startswith(workdir.rstrip("/") + "/"):
+                where = "is" if guest == workdir else "is inside"
+                raise ValueError(
+                    f"filesystem.mounts[{i}].guest: {m.guest} {where} the workspace ({workdir}), "
+                    "which the box already has: share the directory elsewhere (e.g. "
+                    "/mnt/data), or make it the workspace"
+                )
         problem = vm_memory_problem(self)
         if problem is not None:
             raise ValueError(problem)
