@@ -359,6 +359,26 @@ async def test_attach_to_an_unknown_session_fails_cleanly(
     assert await term.exit_status() != 0
 
 
+async def test_attach_from_input_that_cannot_be_waited_on_is_one_line(
+    sh: PtySession, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_bytes(b"echo hi\n")
+    for source in (os.devnull, str(keys)):
+        stdin = os.open(source, os.O_RDONLY)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "corral.cli", "attach", sh.session_id,
+                stdin=stdin, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+        finally:
+            os.close(stdin)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 2 and b"cannot be waited on" in err, err
+        assert b"Traceback" not in err and err.count(b"\n") == 1
+    assert sh.attached == 0
+
+
 @pytest.mark.needs_bwrap
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 async def test_attach_under_tmux(sh: PtySession, tmp_path: Path) -> None:

@@ -383,3 +383,12 @@ def test_ctrl_c_while_corral_is_still_importing_exits_130(workspace: Path) -> No
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and b"Traceback" not in err, err
+
+
+def test_audit_of_a_directory_is_one_line(tmp_path: Path) -> None:
+    r = corral("audit", str(tmp_path))
+    assert r.returncode == 2 and b"Traceback" not in r.stderr
+    assert (
+        r.stderr
+        == f"corral audit: {tmp_path} is a directory; give the audit log file (the policy's audit_log)\n".encode()
+    )  # noqa: E501

@@ -75,6 +75,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if not args.follow and not path.exists():
         print(f"corral audit: no audit log at {path}", file=sys.stderr)
         return 1
+    if path.is_dir():
+        print(
+            f"corral audit: {path} is a directory; give the audit log file (the policy's "
+            "audit_log)",
+            file=sys.stderr,
+        )
+        return 2
     show: Callable[[str], str] = (lambda line: line) if args.json else format_line
     try:
         for line in _lines(path, follow=args.follow):

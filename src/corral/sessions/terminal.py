@@ -263,6 +263,7 @@ async def attach_terminal(
     out_fd: int = 1,
 ) -> AttachOutcome:
     """Bridge the terminal on ``in_fd``/``out_fd`` to a session until detach or exit."""
+    check_input(in_fd)  # before connecting: nothing starts for input that cannot be read
     reader, writer = await asyncio.open_unix_connection(str(server))
     loop = asyncio.get_running_loop()
     bridge = _Bridge(writer, detach_keys, in_fd, out_fd)
