@@ -226,17 +226,15 @@ def test_doc_block(block: Block, workdir: Path, model_url: str) -> None:
 
 RUNNER = textwrap.dedent(
     """
-    import ast, asyncio, sys, types
+    import sys, types
     path = sys.argv[1]
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    code = compile(source, path, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    code = compile(source, path, "exec")  # as `python file.py`: no top-level await
     main = types.ModuleType("__main__")
     main.__file__ = path
     sys.modules["__main__"] = main
-    result = eval(code, main.__dict__)
-    if result is not None:
-        asyncio.run(result)
+    exec(code, main.__dict__)
     """
 )
 
