@@ -835,6 +835,23 @@ async def test_a_websocket_that_vanishes_leaves_the_session_working(server: Serv
         assert described["state"] == "running"
 
 
+async def test_an_exec_websocket_that_closes_ends_its_silent_command(server: Served) -> None:
+    # The command prints nothing: only the socket's end can tell it to stop.
+    async with corral.connect(server.url) as remote, remote.Sandbox() as sb:
+        path = f"/v1/boxes/{sb.id}/exec/ws?cmd=sleep&cmd=300"
+        for vanish in (False, True):
+            ws = await websockets.asyncio.client.unix_connect(
+                server.socket, f"ws://localhost{path}"
+            )
+            (running,) = [p.pid for p in await sb.processes() if p.status == "running"]
+            if vanish:
+                ws.transport.abort()  # no close frame
+            else:
+                await ws.close()
+            waited = await (await sb.process(running)).wait(30)
+            assert (waited.status, waited.exit_code) == ("exited", -15), waited
+
+
 def test_errors_say_whether_a_retry_may_help() -> None:
     assert corral.ServerBusy("busy").retryable
     assert corral.SandboxBroken("the box died").retryable

@@ -975,18 +975,26 @@ def build_api(  # noqa: C901
             await websocket.close(code=1000)
             return
         await websocket.accept()
-        feeder = asyncio.ensure_future(_ws_input(websocket, stream))
         ended: list[int] = []
-        try:
+
+        async def pump() -> None:
             async for chunk in _output_frames(stream, ended):
                 await websocket.send_bytes(chunk)
             end = {"exit_code": ended[0] if ended else -9, "timed_out": bool(stream.timed_out)}
             await websocket.send_bytes(frames.json_frame(frames.END, end))
             await websocket.close(code=1000)
-        except (WebSocketDisconnect, RuntimeError):
-            pass  # the client left: leaving `async with` ended the command
+
+        feeder = asyncio.ensure_future(_ws_input(websocket, stream))
+        pumping = asyncio.ensure_future(pump())
+        try:
+            await asyncio.wait({feeder, pumping}, return_when=asyncio.FIRST_COMPLETED)
+            if not pumping.done():  # the client went first, maybe from a silent command
+                pumping.cancel()  # leaving the stream's `async with` ends the command
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
+                await pumping  # the command's end (TERM, the grace, KILL) included
         finally:
             feeder.cancel()
+            pumping.cancel()
 
     @app.websocket("/v1/boxes/{box_id}/sessions/{session_id}/attach")
     async def attach(websocket: WebSocket, box_id: str, session_id: str) -> None:
@@ -1068,14 +1076,16 @@ def _timeout_param(text: str | None) -> float | None:
 
 
 async def _ws_input(websocket: WebSocket, stream: Any) -> None:
-    """stdin and control messages of ``/exec/ws`` until the client goes."""
-    with contextlib.suppress(WebSocketDisconnect, errors.SandboxError, RuntimeError):
+    """stdin and control messages of ``/exec/ws``; returns when the client goes (only
+    then: input the command no longer takes is dropped, the socket still counts)."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
         while True:
             message = await websocket.receive()
             if message["type"] == "websocket.disconnect":
                 return
             if message.get("bytes"):
-                await stream.write(message["bytes"])
+                with contextlib.suppress(errors.SandboxError):  # its stdin closed, it ended
+                    await stream.write(message["bytes"])
             elif message.get("text"):
                 try:
                     control = json.loads(message["text"])
