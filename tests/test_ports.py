@@ -50,6 +50,12 @@ class Handler(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(out)
 
     def do_GET(self):
+        if self.path.startswith("/login"):  # an app's session cookie, for the caller that logged in
+            self.send_response(200)
+            self.send_header("set-cookie", "session=SECRET; Path=/; HttpOnly")
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         if self.headers.get("upgrade", "").lower() != "websocket":
             return super().do_GET()
         key = self.headers["sec-websocket-key"].encode()
@@ -219,6 +225,18 @@ def test_the_preview_url_streams_large_bodies_exactly_both_ways(
         )
         assert r.status_code == 200, r.text
         assert r.json()["len"] == len(payload)
+
+
+def test_the_preview_proxy_keeps_no_cookies_a_box_set(served: Served, box: str) -> None:
+    """One box's Set-Cookie is for the caller that got it, never replayed by the proxy to
+    a later request (from anyone, to this box or another)."""
+    with client(served) as c:
+        assert wait_serving(c, f"/v1/boxes/{box}/ports/8000/server.py").status_code == 200
+        login = c.get(f"/v1/boxes/{box}/ports/8000/login")
+        assert login.status_code == 200 and "SECRET" in login.headers["set-cookie"]
+        c.cookies.clear()  # this caller sends no cookie: the proxy must not send one either
+        echoed = c.post(f"/v1/boxes/{box}/ports/8000/echo", content=b"x").json()
+        assert "cookie" not in echoed["headers"], echoed["headers"]
 
 
 def test_the_preview_url_carries_a_websocket(served: Served, box: str) -> None:

@@ -7,16 +7,18 @@ auth (a token, or the unix socket's owner).
 The proxy is a client of the exposed host port (httpx for HTTP, websockets for WebSocket), so
 the box is reached the one way every publish uses, and the box never sees the caller's
 credentials: the ``Authorization`` header, cookies and the WebSocket's ``token`` query
-parameter stay here. Pages of the box are served sandboxed (:data:`SANDBOXED`): a browser
-gives them an opaque origin, so they are not the server's own pages to the Origin check. A
-port nothing listens on answers 502 ``port_not_reachable`` at once (the guest agent closes
-the data connection when its connect fails), never a hang.
+parameter stay here, and the proxy keeps no cookie of its own (:class:`_NoCookies`). Pages
+of the box are served sandboxed (:data:`SANDBOXED`): a browser gives them an opaque origin,
+so they are not the server's own pages to the Origin check. A port nothing listens on
+answers 502 ``port_not_reachable`` at once (the guest agent closes the data connection when
+its connect fails), never a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.cookiejar
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -79,6 +81,19 @@ class PortOut(BaseModel):
     preview_path: str = Field(description="the same through corral serve, behind its auth")
 
 
+class _NoCookies(http.cookiejar.DefaultCookiePolicy):
+    """A jar that stores no cookie and sends none: the proxy is not a browser. A client's
+    jar is shared by every proxied request, so a cookie one box's server set would be sent
+    to every later request, to any box, whoever asked; the caller's browser keeps the box's
+    cookies (the ``Set-Cookie`` is passed back to it), the proxy keeps nothing."""
+
+    def set_ok(self, cookie: http.cookiejar.Cookie, request: Any) -> bool:
+        return False
+
+    def return_ok(self, cookie: http.cookiejar.Cookie, request: Any) -> bool:
+        return False
+
+
 def _port_out(box_id: str, published: PublishedPort) -> PortOut:
     host = published.host_ip if ":" not in published.host_ip else f"[{published.host_ip}]"
     return PortOut(
@@ -127,6 +142,7 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
         if client is None:
             client = httpx.AsyncClient(
                 trust_env=False,  # never a proxy from the environment
+                cookies=http.cookiejar.CookieJar(policy=_NoCookies()),
                 follow_redirects=False,
                 timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT),
                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=32),
