@@ -549,6 +549,40 @@ def test_cp_copies_directories_both_ways(server: Served, workspace: Path, tmp_pa
         cli(server, "rm", box, cwd=tmp_path)
 
 
+def test_cp_out_writes_through_no_link_the_box_planted(
+    server: Served, workspace: Path, tmp_path: Path
+) -> None:
+    """The box shares this directory: a link it plants where DEST goes (a directory on
+    the way, or DEST itself) is refused in one line, and nothing lands where it points."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        plant = f"echo box > notes.txt; mkdir d2; echo evil > d2/f; ln -s {victim} sub; "
+        plant += f"ln -s {victim} outdir; mkdir real; ln -s {victim} real/inner"
+        r = cli(server, "exec", box, "--", "sh", "-c", plant, cwd=workspace)
+        assert r.returncode == 0, r.stderr
+        for src, dest in (
+            ("notes.txt", "sub/copy.txt"),
+            ("notes.txt", "outdir"),
+            ("d2", "outdir"),
+            ("d2", "sub/d2"),
+            ("notes.txt", "real/inner/x"),
+            ("notes.txt", str(workspace / "sub" / "abs.txt")),
+        ):
+            r = cli(server, "cp", f"{box}:{src}", dest, cwd=workspace)
+            assert r.returncode == 125, (dest, r.stderr)
+            assert b"[file_error]" in r.stderr and b"is a symbolic link" in r.stderr, r.stderr
+            assert len(r.stderr.splitlines()) == 1, r.stderr
+        assert list(victim.iterdir()) == []
+        # real directories, named through .. too, still take copies
+        r = cli(server, "cp", f"{box}:d2", "../../ws/real/d2", cwd=workspace / "real")
+        assert r.returncode == 0, r.stderr
+        assert (workspace / "real" / "d2" / "f").read_text() == "evil\n"
+    finally:
+        cli(server, "rm", box, cwd=tmp_path)
+
+
 # ---- lifecycle ---------------------------------------------------------------------------
 def _wait_gone(client: httpx.Client, box: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout

@@ -545,7 +545,8 @@ def _cp(conn: Conn, args: argparse.Namespace) -> int:
     """``corral cp SRC ID:PATH`` and ``corral cp ID:PATH DST``: files and directories (as
     ``docker cp``: into an existing directory, else as that name), ``-`` for stdin/stdout.
     Symbolic links and special files inside a copied directory are skipped and named on
-    stderr; named as the source themselves, they are refused."""
+    stderr; named as the source themselves, they are refused. Copying out, no link on the
+    host side is written through (:class:`_HostDest`)."""
     src, dst = _split_ref(args.src), _split_ref(args.dst)
     if (src is None) == (dst is None):
         raise ServerError(
@@ -638,56 +639,160 @@ class _Copy:
                 )
             self._get_file(box, path, None)
             return
+        dest = _HostDest(host)
+        names: tuple[str, ...] = ()
         name = _box_basename(path)
-        if os.path.isdir(host) and name not in ("", "."):  # ID:dir/. copies what is in it
+        if dest.is_dir(()) and name not in ("", "."):  # ID:dir/. copies what is in it
             if name == "..":
                 raise ServerError("invalid_input", f"{box}:{path}: name what to copy, not ..")
-            host = os.path.join(host, _safe_name(name))
+            names = (_safe_name(name),)
         if kind == "file":
-            self._get_file(box, path, host)
+            self._get_file(box, path, (dest, names))
         elif kind == "dir":
-            self._get_dir(box, path, host)
+            self._get_dir(box, path, dest, names)
         else:  # named on its own: refused (inside a copied directory it is skipped)
             raise ServerError(
                 "invalid_input",
                 f"{box}:{path} is a {kind}: corral cp copies regular files and directories",
             )
 
-    def _get_dir(self, box: str, path: str, host: str) -> None:
-        todo = [(path, host)]
+    def _get_dir(self, box: str, path: str, dest: _HostDest, names: tuple[str, ...]) -> None:
+        todo = [(path, names)]
         while todo:
-            path, host = todo.pop()
-            try:
-                os.makedirs(host, exist_ok=True)
-            except OSError as exc:
-                raise _host_error(host, exc) from None
+            path, names = todo.pop()
+            dest.mkdir(names)
             entries = self.conn.json("GET", f"/v1/boxes/{q(box)}/files?path={q(path)}")
             for entry in entries:
                 name = str(entry.get("name", ""))
-                child, target = _join(path, name), os.path.join(host, _safe_name(name))
+                child, below = _join(path, name), (*names, _safe_name(name))
                 if entry.get("type") == "dir":
-                    todo.append((child, target))
+                    todo.append((child, below))
                 elif entry.get("type") == "file":
-                    self._get_file(box, child, target)
+                    self._get_file(box, child, (dest, below))
                 else:
                     self.skipped.append(f"{box}:{child} (a {entry.get('type')})")
 
-    def _get_file(self, box: str, path: str, host: str | None) -> None:
+    def _get_file(
+        self, box: str, path: str, host: tuple[_HostDest, tuple[str, ...]] | None
+    ) -> None:
         url = f"/v1/boxes/{q(box)}/files/content?path={q(path)}"
         response = self.conn.request("GET", url)
         if host is None:
             while data := response.read(1 << 20):
                 _write_all(1, data)
             return
-        try:
-            fd = os.open(host, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            raise _host_error(host, exc) from None
+        fd = host[0].create(host[1])
         try:
             while data := response.read(1 << 20):
                 _write_all(fd, data)
         finally:
             os.close(fd)
+
+
+class _HostDest:
+    """Where ``corral cp ID:SRC DEST`` writes on this host, following no symbolic link.
+
+    DEST is often in the box's own workspace (``corral create`` shares this directory), so
+    the box chose what its components are: a link it planted (``sub -> /etc/cron.d``) must
+    not take a write, made here as the user (often root), out of the place the user named.
+    Every component of DEST as spelled (below this directory for a relative DEST, below
+    ``/`` for an absolute one; leading ``..`` are the user's) and every name below it is
+    opened one at a time with ``O_NOFOLLOW`` relative to the directory before it
+    (:func:`corral.agent.files.open_beneath`), directories are made by that directory's
+    fd, and a link anywhere is refused in one line naming it.
+    """
+
+    def __init__(self, spelled: str) -> None:
+        self.spelled = spelled
+        path = os.path.normpath(spelled)
+        if os.path.isabs(path):
+            self.anchor, rel = "/", path.lstrip("/")
+        else:
+            parts = path.split("/")
+            ups = 0
+            while ups < len(parts) and parts[ups] == "..":
+                ups += 1
+            self.anchor, rel = "/".join(parts[:ups]) or ".", "/".join(parts[ups:])
+        self.parts = tuple(p for p in rel.split("/") if p not in ("", "."))
+
+    def shown(self, names: tuple[str, ...]) -> str:
+        return os.path.join(self.spelled, *names)
+
+    def _open(self, parts: tuple[str, ...], flags: int, mode: int = 0) -> int:
+        """``parts`` (below the anchor) opened following no link: a link is refused."""
+        from corral.agent.files import open_beneath
+
+        try:
+            anchor = os.open(self.anchor, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _host_error(self.anchor, exc) from None
+        try:
+            return open_beneath(anchor, "/".join(parts) or ".", flags, mode, no_symlinks=True)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._link_refused(parts) from None
+            raise
+        finally:
+            os.close(anchor)
+
+    def _link_refused(self, parts: tuple[str, ...]) -> ServerError:
+        """The refusal, naming the first component that is a link (looked at, not opened)."""
+        where, walked = self.spelled, self.anchor
+        for part in parts:
+            walked = os.path.join(walked, part)
+            if os.path.islink(walked):
+                where = walked
+                break
+        return ServerError(
+            "file_error",
+            f"{where} is a symbolic link: corral cp writes through no link on this host (a "
+            "box can plant one in its workspace); name the real path",
+        )
+
+    def is_dir(self, names: tuple[str, ...]) -> bool:
+        """Whether DEST/names is a directory (a link there is refused, not followed)."""
+        try:
+            os.close(self._open((*self.parts, *names), os.O_PATH | os.O_DIRECTORY))
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                return False
+            raise _host_error(self.shown(names), exc) from None
+        return True
+
+    def mkdir(self, names: tuple[str, ...]) -> None:
+        """DEST/names as a directory, made by its parent's fd when it is not there."""
+        parts = (*self.parts, *names)
+        try:
+            if parts:
+                parent = self._open(parts[:-1], os.O_PATH | os.O_DIRECTORY)
+                try:
+                    os.mkdir(parts[-1], 0o755, dir_fd=parent)
+                except FileExistsError:
+                    pass
+                finally:
+                    os.close(parent)
+            os.close(self._open(parts, os.O_PATH | os.O_DIRECTORY))  # a directory, no link
+        except OSError as exc:
+            raise _host_error(self.shown(names), exc) from None
+
+    def create(self, names: tuple[str, ...]) -> int:
+        """DEST/names opened to be written (made, or emptied when it is a regular file):
+        never through a link, never a FIFO or device to block on or write to."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK
+        try:
+            fd = self._open((*self.parts, *names), flags, 0o644)
+        except OSError as exc:
+            raise _host_error(self.shown(names), exc) from None
+        try:
+            if os.fstat(fd).st_mode & 0o170000 != 0o100000:
+                raise ServerError(
+                    "file_error", f"{self.shown(names)}: not a regular file (on this host)"
+                )
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
 
 def _join(path: str, *names: str) -> str:
