@@ -95,6 +95,25 @@ def test_run_goes_through_the_server_byte_for_byte(server: Served, workspace: Pa
     assert r.stderr.endswith(b"err\n")
 
 
+def test_stdin_larger_than_one_box_message_reaches_the_command_whole(
+    server: Served, workspace: Path
+) -> None:
+    # A message to the box carries at most 16 MiB: a larger stdin once became an empty one.
+    data = os.urandom(20_000_000)
+    digest = hashlib.sha256(data).hexdigest().encode()
+    r = cli(server, "run", "--stdin", "--", "sha256sum", cwd=workspace, stdin=data)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == digest
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        r = cli(server, "exec", "-i", box, "--", "sha256sum", cwd=workspace, stdin=data)
+        assert (r.returncode, r.stdout.split()[0]) == (0, digest), r.stderr
+        r = cli(server, "exec", "-i", box, "--", "head", "-c", "3", cwd=workspace, stdin=data)
+        assert (r.returncode, r.stdout) == (0, data[:3]), r.stderr  # stopped reading: fine
+    finally:
+        cli(server, "rm", box, cwd=workspace)
+
+
 def test_run_through_the_server_keeps_the_cli_statuses(server: Served, workspace: Path) -> None:
     r = cli(server, "run", "--", "no-such-program", cwd=workspace)
     assert r.returncode == 127

@@ -35,7 +35,7 @@ from corral import errors
 from corral.client import frames
 from corral.policy import Policy
 from corral.processes import Process
-from corral.sandbox import Sandbox
+from corral.sandbox import STDIN_CHUNK, Sandbox
 from corral.server.approvals import Approvals
 from corral.server.auth import AsciiJSONResponse, deny_websocket, error_body, status_for
 from corral.server.boxes import Boxes, HeldBox
@@ -287,13 +287,26 @@ async def _body(request: Request, limit: int = MAX_STDIN) -> bytes:
     return b"".join(parts)
 
 
-async def _feed(data: bytes, write: Any, close: Any) -> None:
-    """Give a command its stdin, then end it."""
-    with contextlib.suppress(errors.SandboxError):
-        if data:
-            await write(data)
-    with contextlib.suppress(errors.SandboxError):
-        await close()
+async def _feed(data: bytes, stream: Any) -> errors.SandboxError | None:
+    """Give a command its stdin, in messages under the channel's cap (one message carries
+    at most 16 MiB: a larger stdin sent whole was refused), then end it. A command that
+    stops reading (exits, closes its stdin) ends the upload, as a broken pipe would; any
+    other failure ends the command, which must not run on part of its input, and is
+    returned for the response to say."""
+    view = memoryview(data)
+    try:
+        for start in range(0, len(view), STDIN_CHUNK):
+            await stream.write(view[start : start + STDIN_CHUNK])
+        await stream.close_stdin()
+    except (errors.ProcessNotFound, errors.SpawnFailed):
+        return None
+    except errors.SandboxError as exc:
+        if exc.code is errors.ErrorCode.INVALID_INPUT:  # its stdin is closed
+            return None
+        with contextlib.suppress(errors.SandboxError):
+            await stream.kill()
+        return exc
+    return None
 
 
 async def _stream_command(
@@ -335,18 +348,18 @@ async def _stream_command(
             },
         )
         return
-    feeder = (
-        asyncio.ensure_future(_feed(stdin, stream.write, stream.close_stdin))
-        if stdin is not None
-        else None
-    )
+    feeder = asyncio.ensure_future(_feed(stdin, stream)) if stdin is not None else None
     exits: list[int] = []
     try:
         async for chunk in _output_frames(stream, exits):
             yield chunk
     finally:
-        if feeder is not None:
+        if feeder is not None and not feeder.done():
             feeder.cancel()
+    fed = feeder is not None and feeder.done() and not feeder.cancelled()
+    failed = feeder.result() if feeder is not None and fed else None
+    if failed is not None:
+        raise failed  # the command's stdin did not all arrive: said, not hidden
     code = exits[0] if exits else -9
     timed_out = bool(stream.timed_out)
     oom = sb.oom_kills() > oom_before
