@@ -309,6 +309,32 @@ async def test_the_same_code_runs_local_and_remote(make_box: Any, workspace: Pat
         assert first.data == b"awaited\n"
 
 
+async def test_file_sizes_and_empty_reads_local_and_remote(make_box: Any, workspace: Path) -> None:
+    # Over the server's 4 MiB write chunk: each chunk once added the file's running size.
+    data = bytes(range(256)) * 40000
+    async with make_box(workspace=workspace) as sb:
+        assert await sb.files.write("bin.dat", data) == len(data)
+        assert await sb.files.write("bin.dat", b"+", append=True) == len(data) + 1
+        assert await sb.files.read("bin.dat", offset=10, length=0) == b""
+        assert await sb.files.read("bin.dat", offset=10, length=3) == data[10:13]
+
+
+def test_files_content_counts_what_arrived(server: Served, workspace: Path) -> None:
+    data = os.urandom(9 << 20)
+    with http(server) as client:
+        box = client.post("/v1/boxes", json={"workspace": str(workspace)}).json()["id"]
+        try:
+            url = f"/v1/boxes/{box}/files/content"
+            r = client.put(url, params={"path": "big.bin"}, content=data)
+            assert r.json() == {"path": "big.bin", "bytes": len(data), "size": len(data)}
+            r = client.put(url, params={"path": "big.bin", "append": "true"}, content=b"ab")
+            assert r.json() == {"path": "big.bin", "bytes": 2, "size": len(data) + 2}
+            r = client.get(url, params={"path": "big.bin", "offset": 100, "length": 0})
+            assert (r.status_code, r.content) == (200, b"")
+        finally:
+            client.delete(f"/v1/boxes/{box}")
+
+
 async def test_names_that_are_not_utf8_local_and_remote(make_box: Any, workspace: Path) -> None:
     # The library hands out such a name as os.fsdecode does (lone surrogates), and takes it
     # back the same way; over HTTP it must survive JSON, query strings and exec's argv.

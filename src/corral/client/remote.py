@@ -785,7 +785,7 @@ class RemoteFiles:
             content=raw,
             headers={"content-type": "application/octet-stream"},
         )
-        return int(out["bytes"])
+        return int(out["size"])  # the file's new size, as Sandbox.files.write answers
 
     async def list(self, path: str = ".") -> list[FileInfo]:
         rows = await self.sandbox.remote.json("GET", self._path(), params={"path": path})

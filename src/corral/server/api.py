@@ -873,7 +873,8 @@ def build_api(  # noqa: C901
     ) -> StreamingResponse:
         path = _exact(request, "path", path)
         files = box(box_id).sandbox.files
-        first = await files.read(path, offset=offset, length=min(CHUNK, length or CHUNK))
+        want = CHUNK if length is None else min(CHUNK, length)  # length=0: nothing
+        first = await files.read(path, offset=offset, length=want)
 
         async def gen() -> AsyncIterator[bytes]:
             at, left = offset + len(first), None if length is None else length - len(first)
@@ -898,17 +899,20 @@ def build_api(  # noqa: C901
         path = _exact(request, "path", path)
         files = box(box_id).sandbox.files
         pending = bytearray()
-        written = 0
+        received = size = 0
         first = True
         async for chunk in request.stream():
             pending += chunk
+            received += len(chunk)
             if len(pending) >= CHUNK:
-                written += await files.write(path, bytes(pending), append=append or not first)
+                size = await files.write(path, bytes(pending), append=append or not first)
                 pending.clear()
                 first = False
         if pending or first:
-            written += await files.write(path, bytes(pending), append=append or not first)
-        return {"path": path, "bytes": written}
+            size = await files.write(path, bytes(pending), append=append or not first)
+        # Files.write answers the file's new size (a sum of those counted each 4 MiB
+        # chunk's running size): ``bytes`` is what arrived, ``size`` the file's length now.
+        return {"path": path, "bytes": received, "size": size}
 
     @app.delete("/v1/boxes/{box_id}/files", tags=["files"], status_code=204)
     async def remove_file(
