@@ -274,6 +274,29 @@ def test_create_exec_cp_logs_ps_rm(server: Served, workspace: Path, tmp_path: Pa
     assert b"box_not_found" in r.stderr
 
 
+def test_logs_say_when_the_output_was_cut(server: Served, workspace: Path) -> None:
+    box = cli(server, "create", "--", "--output-bytes", "100000", cwd=workspace)
+    box_id = box.stdout.decode().strip()
+    assert box.returncode == 0, box.stderr
+    try:
+        with http(server) as client:
+            started = client.post(
+                f"/v1/boxes/{box_id}/run",
+                json={"cmd": "yes | head -c 300000", "background": True},
+            ).json()
+            client.post(
+                f"/v1/boxes/{box_id}/processes/{started['pid']}/wait", params={"timeout": 30}
+            )
+        for follow in ([], ["-f"]):
+            r = cli(server, "logs", *follow, box_id, str(started["pid"]), cwd=workspace)
+            assert r.returncode == 0, r.stderr
+            assert 0 < len(r.stdout) < 300000
+            assert r.stderr.count(b"\n") == 1, r.stderr
+            assert b"output truncated" in r.stderr and b"corral cp" in r.stderr, r.stderr
+    finally:
+        cli(server, "rm", box_id, cwd=workspace)
+
+
 # ---- the remote SDK has the library's API ------------------------------------------------
 @pytest.fixture(params=["local", "remote"])
 async def make_box(request: pytest.FixtureRequest, server: Served) -> AsyncIterator[Any]:

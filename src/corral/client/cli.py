@@ -849,9 +849,18 @@ def _logs(conn: Conn, args: argparse.Namespace) -> int:
     base = f"/v1/boxes/{q(args.box)}/processes/{args.pid}"
     if args.follow:
         return _play(conn.request("GET", f"{base}/follow"), raw=False)
+    cut = False
     for stream, fd in (("stdout", 1), ("stderr", 2)):
         response = conn.request("GET", f"{base}/output?stream={stream}")
         _write_all(fd, response.read())
+        cut = cut or response.headers.get("x-corral-truncated") == "1"
+    if cut:  # the same line as the server's note to `logs -f`
+        print(
+            f"corral: output truncated: over {args.box}'s output cap (--output-bytes) the "
+            "middle of a stream was cut; to keep it all, redirect the command's output to a "
+            "file in the box and copy it out (corral cp)",
+            file=sys.stderr,
+        )
     return 0
 
 

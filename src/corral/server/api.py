@@ -387,6 +387,15 @@ async def _stream_command(
     )
 
 
+def truncated_note(box_id: str) -> str:
+    """The line ``corral logs`` prints when the box kept only part of a process's output."""
+    return (
+        f"corral: output truncated: over {box_id}'s output cap (--output-bytes) the middle of "
+        "a stream was cut; to keep it all, redirect the command's output to a file in the box "
+        "and copy it out (corral cp)"
+    )
+
+
 async def _captured(
     sb: Sandbox,
     args: argparse.Namespace,
@@ -805,8 +814,11 @@ def build_api(  # noqa: C901
                 # Taken with the subscription, no await between: the queue holds exactly
                 # what comes after these.
                 so_far = proc.output_bytes("stdout"), proc.output_bytes("stderr")
+                cut = proc.truncated
                 yield frames.frame(frames.STDOUT, so_far[0])
                 yield frames.frame(frames.STDERR, so_far[1])
+                if cut:  # what came before was kept head and tail only: say so
+                    yield frames.frame(frames.NOTE, truncated_note(box_id).encode())
                 while True:
                     kind, data = await queue.get()
                     if kind == "exit":
