@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -295,6 +296,41 @@ def test_logs_say_when_the_output_was_cut(server: Served, workspace: Path) -> No
             assert b"output truncated" in r.stderr and b"corral cp" in r.stderr, r.stderr
     finally:
         cli(server, "rm", box_id, cwd=workspace)
+
+
+def _interrupted(served: Served, cwd: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    """``corral ARGS`` given a Ctrl-C (SIGINT) once its command printed ``ready``."""
+    proc = subprocess.Popen(
+        [*CORRAL, *args], env=served.env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    assert ready and os.read(proc.stdout.fileno(), 100) == b"ready\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_ctrl_c_through_the_server_ends_the_command_quietly(
+    server: Served, workspace: Path
+) -> None:
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        script = "trap 'exit 5' TERM; echo ready; sleep 100 & wait"
+        r = _interrupted(server, workspace, "exec", box, "--", "sh", "-c", script)
+        assert (r.returncode, r.stderr) == (130, b""), r.stderr
+        with http(server) as client:
+            (pid,) = [p["pid"] for p in client.get(f"/v1/boxes/{box}/processes").json()]
+            ended = client.post(
+                f"/v1/boxes/{box}/processes/{pid}/wait", params={"timeout": 30}, timeout=60
+            ).json()
+        assert ended["exit_code"] == 5, ended  # SIGTERM reached it: ended as the library ends
+        r = cli(server, "exec", box, "--", "echo", "alive", cwd=workspace)
+        assert (r.returncode, r.stdout) == (0, b"alive\n"), r.stderr  # the box still works
+        r = _interrupted(server, workspace, "run", "--", "sh", "-c", script)
+        assert (r.returncode, r.stderr) == (130, b""), r.stderr
+    finally:
+        cli(server, "rm", box, cwd=workspace)
 
 
 # ---- the remote SDK has the library's API ------------------------------------------------

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl
 
+import anyio
 from fastapi import FastAPI, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
@@ -426,14 +427,20 @@ async def _captured(
 
 async def _output_frames(stream: Any, ended: list[int]) -> AsyncIterator[bytes]:
     """A command's output as frames; its exit status lands in ``ended``. Leaving early
-    (the client went) ends the command (the stream's ``async with``)."""
-    async with stream:
+    (the client went: a Ctrl-C on ``corral run`` or ``exec``) ends the command as the
+    library ends one (SIGTERM, the grace, SIGKILL), shielded: the server cancels a response
+    whose client went with an anyio cancel scope, which cancelled every await of that
+    ending too, so the command was left running (or the box lost its channel)."""
+    try:
         async for event in stream:
             if isinstance(event, Exited):
                 ended.append(event.code)
                 continue
             kind = frames.STDOUT if isinstance(event, Stdout) else frames.STDERR
             yield frames.frame(kind, event.data)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stream.__aexit__(None, None, None)
 
 
 async def _guarded(gen: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
