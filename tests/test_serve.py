@@ -270,9 +270,21 @@ def test_create_exec_cp_logs_ps_rm(server: Served, workspace: Path, tmp_path: Pa
         assert str(started["pid"]).encode() in r.stdout
     finally:
         assert cli(server, "rm", box, cwd=tmp_path).returncode == 0
-    r = cli(server, "exec", box, "--", "true", cwd=tmp_path)
-    assert r.returncode == 125
-    assert b"box_not_found" in r.stderr
+    # an id that is not there is the caller's mistake, as a bad flag is: 2 and one line
+    for args in (("exec", box, "--", "true"), ("logs", box, "1"), ("rm", box), ("ps", box)):
+        r = cli(server, *args, cwd=tmp_path)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.startswith(b"corral: [box_not_found] ") and r.stderr.count(b"\n") == 1
+    live = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        r = cli(server, "logs", live, "999", cwd=tmp_path)
+        assert r.returncode == 2 and b"[process_not_found]" in r.stderr, r.stderr
+        r = cli(server, "rm", box, live, cwd=tmp_path)  # the missing one said, the other closed
+        assert r.returncode == 2 and r.stderr.count(b"\n") == 1, r.stderr
+        r = cli(server, "ps", live, cwd=tmp_path)
+        assert r.returncode == 2 and b"[box_not_found]" in r.stderr, r.stderr
+    finally:
+        cli(server, "rm", live, cwd=tmp_path)
 
 
 def test_logs_say_when_the_output_was_cut(server: Served, workspace: Path) -> None:

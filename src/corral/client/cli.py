@@ -189,10 +189,16 @@ def _on_stderr(text: str) -> str:
     return for_terminal(text)
 
 
+USAGE_CODES = frozenset(
+    {"invalid_input", "invalid_policy", "box_not_found", "process_not_found", "session_not_found"}
+)
+"""Codes of the caller's mistakes (a bad flag, an id that is not there): exit 2, as a bad
+command line; anything else is the server's or the box's failure (125)."""
+
+
 def _say_error(exc: ServerError) -> int:
     print(_on_stderr(f"corral: [{exc.code}] {exc.message}"), file=sys.stderr)
-    usage = exc.code in ("invalid_input", "invalid_policy")
-    return EXIT_USAGE if usage else EXIT_SANDBOX
+    return EXIT_USAGE if exc.code in USAGE_CODES else EXIT_SANDBOX
 
 
 def _flags(args: Sequence[str]) -> Iterator[str]:
@@ -869,9 +875,8 @@ def _rm(conn: Conn, args: argparse.Namespace) -> int:
     for box in args.boxes:
         try:
             conn.request("DELETE", f"/v1/boxes/{q(box)}").read()
-        except ServerError as exc:
-            print(_on_stderr(f"corral: [{exc.code}] {exc.message}"), file=sys.stderr)
-            status = 1
+        except ServerError as exc:  # said, and the next box is still closed
+            status = max(status, _say_error(exc))
     return status
 
 
