@@ -10,9 +10,11 @@ import os
 import pty
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -390,3 +392,17 @@ def test_audit_of_a_directory_is_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and b"Traceback" not in r.stderr
     says = f"corral audit: {tmp_path} is a directory; give the audit log file (the policy's "
     assert r.stderr == f"{says}audit_log)\n".encode()
+
+
+def test_a_workspace_under_var_tmp_starts(tmp_path: Path) -> None:
+    # /var/tmp is a link to /tmp in the box: the workspace's host-path alias cannot be made
+    # there (bwrap failed as backend_failed, retryable); /var/tmp itself is refused as /tmp is.
+    project = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="corral-test-")) / "proj"
+    try:
+        project.mkdir()
+        r = corral("run", "--no-presets", "--", "pwd", cwd=project)
+        assert (r.returncode, r.stdout) == (0, b"/workspace\n"), r.stderr
+        r = corral("run", "--no-presets", "--", "pwd", cwd="/var/tmp")
+        assert r.returncode == 2 and b"refusing /var/tmp" in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(project.parent)

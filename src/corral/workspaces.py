@@ -40,7 +40,18 @@ _SYSTEM_TREES = (
     "/var/mail",
 )
 # Directories that hold other people's data: refused themselves, their subdirectories are fine.
-_SYSTEM_DIRS = ("/var", "/run", "/srv", "/opt", "/tmp", "/mnt", "/media", "/home", "/root")
+_SYSTEM_DIRS = (
+    "/var",
+    "/var/tmp",
+    "/run",
+    "/srv",
+    "/opt",
+    "/tmp",
+    "/mnt",
+    "/media",
+    "/home",
+    "/root",
+)
 
 
 # Dot directories of a home whose subdirectories are as secret as they are.

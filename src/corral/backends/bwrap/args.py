@@ -28,6 +28,7 @@ from corral.backends.layout import (
     GUEST_AGENT_DIR,
     PROC_READ_ONLY,
     SYSTEM_TOP,
+    VAR_LINKS,
     Bind,
     HostView,
     Symlink,
@@ -151,6 +152,8 @@ def _workspace_alias(policy: Policy, inp: BwrapInputs, binds: list[Bind]) -> str
     top = path.strip("/").split("/")[0]
     if path == "/" or top in _ALIAS_TOPS_TAKEN or top == policy.workdir.strip("/").split("/")[0]:
         return None
+    if any(path == link or path.startswith(link + "/") for _, link in VAR_LINKS):
+        return None  # /var/tmp and the like are links in the box: nothing can be made in them
     for dest in [b.dest for b in binds] + [b.dest for b in inp.extra_binds] + ["/tmp", "/home"]:
         if dest in ("/tmp", "/home") and path.startswith(dest + "/"):
             continue  # the box's own tmpfs: the link is made in it
