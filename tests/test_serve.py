@@ -4,6 +4,7 @@ by the CLI, plain HTTP, a WebSocket client and the remote SDK, with real boxes."
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -426,6 +427,17 @@ async def test_names_that_are_not_utf8_local_and_remote(make_box: Any, workspace
         assert events[0].data == b"caf\xe9"
         await sb.files.remove(f"{name}-dir", recursive=True)
         assert not (workspace / f"{name}-dir").exists()
+        # Text written with such a name's bytes: a file's content, a terminal's keys.
+        assert await sb.files.write("text.txt", f"{name}\n") == 5
+        assert (workspace / "text.txt").read_bytes() == b"caf\xe9\n"
+        session = await sb.shell()
+        await session.write(f"printf '%s' {name} | od -An -tx1\n")
+        found = await session.expect("63 61 66 e9", 10)  # a Match here, its dict remotely
+        assert found["matched"] if isinstance(found, dict) else found.matched
+        with pytest.raises(corral.SandboxError) as bad:
+            await sb.files.write("no.txt", "\ud800")  # a surrogate that is no byte
+        assert bad.value.code == "invalid_input"
+        assert (await sb.run("echo the box too")).stdout == "the box too\n"
 
 
 async def test_processes_and_checks_local_and_remote(make_box: Any, workspace: Path) -> None:
@@ -717,6 +729,18 @@ def test_ttl_and_idle_timeout_reap_boxes(server: Served) -> None:
         _wait_gone(client, idle)
         assert client.get(f"/v1/boxes/{busy}").status_code == 200  # its process runs
         client.delete(f"/v1/boxes/{busy}")
+
+
+def test_looking_at_a_box_does_not_keep_it_alive(server: Served) -> None:
+    # A dashboard tab polls the selected box's processes every 2 s: that must not hold it.
+    with http(server) as client:
+        box = client.post("/v1/boxes", json={"idle_timeout_secs": 1}).json()["id"]
+        looks = ("/processes", "/sessions", "/info", "/files?path=.", "/files/stat?path=.", "")
+        deadline = time.monotonic() + 30
+        while (r := client.get(f"/v1/boxes/{box}")).status_code != 404:
+            assert r.status_code == 200 and time.monotonic() < deadline, "looks kept it alive"
+            for look in looks:  # as fast as the server answers: far more often than 1 s
+                client.get(f"/v1/boxes/{box}{look}")
 
 
 def _descendants(pid: int) -> set[int]:
@@ -1050,10 +1074,20 @@ def test_start_budget_and_box_cap_refuse_with_a_retryable_error(tmp_path: Path) 
         ) as capped,
         http(capped) as client,
     ):
-        assert client.post("/v1/boxes", json={}).status_code == 201
+        first = client.post("/v1/boxes", json={})
+        assert first.status_code == 201
         r = client.post("/v1/boxes", json={})
         assert (r.status_code, r.json()["error"]["code"]) == (503, "server_busy")
         assert "--max-boxes" in r.json()["error"]["message"]
+        client.delete(f"/v1/boxes/{first.json()['id']}")
+
+        def create(_: int) -> int:  # at once: each passes the cap before any is held
+            with http(capped) as own:
+                return own.post("/v1/boxes", json={}).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert sorted(pool.map(create, range(4))) == [201, 503, 503, 503]
+        assert len(client.get("/v1/boxes").json()) == 1
 
 
 def test_another_users_socket_is_named_as_such(tmp_path: Path) -> None:

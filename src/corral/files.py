@@ -32,6 +32,7 @@ from corral.backends.host import hostfiles
 from corral.backends.host.threads import blocking
 from corral.channel import ERRORS
 from corral.models import FileInfo
+from corral.output import text_bytes
 from corral.policy import Policy
 from corral.processes import Request
 
@@ -274,7 +275,7 @@ class Files:
     ) -> int:
         """Write (or append) a file, creating parent directories; returns the new size."""
         r = self._resolve(path)
-        raw = data.encode() if isinstance(data, str) else data
+        raw = text_bytes(data)
         host = self._host(r) if len(raw) > HOST_IO_OVER else None
         view = memoryview(raw)  # frames are sent from it, not from copies
         size = 0

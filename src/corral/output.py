@@ -357,3 +357,19 @@ def cap_text(text: str, limit_chars: int) -> tuple[str, bool]:
     cut = len(text) - limit_chars
     tail_text = text[len(text) - tail :] if tail else ""
     return f"{text[:head]}\n[... {cut} chars truncated ...]\n{tail_text}", True
+
+
+def text_bytes(data: bytes | str) -> bytes:
+    """``data`` as bytes: text as UTF-8, its lone surrogates (how Python and corral's API
+    spell bytes that are not UTF-8, ``"caf\\udce9"``) back to those bytes; a surrogate that
+    stands for no byte is an ``invalid_input`` error, not a crash."""
+    if isinstance(data, bytes):
+        return data
+    try:
+        return data.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:
+        raise SandboxError(
+            f"text with {data[exc.start : exc.end]!r} at {exc.start} cannot be written: a lone "
+            "surrogate stands for a byte only from \\udc80 to \\udcff; send bytes instead",
+            code=ErrorCode.INVALID_INPUT,
+        ) from None

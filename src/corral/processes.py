@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from corral import errors
 from corral.models import Ending, ProcessInfo, ProcessStats, ProcessStatus, WaitResult
-from corral.output import HeadTailBuffer
+from corral.output import HeadTailBuffer, text_bytes
 
 Stream = Literal["stdout", "stderr", "pty"]
 Request = Callable[..., Awaitable[tuple[dict[str, Any], bytes]]]
@@ -359,7 +359,7 @@ class Process:
 
     async def write(self, data: bytes | str, *, eof: bool = False) -> None:
         """Write to stdin (spawned with ``stdin="pipe"`` or on a PTY)."""
-        raw = data.encode() if isinstance(data, str) else data
+        raw = text_bytes(data)
         await self._request("write", raw, pid=self.pid, eof=eof)
 
     async def close_stdin(self) -> None:

@@ -45,6 +45,7 @@ from corral.models import (
     SnapshotProcesses,
     WaitResult,
 )
+from corral.output import text_bytes
 from corral.policy import Policy
 from corral.streaming import ExecEvent, Exited, Stderr, Stdout
 
@@ -589,7 +590,7 @@ class RemoteProcess:
         return await self.signal("SIGKILL")
 
     async def write(self, data: bytes | str, *, eof: bool = False) -> None:
-        raw = data.encode() if isinstance(data, str) else data
+        raw = text_bytes(data)
         params = {"eof": "true"} if eof else {}
         await self.sandbox.remote.call(
             "POST",
@@ -720,7 +721,7 @@ class RemotePipedStream(_FrameEvents):
         return self._open().__await__()
 
     async def write(self, data: bytes | str) -> None:
-        await self._ws.send(data.encode() if isinstance(data, str) else data)
+        await self._ws.send(text_bytes(data))
 
     async def close_stdin(self) -> None:
         await self._ws.send(json.dumps({"eof": True}))
@@ -776,7 +777,7 @@ class RemoteFiles:
         return (await self.read(path)).decode("utf-8", "replace")
 
     async def write(self, path: str, data: bytes | str, *, append: bool = False) -> int:
-        raw = data.encode() if isinstance(data, str) else data
+        raw = text_bytes(data)
         params = {"path": path, "append": "true" if append else "false"}
         out = await self.sandbox.remote.json(
             "PUT",

@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
 from corral.client import frames
+from corral.output import text_bytes
 from corral.policy import Policy
 from corral.processes import Process
 from corral.sandbox import STDIN_CHUNK, Sandbox
@@ -633,16 +634,22 @@ def build_api(  # noqa: C901
     async def fork_box(box_id: str, body: ForkIn) -> list[BoxOut]:
         """``n`` new boxes from the box's filesystem state, held by the server."""
         held = boxes.get(box_id)
-        forks = await held.sandbox.fork(body.n, processes=body.processes, workspace=body.workspace)
-        adopted = [boxes.adopt(sb, {**held.labels, **body.labels}) for sb in forks]
+        with boxes.reserve(body.n):  # the cap counts forks too
+            forks = await held.sandbox.fork(
+                body.n, processes=body.processes, workspace=body.workspace
+            )
+            adopted = [boxes.adopt(sb, {**held.labels, **body.labels}) for sb in forks]
         return [BoxOut(**h.describe()) for h in adopted]
 
     @app.get("/v1/boxes/{box_id}/info", tags=["boxes"])
     async def box_info(box_id: str) -> dict[str, Any]:
-        return await boxes.get(box_id).sandbox.info()
+        return await box(box_id, look=True).sandbox.info()
 
-    def box(box_id: str) -> HeldBox:
-        return boxes.get(box_id)
+    def box(box_id: str, *, look: bool = False) -> HeldBox:
+        """The box; ``look``: a read-only look at its state (processes, sessions, info,
+        the file tree), which is not activity: its idle timer goes on (a dashboard tab
+        polling a box must not keep it alive)."""
+        return boxes.get(box_id, touch=not look)
 
     # -- commands ------------------------------------------------------------------------------
     @app.post("/v1/boxes/{box_id}/run", tags=["commands"], response_model=None)
@@ -771,16 +778,16 @@ def build_api(  # noqa: C901
         return _frames_response(gen())
 
     # -- processes -----------------------------------------------------------------------------
-    def process(box_id: str, pid: int) -> Process:
-        return box(box_id).sandbox.process(pid)
+    def process(box_id: str, pid: int, *, look: bool = False) -> Process:
+        return box(box_id, look=look).sandbox.process(pid)
 
     @app.get("/v1/boxes/{box_id}/processes", tags=["processes"])
     async def list_processes(box_id: str) -> list[ProcessOut]:
-        return [ProcessOut(**p.to_dict()) for p in box(box_id).sandbox.processes()]
+        return [ProcessOut(**p.to_dict()) for p in box(box_id, look=True).sandbox.processes()]
 
     @app.get("/v1/boxes/{box_id}/processes/{pid}", tags=["processes"])
     async def get_process(box_id: str, pid: int) -> ProcessOut:
-        return ProcessOut(**process(box_id, pid).info().to_dict())
+        return ProcessOut(**process(box_id, pid, look=True).info().to_dict())
 
     @app.post("/v1/boxes/{box_id}/processes/{pid}/wait", tags=["processes"])
     async def wait_process(
@@ -799,7 +806,7 @@ def build_api(  # noqa: C901
     async def process_output(
         box_id: str, pid: int, stream: Literal["stdout", "stderr"] = "stdout"
     ) -> Response:
-        proc = process(box_id, pid)
+        proc = process(box_id, pid, look=True)
         headers = {"x-corral-truncated": "1" if proc.truncated else "0"}
         return Response(
             proc.output_bytes(stream), media_type="application/octet-stream", headers=headers
@@ -861,18 +868,18 @@ def build_api(  # noqa: C901
 
     @app.get("/v1/boxes/{box_id}/processes/{pid}/stats", tags=["processes"])
     async def process_stats(box_id: str, pid: int) -> dict[str, Any]:
-        return (await process(box_id, pid).stats()).to_dict()
+        return (await process(box_id, pid, look=True).stats()).to_dict()
 
     # -- files ---------------------------------------------------------------------------------
     @app.get("/v1/boxes/{box_id}/files", tags=["files"])
     async def list_files(box_id: str, request: Request, path: str = ".") -> list[dict[str, Any]]:
         path = _exact(request, "path", path)
-        return [f.to_dict() for f in await box(box_id).sandbox.files.list(path)]
+        return [f.to_dict() for f in await box(box_id, look=True).sandbox.files.list(path)]
 
     @app.get("/v1/boxes/{box_id}/files/stat", tags=["files"])
     async def stat_file(box_id: str, path: str, request: Request) -> dict[str, Any]:
         path = _exact(request, "path", path)
-        found = await box(box_id).sandbox.files.stat(path)
+        found = await box(box_id, look=True).sandbox.files.stat(path)
         if found is None:
             raise errors.FileNotFound(f"{path}: no such file or directory in the box")
         return found.to_dict()
@@ -959,13 +966,14 @@ def build_api(  # noqa: C901
 
     @app.get("/v1/boxes/{box_id}/sessions", tags=["terminals"])
     async def list_sessions(box_id: str) -> list[SessionOut]:
-        sb = box(box_id).sandbox
+        sb = box(box_id, look=True).sandbox
         return [_session_out(sb, s.session_id) for s in sb.sessions()]
 
     @app.post("/v1/boxes/{box_id}/sessions/{session_id}/write", tags=["terminals"])
     async def session_write(box_id: str, session_id: str, body: WriteIn) -> dict[str, int]:
-        await box(box_id).sandbox.session(session_id).write(body.data)
-        return {"bytes": len(body.data.encode())}
+        raw = text_bytes(body.data)  # lone surrogates: the bytes that are not UTF-8
+        await box(box_id).sandbox.session(session_id).write(raw)
+        return {"bytes": len(raw)}
 
     @app.post("/v1/boxes/{box_id}/sessions/{session_id}/expect", tags=["terminals"])
     async def session_expect(box_id: str, session_id: str, body: ExpectIn) -> dict[str, Any]:

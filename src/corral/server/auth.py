@@ -76,6 +76,7 @@ _STATUS: Mapping[errors.ErrorCode, int] = {
     errors.ErrorCode.IMAGE_NOT_FOUND: 404,
     errors.ErrorCode.COMMAND_NOT_FOUND: 422,
     errors.ErrorCode.NOT_EXECUTABLE: 422,
+    errors.ErrorCode.SPAWN_FAILED: 422,  # a cwd that is not there: the request's, not ours
     errors.ErrorCode.IS_A_DIRECTORY: 409,
     errors.ErrorCode.NOT_A_DIRECTORY: 409,
     errors.ErrorCode.NOT_A_REGULAR_FILE: 409,

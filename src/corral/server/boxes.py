@@ -23,7 +23,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,9 @@ class Boxes:
         self.limits = limits
         self.metrics = metrics
         self._held: dict[str, HeldBox] = {}
+        self._reserved = 0
+        """Boxes being started for a create or a fork: counted against ``max_boxes`` from
+        the request on, so concurrent requests cannot all pass the cap."""
         self._starting = asyncio.Semaphore(limits.max_starting)
         self._pools: OrderedDict[str, SandboxPool] = OrderedDict()
         self._pool_lock = asyncio.Lock()
@@ -223,26 +226,37 @@ class Boxes:
         allow_dangerous_workspace: bool = False,
     ) -> HeldBox:
         self._refuse_if_closing()
-        if len(self._held) >= self.limits.max_boxes:
-            raise errors.ServerBusy(
-                f"the server holds its maximum of {self.limits.max_boxes} boxes; delete one "
-                "or raise corral serve --max-boxes"
+        with self.reserve(1):
+            box_id = new_box_id()
+            sb = await self._cold(policy, workspace, allow_dangerous_workspace, box_id)
+            held = HeldBox(
+                id=box_id,
+                sandbox=sb,
+                labels=dict(labels or {}),
+                ttl=ttl if ttl is not None else self.limits.default_ttl,
+                idle_timeout=idle_timeout if idle_timeout is not None else self.limits.default_idle,
             )
-        box_id = new_box_id()
-        sb = await self._cold(policy, workspace, allow_dangerous_workspace, box_id)
-        held = HeldBox(
-            id=box_id,
-            sandbox=sb,
-            labels=dict(labels or {}),
-            ttl=ttl if ttl is not None else self.limits.default_ttl,
-            idle_timeout=idle_timeout if idle_timeout is not None else self.limits.default_idle,
-        )
-        if self._closing:  # the server began to stop while this box started
-            await sb.aclose()
-            self._refuse_if_closing()
-        self._held[held.id] = held
+            if self._closing:  # the server began to stop while this box started
+                await sb.aclose()
+                self._refuse_if_closing()
+            self._held[held.id] = held
         self._gauge()
         return held
+
+    @contextlib.contextmanager
+    def reserve(self, n: int) -> Iterator[None]:
+        """Room for ``n`` more boxes while they start (``server_busy`` if the cap has none):
+        what is held plus what other requests are starting counts."""
+        if len(self._held) + self._reserved + n > self.limits.max_boxes:
+            raise errors.ServerBusy(
+                f"the server holds its maximum of {self.limits.max_boxes} boxes (counting "
+                "those starting); delete one or raise corral serve --max-boxes"
+            )
+        self._reserved += n
+        try:
+            yield
+        finally:
+            self._reserved -= n
 
     def adopt(self, sb: Sandbox, labels: dict[str, str]) -> HeldBox:
         """Hold a sandbox started elsewhere (a fork), with the server's default lease."""
