@@ -23,6 +23,7 @@ import websockets.asyncio.client
 
 import corral
 from corral.backends.host.state import state_root
+from corral.streaming import Exited, Stdout
 from served import CORRAL, Served, serving, start
 
 pytestmark = [pytest.mark.needs_bwrap, pytest.mark.slow]
@@ -489,6 +490,17 @@ async def test_remote_errors_are_the_library_classes(server: Served) -> None:
 
 
 # ---- who may call ------------------------------------------------------------------------
+def test_the_token_file_is_found_when_the_host_is_spelt_localhost(
+    tcp_server: Served, workspace: Path
+) -> None:
+    env = {**tcp_server.env, "CORRAL_HOST": tcp_server.url.replace("127.0.0.1", "localhost")}
+    env.pop("CORRAL_TOKEN")  # only the server's own token file can say it
+    r = subprocess.run(
+        [*CORRAL, "ps"], env=env, cwd=workspace, capture_output=True, timeout=60, check=False
+    )
+    assert r.returncode == 0, r.stderr
+
+
 def test_tcp_needs_a_token_of_the_right_scope(tcp_server: Served) -> None:
     with http(tcp_server) as anonymous:
         r = anonymous.get("/v1/boxes")
@@ -994,6 +1006,25 @@ def test_slow_and_silent_clients_do_not_starve_others(tcp_server: Served) -> Non
             sock.close()
 
 
+def test_a_create_with_cli_argv_and_a_policy_is_refused(server: Served) -> None:
+    with http(server) as client:
+        r = client.post("/v1/boxes", json={"cli_argv": ["--memory", "64M"], "policy": {}})
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_input")
+        assert "not both" in r.json()["error"]["message"]
+
+
+async def test_a_websocket_to_no_route_gets_the_json_404(server: Served) -> None:
+    from websockets.exceptions import InvalidStatus
+
+    with pytest.raises(InvalidStatus) as refused:
+        async with websockets.asyncio.client.unix_connect(server.socket, "ws://localhost/v1/nope"):
+            pass
+    assert refused.value.response.status_code == 404
+    error = json.loads(refused.value.response.body)["error"]
+    assert error["code"] == "invalid_input"
+    assert "no such WebSocket route: /v1/nope" in error["message"]
+
+
 async def test_a_websocket_that_vanishes_leaves_the_session_working(server: Served) -> None:
     async with corral.connect(server.url) as remote, remote.Sandbox() as sb:
         session = await sb.shell()
@@ -1032,6 +1063,19 @@ def test_errors_say_whether_a_retry_may_help() -> None:
     assert not corral.PolicyError("bad field").retryable
     assert not corral.FileNotFound("no such file").retryable
     assert corral.errors.from_code("server_unavailable", "restarting").retryable
+
+
+async def test_a_stdin_write_larger_than_a_message_local_and_remote(make_box: Any) -> None:
+    # One message to the box (or one WebSocket message to the server) holds 16 MiB: a write
+    # is sent in pieces, so any size arrives whole (it was RequestTooLarge in-process and a
+    # raw websockets exception remotely).
+    size = 17 << 20
+    async with make_box() as sb:
+        stream = await sb.exec_stream(["wc", "-c"], stdin="pipe")
+        await stream.write(b"x" * size)
+        await stream.close_stdin()
+        events = [event async for event in stream]
+        assert events == [Stdout(f"{size}\n".encode()), Exited(0)]
 
 
 async def test_exec_stream_with_stdin_open_local_and_remote(make_box: Any) -> None:

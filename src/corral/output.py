@@ -359,12 +359,12 @@ def cap_text(text: str, limit_chars: int) -> tuple[str, bool]:
     return f"{text[:head]}\n[... {cut} chars truncated ...]\n{tail_text}", True
 
 
-def text_bytes(data: bytes | str) -> bytes:
+def text_bytes(data: str | bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
     """``data`` as bytes: text as UTF-8, its lone surrogates (how Python and corral's API
     spell bytes that are not UTF-8, ``"caf\\udce9"``) back to those bytes; a surrogate that
     stands for no byte is an ``invalid_input`` error, not a crash."""
-    if isinstance(data, bytes):
-        return data
+    if not isinstance(data, str):
+        return data  # bytes as they are (a memoryview too: not copied)
     try:
         return data.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError as exc:

@@ -117,6 +117,8 @@ def parse_signal(sig: str | int) -> int:
     )
 
 
+WRITE_CHUNK = 8 << 20
+"""Bytes of stdin per ``write`` request (a message to the box holds at most 16 MiB)."""
 HOLD_BYTES = 4 << 20
 """A subscriber this far behind holds its process (see :class:`Listener`)."""
 RELEASE_BYTES = 1 << 20
@@ -358,9 +360,13 @@ class Process:
         return await self.signal("SIGKILL")
 
     async def write(self, data: bytes | str, *, eof: bool = False) -> None:
-        """Write to stdin (spawned with ``stdin="pipe"`` or on a PTY)."""
-        raw = text_bytes(data)
-        await self._request("write", raw, pid=self.pid, eof=eof)
+        """Write to stdin (spawned with ``stdin="pipe"`` or on a PTY); any size, sent in
+        pieces a message to the box can hold."""
+        view = memoryview(text_bytes(data))
+        for start in range(0, max(len(view), 1), WRITE_CHUNK):
+            last = start + WRITE_CHUNK >= len(view)
+            piece = view[start : start + WRITE_CHUNK]
+            await self._request("write", piece, pid=self.pid, eof=eof and last)
 
     async def close_stdin(self) -> None:
         await self._request("close_stdin", pid=self.pid)

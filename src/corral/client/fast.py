@@ -161,6 +161,9 @@ def default_socket() -> str:
 
 
 def token_file_name(host: str, port: int, scope: str = "operate") -> str:
+    """The token file of a server on ``host:port``; ``localhost`` is named as 127.0.0.1,
+    so a client and a server that spell the address differently still meet."""
+    host = "127.0.0.1" if host.lower() == "localhost" else host
     return f"serve-{host}-{port}{'' if scope == 'operate' else '-' + scope}.token"
 
 

@@ -680,6 +680,10 @@ class RemoteExecStream(_FrameEvents):
             await response.aclose()
 
 
+WS_STDIN_CHUNK = 1 << 20
+"""Bytes of stdin per WebSocket message (``RemotePipedStream.write``)."""
+
+
 class RemotePipedStream(_FrameEvents):
     """``exec_stream(..., stdin="pipe")`` on a server: the command's stdin stays open over a
     WebSocket (``/exec/ws``), so what it prints comes back while it is still being fed.
@@ -721,16 +725,30 @@ class RemotePipedStream(_FrameEvents):
         return self._open().__await__()
 
     async def write(self, data: bytes | str) -> None:
-        await self._ws.send(text_bytes(data))
+        """Send ``data`` to the command's stdin, in messages the server takes (its
+        WebSocket messages are capped at 16 MiB): any size arrives whole."""
+        view = memoryview(text_bytes(data))
+        for start in range(0, len(view), WS_STDIN_CHUNK):
+            await self._send(bytes(view[start : start + WS_STDIN_CHUNK]))
 
     async def close_stdin(self) -> None:
-        await self._ws.send(json.dumps({"eof": True}))
+        await self._send(json.dumps({"eof": True}))
 
     async def signal(self, sig: str | int = "SIGTERM") -> None:
         from corral.processes import parse_signal
 
         parse_signal(sig)  # an unknown signal is refused here, as the library does
-        await self._ws.send(json.dumps({"signal": sig}))
+        await self._send(json.dumps({"signal": sig}))
+
+    async def _send(self, message: bytes | str) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            await self._ws.send(message)
+        except ConnectionClosed as exc:
+            raise errors.ServerUnavailable(
+                f"the server closed the stream's WebSocket ({exc}); the command has ended"
+            ) from None
 
     def __aiter__(self) -> AsyncIterator[ExecEvent]:
         return self._events()

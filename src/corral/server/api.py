@@ -576,6 +576,13 @@ def build_api(  # noqa: C901
         if body.cli_argv is not None:
             from corral.cli.run import plan_run
 
+            if body.policy is not None or body.workspace is not None:
+                raise errors.SandboxError(
+                    "give cli_argv or policy/workspace, not both: cli_argv's flags make the "
+                    "policy and the workspace (--policy FILE, --workspace DIR)",
+                    code=errors.ErrorCode.INVALID_INPUT,
+                )
+
             args = parse_run([*body.cli_argv, "--", "true"])
             plan = plan_run(args)
             policy, workspace = plan.policy, plan.workspace
@@ -972,7 +979,7 @@ def build_api(  # noqa: C901
     @app.post("/v1/boxes/{box_id}/sessions/{session_id}/write", tags=["terminals"])
     async def session_write(box_id: str, session_id: str, body: WriteIn) -> dict[str, int]:
         raw = text_bytes(body.data)  # lone surrogates: the bytes that are not UTF-8
-        await box(box_id).sandbox.session(session_id).write(raw)
+        await box(box_id).sandbox.session(session_id).write(bytes(raw))
         return {"bytes": len(raw)}
 
     @app.post("/v1/boxes/{box_id}/sessions/{session_id}/expect", tags=["terminals"])
@@ -1086,6 +1093,17 @@ def build_api(  # noqa: C901
     from corral.server.ports import add_port_routes
 
     add_port_routes(app, boxes)
+
+    @app.websocket("/{path:path}")  # last: only what no route above took
+    async def no_websocket_route(websocket: WebSocket, path: str) -> None:
+        """An unknown WebSocket route gets the body an unknown HTTP route gets (a 404)."""
+        message = f"no such WebSocket route: /{path} (the routes are in /openapi.json)"
+        body = error_body(errors.ErrorCode.INVALID_INPUT, message)
+        if "websocket.http.response" in (websocket.scope.get("extensions") or {}):
+            await websocket.send_denial_response(AsciiJSONResponse(body, status_code=404))
+        else:
+            await websocket.close(code=4404, reason="no such route")
+
     return app
 
 
