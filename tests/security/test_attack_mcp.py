@@ -191,8 +191,11 @@ async def test_non_utf8_filename_is_escaped_and_the_server_lives(tmp_path: Path)
 
 
 async def test_a_box_that_fails_to_start_returns_the_error_object(tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-workspace"
-    async with asyncio.timeout(60), stdio("--workspace", str(missing)) as client:
+    # A workspace that is not there is refused when the server starts: this one goes after.
+    gone = tmp_path / "workspace-removed-after-start"
+    gone.mkdir()
+    async with asyncio.timeout(60), stdio("--workspace", str(gone)) as client:
+        gone.rmdir()
         result = await call(client, "run_command", {"command": "true"})
         assert set(result["error"]) >= {"code", "message"}, result
         assert "internal server error" not in json.dumps(result).lower()
