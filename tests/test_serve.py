@@ -1006,6 +1006,36 @@ def test_slow_and_silent_clients_do_not_starve_others(tcp_server: Served) -> Non
             sock.close()
 
 
+def test_a_box_whose_agent_died_says_so(server: Served) -> None:
+    with http(server) as client:
+        made = client.post("/v1/boxes", json={}).json()
+        marker = f'"sandbox_id":"{made["sandbox_id"]}"'.encode()
+        agents = [
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit()
+            and _cmdline(p).startswith(b"/usr/bin/python3")
+            and marker in _cmdline(p)
+        ]
+        assert len(agents) == 1, agents
+        os.kill(agents[0], signal.SIGKILL)  # the box dies under the server
+        deadline = time.monotonic() + 30
+        while (box := client.get(f"/v1/boxes/{made['id']}").json())["state"] != "broken":
+            assert time.monotonic() < deadline, box
+            time.sleep(0.05)  # polling the API: the server learns it from the channel
+        assert "guest agent" in box["broken"]
+        r = client.post(f"/v1/boxes/{made['id']}/run", json={"cmd": "true"})
+        assert r.json()["error"]["code"] == "sandbox_broken"
+        assert client.delete(f"/v1/boxes/{made['id']}").status_code == 204
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
 def test_a_create_with_cli_argv_and_a_policy_is_refused(server: Served) -> None:
     with http(server) as client:
         r = client.post("/v1/boxes", json={"cli_argv": ["--memory", "64M"], "policy": {}})

@@ -538,6 +538,12 @@ class Sandbox:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def broken(self) -> str | None:
+        """Why the box died under its sandbox (its agent exited, the channel broke), or None
+        while it is sound: every request then raises :class:`SandboxBroken` with this."""
+        return self._broken
+
     # ---- the warm pool's hooks (corral.pool) ---------------------------------------------
     @classmethod
     def on_staging(

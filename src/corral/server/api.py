@@ -85,7 +85,7 @@ class BoxCreate(_In):
 class BoxOut(BaseModel):
     id: str
     sandbox_id: str = Field(description="the library's id of the box (state, audit log)")
-    state: Literal["running", "paused", "closed"]
+    state: Literal["running", "paused", "broken", "closed"]
     labels: dict[str, str]
     created_at: float
     ttl_secs: float | None
@@ -100,6 +100,11 @@ class BoxOut(BaseModel):
     limits: dict[str, Any]
     published: list[str]
     stats: dict[str, Any] | None = None
+    broken: str | None = Field(
+        None,
+        description="state broken: why the box died (its agent exited, its channel broke); "
+        "every request to it fails with sandbox_broken, a retry in a new box may help",
+    )
 
 
 class SnapshotIn(_In):

@@ -95,7 +95,13 @@ class HeldBox:
         out: dict[str, Any] = {
             "id": self.id,
             "sandbox_id": sb.sandbox_id,
-            "state": "closed" if sb.closed else "paused" if sb.paused else "running",
+            "state": "closed"
+            if sb.closed
+            else "broken"
+            if sb.broken is not None
+            else "paused"
+            if sb.paused
+            else "running",
             "labels": dict(self.labels),
             "created_at": self.created_at,
             "ttl_secs": self.ttl,
@@ -114,6 +120,8 @@ class HeldBox:
             "limits": sb.policy.limits.model_dump(mode="json"),
             "published": [str(p) for p in sb.published] if not sb.closed else [],
         }
+        if sb.broken is not None and not sb.closed:
+            out["broken"] = sb.broken  # the box died: delete it (its processes are gone)
         if not sb.closed:
             stats = sb.stats()
             out["stats"] = {
