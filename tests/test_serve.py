@@ -1041,6 +1041,9 @@ def test_a_create_with_cli_argv_and_a_policy_is_refused(server: Served) -> None:
         r = client.post("/v1/boxes", json={"cli_argv": ["--memory", "64M"], "policy": {}})
         assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_input")
         assert "not both" in r.json()["error"]["message"]
+        r = client.post("/v1/boxes", json={"cli_argv": ["--help"]})  # not printed in its log
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_input")
+        assert "corral run --help" in r.json()["error"]["message"]
 
 
 async def test_a_websocket_to_no_route_gets_the_json_404(server: Served) -> None:

@@ -242,7 +242,14 @@ def _run_parser() -> Parser:
 
 def parse_run_args(argv: list[str]) -> argparse.Namespace:
     """``corral run``'s flags parsed from ``argv`` (what follows ``run``), for ``corral
-    serve``: bad flags are a corral error (``invalid_input``), never an exit."""
+    serve``: bad flags are a corral error (``invalid_input``), never an exit (nor a help
+    text printed into the server's log)."""
+    flags = argv[: argv.index("--")] if "--" in argv else argv
+    if "-h" in flags or "--help" in flags:
+        raise errors.SandboxError(
+            "--help is not a sandbox flag: `corral run --help` prints them",
+            code=errors.ErrorCode.INVALID_INPUT,
+        )
     try:
         return _run_parser().parse_args(["run", *argv])
     except UsageError as exc:
