@@ -1036,6 +1036,13 @@ def _cmdline(proc: Path) -> bytes:
         return b""
 
 
+async def test_a_pool_size_below_one_is_refused_remotely_too(server: Served) -> None:
+    async with corral.connect(server.url) as remote:
+        for bad in (0, -1, True):
+            with pytest.raises(corral.SandboxError, match="pool size must be at least 1"):
+                remote.SandboxPool(size=bad)
+
+
 def test_a_create_with_cli_argv_and_a_policy_is_refused(server: Served) -> None:
     with http(server) as client:
         r = client.post("/v1/boxes", json={"cli_argv": ["--memory", "64M"], "policy": {}})

@@ -213,6 +213,13 @@ class Remote:
     def SandboxPool(
         self, policy: Policy | str | os.PathLike[str] | None = None, *, size: int = 2
     ) -> RemotePool:
+        """The server's warm pool for ``policy``. ``size`` is checked as in-process, but the
+        server keeps the number of warm boxes its ``corral serve --pool-size`` says: one pool
+        per policy serves every client of it."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise errors.SandboxError(
+                f"pool size must be at least 1, got {size!r}", code=errors.ErrorCode.INVALID_INPUT
+            )
         return RemotePool(self, _policy(policy))
 
     def approver(self, *, box: str | None = None, timeout: float = 300.0) -> Any:
