@@ -1036,6 +1036,12 @@ def _cmdline(proc: Path) -> bytes:
         return b""
 
 
+async def test_a_preview_url_over_a_unix_socket_is_its_path(server: Served) -> None:
+    async with corral.connect(server.url) as remote, remote.Sandbox() as sb:
+        exposed = await sb.expose(8000)
+        assert exposed.preview_url == f"/v1/boxes/{sb.id}/ports/8000/"
+
+
 async def test_a_pool_size_below_one_is_refused_remotely_too(server: Served) -> None:
     async with corral.connect(server.url) as remote:
         for bad in (0, -1, True):

@@ -417,7 +417,9 @@ class RemoteSandbox:
         return [self._port(p) for p in await self.remote.json("GET", f"{self.path}/ports")]
 
     def _port(self, data: Mapping[str, Any]) -> RemotePort:
-        base = str(self.remote.http.base_url).rstrip("/")
+        # Over a unix socket no URL reaches it from elsewhere: the path part, as documented.
+        base = "" if self.remote.url.startswith("unix:") else str(self.remote.http.base_url)
+        base = base.rstrip("/")
         return RemotePort(
             box_port=int(data["port"]),
             host_ip=str(data["host_ip"]),
