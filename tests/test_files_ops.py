@@ -97,6 +97,17 @@ async def test_missing_file_is_file_not_found(sandbox: Sandbox) -> None:
     assert "nope.txt" in info.value.message
 
 
+async def test_an_absolute_link_is_refused_and_said_to_be_one(
+    sandbox: Sandbox, workspace: Path
+) -> None:
+    (workspace / "inner.txt").write_text("in")
+    (workspace / "abs").symlink_to("/workspace/inner.txt")  # inside, yet never followed
+    with pytest.raises(SandboxError) as info:
+        await sandbox.files.read("abs")
+    assert info.value.code == "path_outside_sandbox"
+    assert "absolute symbolic link" in info.value.message
+
+
 async def test_tmp_is_private_and_usable(sandbox: Sandbox) -> None:
     await sandbox.files.write("/tmp/scratch", "t")
     assert (await sandbox.run("cat /tmp/scratch")).stdout == "t"

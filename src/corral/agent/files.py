@@ -206,7 +206,11 @@ def _fail(exc: OSError, path: str) -> FileOpFailed:
         errno.EACCES: (c.PERMISSION_DENIED, "permission denied"),
         errno.EPERM: (c.PERMISSION_DENIED, "operation not permitted"),
         errno.EROFS: (c.PERMISSION_DENIED, "read-only file system"),
-        errno.EXDEV: (c.PATH_OUTSIDE_SANDBOX, "path resolves outside the allowed root"),
+        errno.EXDEV: (
+            c.PATH_OUTSIDE_SANDBOX,
+            "path resolves outside the allowed root, or through an absolute symbolic link "
+            "(never followed, even to a place inside: name the real path)",
+        ),
         errno.ELOOP: (c.PATH_OUTSIDE_SANDBOX, "path goes through a symlink that is not allowed"),
         errno.EISDIR: (c.IS_A_DIRECTORY, "is a directory"),
         errno.ENOTDIR: (c.NOT_A_DIRECTORY, "not a directory"),
