@@ -406,3 +406,11 @@ def test_a_workspace_under_var_tmp_starts(tmp_path: Path) -> None:
         assert r.returncode == 2 and b"refusing /var/tmp" in r.stderr, r.stderr
     finally:
         shutil.rmtree(project.parent)
+
+
+def test_json_output_says_when_bytes_were_not_utf8(workspace: Path) -> None:
+    r = corral("run", "--json", "--", "printf", "a\\377b", cwd=workspace)
+    assert r.returncode == 0 and json.loads(r.stdout)["stdout"] == "a\ufffdb"
+    assert b"not UTF-8 is shown as U+FFFD" in r.stderr
+    r = corral("run", "--json", "--", "printf", "plain", cwd=workspace)
+    assert r.returncode == 0 and b"U+FFFD" not in r.stderr

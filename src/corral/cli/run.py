@@ -376,6 +376,12 @@ async def _captured(sb: Sandbox, args: argparse.Namespace, command: list[str], e
     stdin = sys.stdin.buffer.read() if args.stdin else None
     result = await sb.run(command, timeout=args.timeout, stdin=stdin, env=env, cwd=args.workdir)
     print(json.dumps(result.to_dict()))
+    if "\ufffd" in result.stdout or "\ufffd" in result.stderr:
+        print(
+            "corral: output that is not UTF-8 is shown as U+FFFD in --json (JSON holds text); "
+            "run without --json for its bytes",
+            file=sys.stderr,
+        )
     if result.truncated:
         cap = sb.policy.limits.output_bytes
         print(
