@@ -171,3 +171,10 @@ def test_a_mount_over_what_the_box_already_has_is_refused(
         Policy.from_dict({"filesystem": {"mounts": [{"host": str(tmp_path), "guest": guest}]}})
     ok = {"host": str(tmp_path), "guest": "/mnt/data"}
     assert Policy.from_dict({"filesystem": {"mounts": [ok]}}).filesystem.mounts[0].guest
+
+
+def test_sharing_the_host_root_is_refused() -> None:
+    # It failed late with an idmap error that blamed the workspace's owner.
+    for host in ("/", "//", "/."):
+        with pytest.raises(PolicyError, match="host path / would share the whole host"):
+            Policy.from_dict({"filesystem": {"mounts": [{"host": host, "guest": "/host"}]}})

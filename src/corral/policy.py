@@ -143,6 +143,11 @@ class Mount(_Model):
     def _absolute_guest(self) -> Mount:
         if not self.guest.startswith("/"):
             raise ValueError(f"guest path must be absolute, got {self.guest!r}")
+        if self.host.is_absolute() and posixpath.normpath(str(self.host)) in ("/", "//"):
+            raise ValueError(
+                "host path / would share the whole host (its masks aside): share the "
+                "directories the box needs, or use filesystem.inherit_readable for the system"
+            )
         guest = posixpath.normpath(self.guest).replace("//", "/")
         owned = next((p for p in BOX_OWNED if guest == p or guest.startswith(p + "/")), None)
         if guest == "/" or owned is not None:
