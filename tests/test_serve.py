@@ -755,6 +755,14 @@ def test_looking_at_a_box_does_not_keep_it_alive(server: Served) -> None:
                 client.get(f"/v1/boxes/{box}{look}")
 
 
+def test_a_run_cut_by_its_box_s_lease_says_so(server: Served) -> None:
+    with http(server) as client:
+        box = client.post("/v1/boxes", json={"ttl_secs": 1}).json()["id"]
+        r = client.post(f"/v1/boxes/{box}/run", json={"cmd": "sleep 60"}, timeout=60)
+        assert (r.status_code, r.json()["error"]["code"]) == (410, "sandbox_closed")
+        assert "its ttl lease ended" in r.json()["error"]["message"]
+
+
 def _descendants(pid: int) -> set[int]:
     found, todo = set(), [pid]
     while todo:

@@ -666,7 +666,8 @@ def build_api(  # noqa: C901
     # -- commands ------------------------------------------------------------------------------
     @app.post("/v1/boxes/{box_id}/run", tags=["commands"], response_model=None)
     async def run(box_id: str, body: RunIn) -> ResultOut | ProcessOut:
-        sb = box(box_id).sandbox
+        held = box(box_id)
+        sb = held.sandbox
         stdin = _stdin_of(body)
         if body.background:
             spawn_stdin: str | bytes | None = "pipe" if body.stdin_pipe else stdin
@@ -675,6 +676,11 @@ def build_api(  # noqa: C901
         result = await sb.run(
             body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env, stdin=stdin
         )
+        if held.ended is not None and held.ended != "deleted":  # the reaper, not the command
+            raise errors.SandboxClosed(
+                f"the server closed box {box_id} while the command ran (its {held.ended} "
+                f"lease ended): the command's end ({result.ended}) was the box's, not its own"
+            )
         metrics.ended(result.ended, result.timed_out)
         return ResultOut(**result.to_dict())
 

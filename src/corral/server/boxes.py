@@ -63,6 +63,8 @@ class HeldBox:
     created_at: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     _born: float = field(default_factory=time.monotonic)
+    ended: str | None = None
+    """Why the server closed it (``deleted``, ``ttl``, ``idle``, ...), once it has."""
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -331,6 +333,7 @@ class Boxes:
         if held is None:
             self.get(box_id)  # raises BoxNotFound
             return
+        held.ended = why
         self._gauge()
         if why != "deleted":
             self.metrics.reaped.labels(why=why).inc()
