@@ -1235,6 +1235,33 @@ def test_host_paths_in_flags_are_made_absolute_here(
     assert localize(["--image", "python:3.12", "--", "true"])[2:4] == ["--image", "python:3.12"]
 
 
+def test_a_trickled_body_gets_the_408_over_a_real_connection(tcp_server: Served) -> None:
+    # The connection's head timer (10 s from connect) closed it without a word before the
+    # body's own timeout (10 s from the head) could answer.
+    import socket
+
+    host, port = tcp_server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v1/boxes HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer "
+            f"{tcp_server.token}\r\nContent-Type: application/json\r\nContent-Length: 100"
+            "\r\n\r\n{".encode()
+        )
+        sock.settimeout(1.0)
+        answer = b""
+        deadline = time.monotonic() + 30
+        while b"\r\n\r\n" not in answer:
+            assert time.monotonic() < deadline, answer
+            try:
+                chunk = sock.recv(4096)  # a byte a second meanwhile: slow, not silent
+            except TimeoutError:
+                sock.sendall(b" ")
+                continue
+            assert chunk, f"closed without an answer after {answer!r}"
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+
+
 async def test_a_body_that_trickles_is_cut_off() -> None:
     """A client sending a small body a byte at a time must not hold a connection (and a
     share of the connection cap) for ever: past the body timeout it gets 408."""

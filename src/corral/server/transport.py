@@ -122,9 +122,20 @@ class GuardedH11Protocol(H11Protocol):
             and self.read_whole(str(getattr(self, "scope", {}).get("path", "")))
         )
 
+    body_grace = 12.0
+    """Once a head has come with a body that is read whole, the connection is given this
+    long more before the head timer closes it: the body's own timeout (``BODY_TIMEOUT``,
+    10 s from the head) answers first, with the documented 408."""
+    _grace_given = False
+
     def _head_timeout(self) -> None:
-        if self._idle():
-            self._close()
+        if not self._idle():
+            return
+        if self.conn.their_state is h11.SEND_BODY and not self._grace_given:
+            self._grace_given = True
+            self._head_timer = self.loop.call_later(self.body_grace, self._head_timeout)
+            return
+        self._close()
 
     def _close(self) -> None:
         if not self.transport.is_closing():
@@ -132,6 +143,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._grace_given = False
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
