@@ -5,6 +5,7 @@ rlimit name refused before it reaches the box."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -178,3 +179,14 @@ def test_sharing_the_host_root_is_refused() -> None:
     for host in ("/", "//", "/."):
         with pytest.raises(PolicyError, match="host path / would share the whole host"):
             Policy.from_dict({"filesystem": {"mounts": [{"host": host, "guest": "/host"}]}})
+
+
+def test_a_mount_of_a_masked_host_path_is_refused_naming_the_mask(tmp_path: Path) -> None:
+    # -v /root:/r failed with "swapped in by another box?" (a mask pinned under a mask).
+    for host in ("/root", os.path.expanduser("~/.ssh")):
+        with pytest.raises(PolicyError, match=r"is masked by filesystem\.deny_read"):
+            Policy.from_dict({"filesystem": {"mounts": [{"host": host, "guest": "/r"}]}})
+    shared = {"deny_read": ["/etc/shadow"], "mounts": [{"host": "/root", "guest": "/r"}]}
+    assert Policy.from_dict({"filesystem": shared}).filesystem.mounts  # unmasked: fine
+    below = {"mounts": [{"host": "/root/.pyenv", "guest": "/root/.pyenv"}]}  # as presets do
+    assert Policy.from_dict({"filesystem": below}).filesystem.mounts

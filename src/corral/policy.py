@@ -473,7 +473,16 @@ class Policy(_Model):
         if not self.workdir.startswith("/"):
             raise ValueError(f"workdir must be an absolute path inside the box: {self.workdir!r}")
         workdir = posixpath.normpath(self.workdir)
+        masked = [posixpath.normpath(os.path.expanduser(d)) for d in self.filesystem.deny_read]
         for i, m in enumerate(self.filesystem.mounts):
+            host = posixpath.normpath(str(m.host))
+            hidden = next((d for d in masked if host == d), None)  # below it may be shared
+            if m.host.is_absolute() and hidden is not None:
+                raise ValueError(
+                    f"filesystem.mounts[{i}].host: {m.host} is masked by filesystem.deny_read "
+                    f"({hidden}): the box would see nothing of it; take {hidden} out of "
+                    "deny_read to share it"
+                )
             guest = posixpath.normpath(m.guest)
             if guest == workdir or guest.startswith(workdir.rstrip("/") + "/"):
                 where = "is" if guest == workdir else "is inside"
