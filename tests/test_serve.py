@@ -723,6 +723,31 @@ def test_cp_out_writes_through_no_link_the_box_planted(
         cli(server, "rm", box, cwd=tmp_path)
 
 
+def test_cp_in_reads_through_no_link_the_box_planted(
+    server: Served, workspace: Path, tmp_path: Path
+) -> None:
+    """Copying in names a host file, often in the box's own workspace: a directory link the
+    box planted on the way (``sub -> /some/host/dir``) must not hand it a host file."""
+    secret_dir = tmp_path / "host-secrets"
+    secret_dir.mkdir()
+    (secret_dir / "key").write_text("host secret\n")
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        r = cli(server, "exec", box, "--", "ln", "-s", str(secret_dir), "sub", cwd=workspace)
+        assert r.returncode == 0, r.stderr
+        for src in ("sub/key", str(workspace / "sub" / "key"), "sub"):
+            r = cli(server, "cp", src, f"{box}:/tmp/got", cwd=workspace)
+            assert r.returncode != 0 and b"is a symbolic link" in r.stderr, (src, r.stderr)
+            r = cli(server, "exec", box, "--", "sh", "-c", "cat /tmp/got/* /tmp/got", cwd=workspace)
+            assert b"host secret" not in r.stdout
+        (workspace / "plain.txt").write_text("fine\n")  # a real file still goes in
+        assert cli(server, "cp", "plain.txt", f"{box}:/tmp/plain", cwd=workspace).returncode == 0
+        r = cli(server, "exec", box, "--", "cat", "/tmp/plain", cwd=workspace)
+        assert r.stdout == b"fine\n"
+    finally:
+        cli(server, "rm", box, cwd=tmp_path)
+
+
 # ---- lifecycle ---------------------------------------------------------------------------
 def _wait_gone(client: httpx.Client, box: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout

@@ -623,11 +623,18 @@ class _Copy:
         if not _is_regular(info):
             self.skipped.append(f"{host} (not a regular file or directory)")
             return
+        # Through no link in any component, as copying out: the file may be in the box's
+        # workspace, where a planted `sub -> /etc` would hand the box a host file.
+        source = _HostDest(host)
         try:
-            fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = source._open(source.parts, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise _host_error(host, exc) from None
         try:
+            if not _is_regular(os.fstat(fd)):  # swapped for a FIFO or device meanwhile
+                self.skipped.append(f"{host} (not a regular file or directory)")
+                return
+            os.set_blocking(fd, True)
             self._put(box, path, chunks(fd, 1 << 20))
         finally:
             os.close(fd)
@@ -751,7 +758,7 @@ class _HostDest:
                 break
         return ServerError(
             "file_error",
-            f"{where} is a symbolic link: corral cp writes through no link on this host (a "
+            f"{where} is a symbolic link: corral cp goes through no link on this host (a "
             "box can plant one in its workspace); name the real path",
         )
 
