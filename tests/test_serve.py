@@ -289,6 +289,36 @@ def test_create_exec_cp_logs_ps_rm(server: Served, workspace: Path, tmp_path: Pa
         cli(server, "rm", live, cwd=tmp_path)
 
 
+def test_a_slow_logs_follower_does_not_slow_the_process(server: Served) -> None:
+    # `corral logs -f` watches a background process: a reader that stops must not hold it
+    # (an exec stream does hold its own command); it is told what it missed instead.
+    from corral.client import frames
+
+    with http(server) as client, http(server) as watcher:
+        box = client.post("/v1/boxes", json={}).json()["id"]
+        try:
+            started = client.post(
+                f"/v1/boxes/{box}/run",
+                json={"cmd": "sleep 0.5; head -c 48000000 /dev/zero", "background": True},
+            ).json()
+            where = f"/v1/boxes/{box}/processes/{started['pid']}"
+            with watcher.stream("GET", f"{where}/follow") as follow:
+                # Not read meanwhile: 48 MB is far past what the sockets and 4 MiB take.
+                waited = client.post(f"{where}/wait", params={"timeout": 60}, timeout=90).json()
+                assert (waited["status"], waited["exit_code"]) == ("exited", 0), waited
+                got = bytearray(b"".join(follow.iter_bytes()))
+            kinds = [(kind, data) for kind, data in frames.split_frames(got)]
+            notes = [data for kind, data in kinds if kind == frames.NOTE]
+            assert any(b"bytes of output skipped" in note for note in notes), notes
+            shown = sum(len(data) for kind, data in kinds if kind == frames.STDOUT)
+            skipped = sum(
+                int(note.split()[1]) for note in notes if b"bytes of output skipped" in note
+            )
+            assert shown + skipped >= 48000000 - (1 << 20)  # the captured head and tail aside
+        finally:
+            client.delete(f"/v1/boxes/{box}")
+
+
 def test_logs_say_when_the_output_was_cut(server: Served, workspace: Path) -> None:
     box = cli(server, "create", "--", "--output-bytes", "100000", cwd=workspace)
     box_id = box.stdout.decode().strip()

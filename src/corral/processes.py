@@ -124,8 +124,20 @@ HOLD_BYTES = 4 << 20
 RELEASE_BYTES = 1 << 20
 """... until every subscriber is back under this."""
 
-Event = tuple[str, bytes | int]
-"""("stdout" | "stderr" | "pty", bytes), and finally ("exit", code)."""
+
+class Skipped:
+    """Output an observer's queue left out (it was :data:`HOLD_BYTES` behind): ``size``
+    bytes at this place in the stream."""
+
+    __slots__ = ("size",)
+
+    def __init__(self) -> None:
+        self.size = 0
+
+
+Event = tuple[str, bytes | int | Skipped]
+"""("stdout" | "stderr" | "pty", bytes), ("skipped", Skipped) for an observer that fell
+behind, and finally ("exit", code)."""
 
 
 class Listener(asyncio.Queue[Event]):
@@ -133,18 +145,32 @@ class Listener(asyncio.Queue[Event]):
     :data:`HOLD_BYTES` the process is held: the agent stops reading its stdout and stderr,
     so it blocks on a full pipe as it would behind any slow reader, until the subscriber is
     back under :data:`RELEASE_BYTES`. A reader that stops reading costs the host 4 MiB, not
-    what the box can print. (A process on a terminal is never held.)"""
+    what the box can print. (A process on a terminal is never held.)
 
-    def __init__(self, process: Process) -> None:
+    An observer (``hold=False``: ``corral logs -f`` of a background process, which must not
+    slow the process it watches) is never waited for: past :data:`HOLD_BYTES` what arrives is
+    left out of its queue, counted in one ``("skipped", Skipped)`` event where it was."""
+
+    def __init__(self, process: Process, *, hold: bool = True) -> None:
         super().__init__()
         self.backlog = 0
+        self.hold = hold
         self._process = process
+        self._gap: Skipped | None = None
 
     def put_nowait(self, item: Event) -> None:
+        data = item[1]
+        if isinstance(data, bytes) and not self.hold and self.backlog > HOLD_BYTES:
+            if self._gap is None:
+                self._gap = Skipped()
+                super().put_nowait(("skipped", self._gap))
+            self._gap.size += len(data)
+            return
+        self._gap = None
         super().put_nowait(item)
-        if isinstance(item[1], bytes):
-            self.backlog += len(item[1])
-            if self.backlog > HOLD_BYTES:
+        if isinstance(data, bytes):
+            self.backlog += len(data)
+            if self.hold and self.backlog > HOLD_BYTES:
                 self._process._flow()
 
     def get_nowait(self) -> Event:  # Queue.get() takes its item through this
@@ -235,10 +261,11 @@ class Process:
             self.lost = True
             self._on_exit(-int(_signal.SIGKILL), None)
 
-    def subscribe(self) -> Listener:
+    def subscribe(self, *, hold: bool = True) -> Listener:
         """A queue of ("stdout"|"stderr"|"pty", bytes) and finally ("exit", code); one that
-        falls behind holds the process (:class:`Listener`): read it, or unsubscribe."""
-        q = Listener(self)
+        falls behind holds the process (:class:`Listener`): read it, or unsubscribe.
+        ``hold=False``: an observer, which skips output rather than hold the process."""
+        q = Listener(self, hold=hold)
         if self.exit_code is not None:
             q.put_nowait(("exit", self.exit_code))
         self._listeners.append(q)
@@ -259,9 +286,10 @@ class Process:
     def _hold_wanted(self) -> bool:
         if self.exit_code is not None:
             return False
+        holding = [q for q in self._listeners if q.hold]
         if self._held:
-            return any(q.backlog >= RELEASE_BYTES for q in self._listeners)
-        return any(q.backlog > HOLD_BYTES for q in self._listeners)
+            return any(q.backlog >= RELEASE_BYTES for q in holding)
+        return any(q.backlog > HOLD_BYTES for q in holding)
 
     async def _send_flow(self) -> None:
         while (hold := self._hold_wanted()) != self._held:

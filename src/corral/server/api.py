@@ -36,7 +36,7 @@ from corral import errors
 from corral.client import frames
 from corral.output import text_bytes
 from corral.policy import Policy
-from corral.processes import Process
+from corral.processes import Process, Skipped
 from corral.sandbox import STDIN_CHUNK, Sandbox
 from corral.server.approvals import Approvals
 from corral.server.auth import AsciiJSONResponse, deny_websocket, error_body, status_for
@@ -841,7 +841,7 @@ def build_api(  # noqa: C901
         proc = process(box_id, pid)
 
         async def gen() -> AsyncIterator[bytes]:
-            queue = proc.subscribe()
+            queue = proc.subscribe(hold=False)  # a watcher: it must not slow the process
             try:
                 # Taken with the subscription, no await between: the queue holds exactly
                 # what comes after these.
@@ -854,11 +854,17 @@ def build_api(  # noqa: C901
                 while True:
                     kind, data = await queue.get()
                     if kind == "exit":
-                        code = int(data)
+                        assert isinstance(data, int)
+                        code = data
                         yield frames.json_frame(
                             frames.END, {"exit_code": code, "status": _status_for_cli(code, False)}
                         )
                         return
+                    if isinstance(data, Skipped):  # this reader fell 4 MiB behind
+                        note = f"corral: {data.size} bytes of output skipped (this reader fell "
+                        note += "behind; the process was not slowed)"
+                        yield frames.frame(frames.NOTE, note.encode())
+                        continue
                     assert isinstance(data, bytes)
                     yield frames.frame(frames.STDERR if kind == "stderr" else frames.STDOUT, data)
             finally:
