@@ -33,7 +33,7 @@ from security.helpers import box_py, gvisor
 
 pytestmark = [pytest.mark.attack("filesystem"), pytest.mark.needs_bwrap]
 
-WIDER = '[[filesystem.mounts]]\nhost = "/"\nguest = "/host"\nmode = "rw"\n'
+WIDER = '[[filesystem.mounts]]\nhost = "/etc"\nguest = "/host-etc"\nmode = "rw"\n'
 
 
 def _policy_file(path: Path, box_policy: Policy, extra: str = "") -> Path:
@@ -58,7 +58,7 @@ async def test_a_policy_file_the_box_rewrote_is_not_loaded(
     async with Sandbox(Policy.load(path, trust_writable=True), workspace=workspace) as sb:
         r = await sb.run(["sh", "-c", f"printf '{WIDER}' >> /workspace/corral.toml"])
         assert r.exit_code == 0, r
-    assert 'host = "/"' in path.read_text()
+    assert 'host = "/etc"' in path.read_text()
     for policy in (path, Policy.load(path)):  # as a path, or loaded first
         with pytest.raises(PolicyError, match=r"policy file .* which the box can write"):
             async with Sandbox(policy, workspace=workspace):
