@@ -7,6 +7,7 @@ the box afterwards is checked from inside the box.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -305,7 +306,8 @@ async def test_a_cancelled_request_does_not_break_the_box(box: Sandbox) -> None:
     # asyncio timeout): the late reply is dropped, not taken for a protocol violation.
     channel = box._channel
     assert channel is not None
-    for _ in range(3):
+    late = 0  # cancels whose reply was still to come (it may also beat the cancel)
+    for _ in range(40):
         task = asyncio.ensure_future(box.info())
         for _ in range(50):  # the few loop steps until the request is on the wire
             if channel._pending:
@@ -313,15 +315,21 @@ async def test_a_cancelled_request_does_not_break_the_box(box: Sandbox) -> None:
             await asyncio.sleep(0)
         assert channel._pending, "the request was never sent"
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        assert channel._abandoned  # its reply is still to come
+        late += bool(channel._abandoned)
         r = await box.run("echo still-here")
         assert (r.exit_code, r.stdout) == (0, "still-here\n")
         assert not channel._abandoned  # came, and was dropped
+        if late >= 3:
+            break
+    assert late, "no reply came after its cancel: the case was never tried"
 
 
-SLEEPERS = "for p in /proc/[0-9]*; do cat $p/comm 2>/dev/null; done | grep -c '^sleep$' || true"
+SLEEPERS = (  # live ones: a killed one waits as a zombie (no cmdline) until init reaps it
+    "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done"
+    " | grep -c '^sleep 30[012] $' || true"
+)
 
 
 async def test_a_timeout_ends_children_that_left_the_command_s_group(box: Sandbox) -> None:
