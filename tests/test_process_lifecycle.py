@@ -339,6 +339,11 @@ async def test_a_timeout_ends_children_that_left_the_command_s_group(box: Sandbo
     r = await box.run(script, timeout=1)
     assert r.timed_out and r.stdout == "up\n"
     assert (await box.run(SLEEPERS)).stdout == "0\n"
+    # "up" once both children have taken their own sessions (exec'd their sleep): left at
+    # once, before that, a child between fork and setsid is in no group the walk can find.
+    settled = "while [ $(cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n'"
+    settled += " | grep -c '^30[01]$') -lt 2 ]; do :; done; "
+    script = script.replace("echo up", settled + "echo up")
     async with box.exec_stream(script) as stream:  # and leaving a stream (terminate) the same
         async for event in stream:
             assert event == Stdout(b"up\n")  # its children are started
