@@ -44,6 +44,7 @@ from corral.net import BoxNetwork
 from corral.net.box import load_network, network_loaded
 from corral.policy import DEFAULT_WORKDIR, Limits, Policy, PublishedPort, RlimitName
 from corral.processes import (
+    WRITE_CHUNK,
     Process,
     ProcessRegistry,
     checked_timeout,
@@ -233,9 +234,9 @@ def _check_host_paths(policy: Policy, workspace: Path, given: bool = False) -> N
     check_sources(sources, areas)
 
 
-STDIN_CHUNK = 8 << 20
-"""``stdin=`` data beyond this goes to the box in chunks of this size (a message carries at
-most 16 MiB); the guest agent feeds them to the command as it reads."""
+STDIN_CHUNK = WRITE_CHUNK
+"""``stdin=`` data beyond this goes to the box in ``Process.write`` chunks of this size (a
+message carries at most 16 MiB); the guest agent feeds them to the command as it reads."""
 
 
 class Sandbox:
@@ -834,19 +835,14 @@ class Sandbox:
     async def _stream_stdin(self, proc: Process, data: bytes) -> None:
         """The rest of a large ``stdin=`` in chunks, then end of input. A command that stops
         reading (exits, closes its stdin) ends the upload, as a broken pipe would."""
-        view = memoryview(data)
-        for start in range(0, len(view), STDIN_CHUNK):
-            last = start + STDIN_CHUNK >= len(view)
-            try:  # sent from the view: no copy of the chunk on the host
-                await self._request(
-                    "write", view[start : start + STDIN_CHUNK], pid=proc.pid, eof=last
-                )
-            except (errors.ProcessNotFound, errors.SpawnFailed):
+        try:  # in ``Process.write``'s pieces (a view of ``data``: no copy on the host)
+            await proc.write(data, eof=True)
+        except (errors.ProcessNotFound, errors.SpawnFailed):
+            return
+        except errors.SandboxError as exc:
+            if exc.code is errors.ErrorCode.INVALID_INPUT:  # its stdin is closed
                 return
-            except errors.SandboxError as exc:
-                if exc.code is errors.ErrorCode.INVALID_INPUT:  # its stdin is closed
-                    return
-                raise
+            raise
 
     async def snapshot(
         self,

@@ -37,7 +37,7 @@ from corral.client import frames
 from corral.output import text_bytes
 from corral.policy import Policy
 from corral.processes import Process, Skipped
-from corral.sandbox import STDIN_CHUNK, Sandbox
+from corral.sandbox import Sandbox
 from corral.server.approvals import Approvals
 from corral.server.auth import AsciiJSONResponse, deny_websocket, error_body, status_for
 from corral.server.boxes import Boxes, HeldBox
@@ -300,10 +300,8 @@ async def _feed(data: bytes, stream: Any) -> errors.SandboxError | None:
     stops reading (exits, closes its stdin) ends the upload, as a broken pipe would; any
     other failure ends the command, which must not run on part of its input, and is
     returned for the response to say."""
-    view = memoryview(data)
     try:
-        for start in range(0, len(view), STDIN_CHUNK):
-            await stream.write(view[start : start + STDIN_CHUNK])
+        await stream.write(data)  # in pieces a message to the box can hold
         await stream.close_stdin()
     except (errors.ProcessNotFound, errors.SpawnFailed):
         return None
