@@ -10,6 +10,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,6 +55,20 @@ def http(served: Served, token: str | None = None) -> httpx.Client:
         )
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=served.url, headers=headers)
+
+
+def raw_post(served: Served, length: int, timeout: float | None = None) -> socket.socket:
+    """A connection to a TCP server that has sent the head of ``POST /v1/boxes`` declaring
+    ``length`` bytes of body, and the body's first byte: what a test of a slow, oversize or
+    trickled body sends by hand (no client library sends a body it does not have)."""
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.sendall(
+        f"POST /v1/boxes HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer "
+        f"{served.token}\r\nContent-Type: application/json\r\nContent-Length: {length}"
+        "\r\n\r\n{".encode()
+    )
+    return sock
 
 
 def cli(
@@ -578,8 +593,6 @@ def test_the_cli_finds_a_tcp_servers_token_file(tcp_server: Served, workspace: P
 def test_every_refusal_is_a_code_and_a_sentence(tcp_server: Served) -> None:
     """Bad input from the outside: no route, a body too large whatever it claims to be, a
     number JSON cannot echo, bytes no program takes. Each a stable code, never a bare 500."""
-    import socket
-
     json_type = {"content-type": "application/json"}
     with http(tcp_server, tcp_server.token) as client:
         for r, status in ((client.get("/v1/nope"), 404), (client.patch("/v1/boxes"), 405)):
@@ -608,13 +621,7 @@ def test_every_refusal_is_a_code_and_a_sentence(tcp_server: Served) -> None:
         finally:
             client.delete(f"/v1/boxes/{box}")
     # A body declared too large is refused at once, not waited for.
-    host, port = tcp_server.url.removeprefix("http://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(
-            f"POST /v1/boxes HTTP/1.1\r\nHost: {host}:{port}\r\n"
-            f"Authorization: Bearer {tcp_server.token}\r\nContent-Type: application/json\r\n"
-            "Content-Length: 99999999999\r\n\r\n{".encode()
-        )
+    with raw_post(tcp_server, 99999999999, timeout=10) as sock:
         assert sock.recv(4096).split(b"\r\n")[0].endswith(b" 413 Request Entity Too Large")
 
 
@@ -1042,8 +1049,6 @@ async def test_attach_through_the_server_and_detach(server: Served, workspace: P
 
 
 def test_slow_and_silent_clients_do_not_starve_others(tcp_server: Served) -> None:
-    import socket
-
     host, port = tcp_server.url.removeprefix("http://").rsplit(":", 1)
     silent = [socket.create_connection((host, int(port))) for _ in range(50)]
     try:
@@ -1054,14 +1059,7 @@ def test_slow_and_silent_clients_do_not_starve_others(tcp_server: Served) -> Non
                 assert client.get("/v1/boxes").status_code == 200
         # More than the connection cap, each trickling a small body (read whole, capped):
         # they are evicted as idle ones are, and a real client still gets in.
-        head = (
-            f"POST /v1/boxes HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer "
-            f"{tcp_server.token}\r\nContent-Type: application/json\r\nContent-Length: 100"
-            "\r\n\r\n{"
-        ).encode()
-        for _ in range(280):
-            silent.append(socket.create_connection((host, int(port))))
-            silent[-1].sendall(head)
+        silent.extend(raw_post(tcp_server, 100) for _ in range(280))
         with http(tcp_server, tcp_server.token) as client:
             assert client.get("/v1/boxes").status_code == 200
     finally:
@@ -1293,15 +1291,7 @@ def test_host_paths_in_flags_are_made_absolute_here(
 def test_a_trickled_body_gets_the_408_over_a_real_connection(tcp_server: Served) -> None:
     # The connection's head timer (10 s from connect) closed it without a word before the
     # body's own timeout (10 s from the head) could answer.
-    import socket
-
-    host, port = tcp_server.url.removeprefix("http://").rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(
-            f"POST /v1/boxes HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer "
-            f"{tcp_server.token}\r\nContent-Type: application/json\r\nContent-Length: 100"
-            "\r\n\r\n{".encode()
-        )
+    with raw_post(tcp_server, 100, timeout=30) as sock:
         sock.settimeout(1.0)
         answer = b""
         deadline = time.monotonic() + 30

@@ -552,7 +552,7 @@ def _cp(conn: Conn, args: argparse.Namespace) -> int:
     ``docker cp``: into an existing directory, else as that name), ``-`` for stdin/stdout.
     Symbolic links and special files inside a copied directory are skipped and named on
     stderr; named as the source themselves, they are refused. Copying out, no link on the
-    host side is written through (:class:`_HostDest`)."""
+    host side is written through or read through (:class:`_HostPath`)."""
     src, dst = _split_ref(args.src), _split_ref(args.dst)
     if (src is None) == (dst is None):
         raise ServerError(
@@ -625,9 +625,9 @@ class _Copy:
             return
         # Through no link in any component, as copying out: the file may be in the box's
         # workspace, where a planted `sub -> /etc` would hand the box a host file.
-        source = _HostDest(host)
+        source = _HostPath(host)
         try:
-            fd = source._open(source.parts, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = source.open(source.parts, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise _host_error(host, exc) from None
         try:
@@ -652,7 +652,7 @@ class _Copy:
                 )
             self._get_file(box, path, None)
             return
-        dest = _HostDest(host)
+        dest = _HostPath(host)
         names: tuple[str, ...] = ()
         name = _box_basename(path)
         if dest.is_dir(()) and name not in ("", "."):  # ID:dir/. copies what is in it
@@ -669,7 +669,7 @@ class _Copy:
                 f"{box}:{path} is a {kind}: corral cp copies regular files and directories",
             )
 
-    def _get_dir(self, box: str, path: str, dest: _HostDest, names: tuple[str, ...]) -> None:
+    def _get_dir(self, box: str, path: str, dest: _HostPath, names: tuple[str, ...]) -> None:
         todo = [(path, names)]
         while todo:
             path, names = todo.pop()
@@ -686,7 +686,7 @@ class _Copy:
                     self.skipped.append(f"{box}:{child} (a {entry.get('type')})")
 
     def _get_file(
-        self, box: str, path: str, host: tuple[_HostDest, tuple[str, ...]] | None
+        self, box: str, path: str, host: tuple[_HostPath, tuple[str, ...]] | None
     ) -> None:
         url = f"/v1/boxes/{q(box)}/files/content?path={q(path)}"
         response = self.conn.request("GET", url)
@@ -702,17 +702,18 @@ class _Copy:
             os.close(fd)
 
 
-class _HostDest:
-    """Where ``corral cp ID:SRC DEST`` writes on this host, following no symbolic link.
+class _HostPath:
+    """A host path ``corral cp`` reads (copying in) or writes (copying out), walked following
+    no symbolic link.
 
-    DEST is often in the box's own workspace (``corral create`` shares this directory), so
-    the box chose what its components are: a link it planted (``sub -> /etc/cron.d``) must
-    not take a write, made here as the user (often root), out of the place the user named.
-    Every component of DEST as spelled (below this directory for a relative DEST, below
-    ``/`` for an absolute one; leading ``..`` are the user's) and every name below it is
-    opened one at a time with ``O_NOFOLLOW`` relative to the directory before it
-    (:func:`corral.agent.files.open_beneath`), directories are made by that directory's
-    fd, and a link anywhere is refused in one line naming it.
+    The path is often in the box's own workspace (``corral create`` shares this directory),
+    so the box chose what its components are: a link it planted (``sub -> /etc/cron.d``)
+    must not take a write, or hand the box a read, made here as the user (often root) out
+    of the place the user named. Every component of the path as spelled (below this
+    directory for a relative path, below ``/`` for an absolute one; leading ``..`` are the
+    user's) and every name below it is opened one at a time with ``O_NOFOLLOW`` relative to
+    the directory before it (:func:`corral.agent.files.open_beneath`), directories are made
+    by that directory's fd, and a link anywhere is refused in one line naming it.
     """
 
     def __init__(self, spelled: str) -> None:
@@ -731,7 +732,7 @@ class _HostDest:
     def shown(self, names: tuple[str, ...]) -> str:
         return os.path.join(self.spelled, *names)
 
-    def _open(self, parts: tuple[str, ...], flags: int, mode: int = 0) -> int:
+    def open(self, parts: tuple[str, ...], flags: int, mode: int = 0) -> int:
         """``parts`` (below the anchor) opened following no link: a link is refused."""
         from corral.agent.files import open_beneath
 
@@ -765,7 +766,7 @@ class _HostDest:
     def is_dir(self, names: tuple[str, ...]) -> bool:
         """Whether DEST/names is a directory (a link there is refused, not followed)."""
         try:
-            os.close(self._open((*self.parts, *names), os.O_PATH | os.O_DIRECTORY))
+            os.close(self.open((*self.parts, *names), os.O_PATH | os.O_DIRECTORY))
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ENOTDIR):
                 return False
@@ -777,14 +778,14 @@ class _HostDest:
         parts = (*self.parts, *names)
         try:
             if parts:
-                parent = self._open(parts[:-1], os.O_PATH | os.O_DIRECTORY)
+                parent = self.open(parts[:-1], os.O_PATH | os.O_DIRECTORY)
                 try:
                     os.mkdir(parts[-1], 0o755, dir_fd=parent)
                 except FileExistsError:
                     pass
                 finally:
                     os.close(parent)
-            os.close(self._open(parts, os.O_PATH | os.O_DIRECTORY))  # a directory, no link
+            os.close(self.open(parts, os.O_PATH | os.O_DIRECTORY))  # a directory, no link
         except OSError as exc:
             raise _host_error(self.shown(names), exc) from None
 
@@ -793,7 +794,7 @@ class _HostDest:
         never through a link, never a FIFO or device to block on or write to."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK
         try:
-            fd = self._open((*self.parts, *names), flags, 0o644)
+            fd = self.open((*self.parts, *names), flags, 0o644)
         except OSError as exc:
             raise _host_error(self.shown(names), exc) from None
         try:
