@@ -1330,3 +1330,48 @@ async def test_a_body_that_trickles_is_cut_off() -> None:
         await guard(scope, receive, send)
     assert sent[0]["status"] == 408
     assert json.loads(sent[1]["body"])["error"]["code"] == "timeout"
+
+
+async def test_a_bug_answers_500_and_keeps_the_connection() -> None:
+    """An exception no handler takes answers with the stable error body, the traceback goes
+    to the log, and the client's kept-alive connection serves its next request (Starlette's
+    own last-resort handler re-raised, and uvicorn closed the connection after every 500)."""
+    import uvicorn
+
+    from corral.cli.run import parse_run_args
+    from corral.server.api import build_api
+    from corral.server.boxes import Boxes, ServeLimits
+    from corral.server.metrics import Metrics
+    from corral.server.transport import http_server_config
+
+    metrics = Metrics()
+    app = build_api(Boxes(ServeLimits(), metrics), metrics, info={}, parse_run=parse_run_args)
+
+    async def broken() -> None:
+        raise RuntimeError("a bug for the test")
+
+    app.add_api_route("/v1/broken", broken)
+    listening = socket.create_server(("127.0.0.1", 0))  # connects queue until it serves
+    port = listening.getsockname()[1]
+    server = uvicorn.Server(http_server_config(app, port=port))
+    serving_task = asyncio.create_task(server.serve(sockets=[listening]))
+    try:
+        async with asyncio.timeout(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answers = []
+            for path in ("/v1/broken", "/v1/health"):
+                writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                answers.append((head.split(b" ")[1], json.loads(await reader.readexactly(length))))
+            writer.close()
+        assert answers[0][0] == b"500", answers
+        assert answers[0][1]["error"]["code"] == "internal_error"
+        assert (
+            "GET /v1/broken (RuntimeError: a bug for the test)" in answers[0][1]["error"]["message"]
+        )
+        assert answers[1][0] == b"200", answers
+    finally:
+        server.should_exit = True
+        await serving_task
+        listening.close()

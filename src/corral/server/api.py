@@ -494,6 +494,48 @@ class _CountResponses:
         await self.app(scope, receive, counted)
 
 
+class _AnswerBugs:
+    """A bug (an exception no handler took) answers with the stable error body and a
+    sentence, never a bare 500; the traceback goes to the server's log.
+
+    Plain ASGI, inside Starlette's ``ServerErrorMiddleware``: that one answers too, but
+    re-raises to the server afterwards, and uvicorn then closes the connection, so a client
+    that keeps its connection alive lost it with every 500. Here the exception ends with
+    the answer. One raised once the response has started cannot be answered and goes on
+    (the connection must close: its response is cut)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            where = f"{scope.get('method', '?')} {scope.get('path', '?')}"
+            logger.exception("the server failed on %s", where)
+            answer = AsciiJSONResponse(
+                error_body(
+                    errors.ErrorCode.INTERNAL_ERROR,
+                    f"the server failed on {where} ({type(exc).__name__}: {exc}); its log "
+                    "has the details",
+                ),
+                status_code=500,
+            )
+            await answer(scope, receive, send)
+
+
 def build_api(  # noqa: C901
     boxes: Boxes, metrics: Metrics, *, info: dict[str, Any], parse_run: RunParser
 ) -> FastAPI:
@@ -534,19 +576,6 @@ def build_api(  # noqa: C901
             headers=exc.headers,
         )
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> AsciiJSONResponse:
-        """A bug answers with the stable error body and a sentence, never a bare 500; the
-        traceback goes to the server's log."""
-        return AsciiJSONResponse(
-            error_body(
-                errors.ErrorCode.INTERNAL_ERROR,
-                f"the server failed on {request.method} {request.url.path} "
-                f"({type(exc).__name__}: {exc}); its log has the details",
-            ),
-            status_code=500,
-        )
-
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> AsciiJSONResponse:
         return AsciiJSONResponse(
@@ -554,7 +583,8 @@ def build_api(  # noqa: C901
             status_code=400,
         )
 
-    app.add_middleware(_CountResponses, metrics=metrics)
+    app.add_middleware(_AnswerBugs)
+    app.add_middleware(_CountResponses, metrics=metrics)  # outside: counts the 500 too
 
     # -- server --------------------------------------------------------------------------------
     @app.get("/v1/health", tags=["server"])
