@@ -1085,9 +1085,27 @@ def test_a_box_whose_agent_died_says_so(server: Served) -> None:
             assert time.monotonic() < deadline, box
             time.sleep(0.05)  # polling the API: the server learns it from the channel
         assert "guest agent" in box["broken"]
+        # bwrap ended with its agent: reaped by then, not a zombie of the server until delete
+        while zombies := _zombie_children(server.proc.pid):
+            assert time.monotonic() < deadline, zombies
+            time.sleep(0.05)
         r = client.post(f"/v1/boxes/{made['id']}/run", json={"cmd": "true"})
         assert r.json()["error"]["code"] == "sandbox_broken"
         assert client.delete(f"/v1/boxes/{made['id']}").status_code == 204
+
+
+def _zombie_children(pid: int) -> list[str]:
+    """The children of ``pid`` that exited and were not reaped, as ``PID (NAME)``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state == "Z" and int(ppid) == pid:
+            found.append(stat.split(")", 1)[0] + ")")
+    return found
 
 
 def _cmdline(proc: Path) -> bytes:

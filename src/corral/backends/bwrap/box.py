@@ -244,6 +244,7 @@ class BwrapBox(CgroupBox):
         super().__init__(spec, channel, warnings, limits)
         self.root_layer = root_layer
         self._proc = proc
+        proc.reap_on_exit()  # bwrap ends when the agent dies: no zombie until close
         self._cgroup = cgroup
         self._own_pids = limits.own_pids
         self._shared = shared

@@ -51,19 +51,31 @@ class HostChild:
     async def wait(self) -> int:
         """Wait for the child to exit and reap it (cancelling this wait leaves it waitable)."""
         if self._popen.returncode is None and self._pidfd >= 0:
-            if self._exited is None:
-                loop = asyncio.get_running_loop()
-                self._exited = exited = loop.create_future()
-
-                def on_exit() -> None:
-                    loop.remove_reader(self._pidfd)
-                    if not exited.done():
-                        exited.set_result(None)
-
-                loop.add_reader(self._pidfd, on_exit)
-            await asyncio.shield(self._exited)
+            await asyncio.shield(self._exit())
             self._popen.poll()  # it has exited: reaps it without blocking
         return self._popen.returncode if self._popen.returncode is not None else -1
+
+    def reap_on_exit(self) -> None:
+        """Reap the child the moment it exits, with nobody waiting for it (a box whose
+        agent died is otherwise a zombie of this process until it is closed). On the loop:
+        the pidfd is one more reader, no task."""
+        if self._popen.returncode is None and self._pidfd >= 0:
+            self._exit()
+
+    def _exit(self) -> asyncio.Future[None]:
+        """The future of the child's exit, seen on the pidfd (which reaps it there)."""
+        if self._exited is None:
+            loop = asyncio.get_running_loop()
+            self._exited = exited = loop.create_future()
+
+            def on_exit() -> None:
+                loop.remove_reader(self._pidfd)
+                self._popen.poll()  # it has exited: reaps it without blocking
+                if not exited.done():
+                    exited.set_result(None)
+
+            loop.add_reader(self._pidfd, on_exit)
+        return self._exited
 
     async def stderr(self, limit: int = 8192) -> str:
         """What the child printed before it died (bwrap names the failing mount or option,

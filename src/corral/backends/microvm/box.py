@@ -551,6 +551,7 @@ class MicroVmBox(BoxBase):
     ) -> None:
         super().__init__(spec, channel, warnings, limits)
         self._proc = vm.proc
+        vm.proc.reap_on_exit()  # a dead VM's jail is no zombie until close
         self._qemu_pid = vm.qemu_pid
         self._cgroup = vm.cgroup
         self._shared: idmap.SharedPaths | None = None
