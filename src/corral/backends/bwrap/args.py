@@ -223,7 +223,10 @@ def bwrap_argv(policy: Policy, inp: BwrapInputs, host: HostView | None = None) -
         args += ["--ro-bind-try", path, path]
     args += ["--size", str(fs.tmp_size), "--tmpfs", "/tmp"]
     # The box user's home is made by the agent, as that user (a tmpfs here is box root's).
-    args += ["--tmpfs", "/run", "--perms", "0755", "--tmpfs", "/home"]
+    # Each capped as /tmp is, on every backend: a tmpfs is memory, and an uncapped one (half
+    # the host's RAM) filled past the box's memory limit took the guest agent with it.
+    size = ["--size", str(fs.tmp_size)]
+    args += [*size, "--tmpfs", "/run", "--perms", "0755", *size, "--tmpfs", "/home"]
     args += ["--chmod", "1777", "/tmp"]
     # POSIX shared memory (multiprocessing's locks and pools, shm_open) wants a /dev/shm
     # anyone may write, as OCI and the microVM give it: bwrap's --dev leaves a 0755 dir.

@@ -453,7 +453,7 @@ def boot_script(plan: BootPlan) -> str:
         f"mount -t tmpfs -o mode=1777,size={plan.tmp_size},nosuid,nodev shm $R/dev/shm",
         "mount -t mqueue -o nosuid,nodev,noexec mqueue $R/dev/mqueue",
         f"mount -t tmpfs -o mode=1777,size={plan.tmp_size} tmp $R/tmp",
-        "mount -t tmpfs -o mode=0755 run $R/run",
+        f"mount -t tmpfs -o mode=0755,size={plan.tmp_size},nosuid,nodev run $R/run",
         f"mkdir -p $R{GUEST_AGENT_DIR}",
         f"cp -a /agent/. $R{GUEST_AGENT_DIR}/",
     ]
@@ -462,7 +462,7 @@ def boot_script(plan: BootPlan) -> str:
         target = f"$R{GUEST_AGENT_DIR}/seccomp.bpf"
         lines.append(f"base64 -d > {target} <<'CORRAL_EOF'\n{encoded}CORRAL_EOF")
     lines += [
-        "mount -t tmpfs -o mode=0755 home $R/home",
+        f"mount -t tmpfs -o mode=0755,size={plan.tmp_size},nosuid,nodev home $R/home",
         "mkdir $R/home/user",
         f"chown {plan.uid}:{plan.gid} $R/home/user",
     ]

@@ -230,11 +230,11 @@ def _system_mounts(
                 f"max={PTY_MAX}",  # the kernel's PTY pool is shared with every box
             ],
         },
-        _tmpfs("/dev/shm", "1777", tmp_size, ["noexec"]),
+        _tmpfs("/dev/shm", "1777", tmp_size),  # as bwrap's (whose tmpfs takes no noexec)
         *([sysfs] if own_netns else []),
         _tmpfs("/tmp", "1777", tmp_size),
-        _tmpfs("/run", "755"),
-        _tmpfs("/home", "755"),
+        _tmpfs("/run", "755", tmp_size),
+        _tmpfs("/home", "755", tmp_size),
         _tmpfs(GUEST_HOME, "755", tmp_size, [f"uid={user}", f"gid={user}"]),  # the user's
     ]
 
