@@ -276,6 +276,27 @@ async def test_a_close_cancelled_in_the_grace_still_tears_the_box_down(
     assert not (state_root() / "boxes" / sb.sandbox_id).exists()
 
 
+@pytest.mark.parametrize("turns", [1, 3, 10, 30, 100])
+async def test_a_close_cancelled_anywhere_finishes_its_teardown_first(
+    box_policy: Policy, workspace: Path, turns: int
+) -> None:
+    """Cancelled past its grace (in the shutdown, the box's or the workspace's teardown),
+    a close still removes everything before the cancellation goes through: cut there, it
+    left the workspace's idmapped mount, the cgroups and the state behind, for good."""
+    sb = Sandbox(box_policy, workspace=workspace)
+    await sb.start()
+    closing = asyncio.create_task(sb.aclose())
+    for _ in range(turns):  # the cancel lands that many turns of the loop into the close
+        await asyncio.sleep(0)
+    closing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await closing
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    assert [m for m in mounts if sb.sandbox_id in m] == []
+    assert list(Path("/sys/fs/cgroup").glob(f"*/*/{sb.sandbox_id}*")) == []
+    assert not (state_root() / "boxes" / sb.sandbox_id).exists()
+
+
 async def test_a_box_that_dies_in_the_grace_ends_the_close_at_once(
     box_policy: Policy, workspace: Path
 ) -> None:

@@ -490,26 +490,42 @@ class Sandbox:
             self._paused = False
         self._closed = True
         interrupted = False
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
-        if self._channel is not None and not self._channel.lost.is_set():
-            # What still runs ends as a timeout ends it: SIGTERM to every group at once (and a
-            # SIGHUP to each shell on a terminal), one grace for all, SIGKILL to what is left.
-            shells = [session.process for session in self._sessions.list()]
-            self._closing_ops = ENDING_OPS  # closed to callers, open to the ending
+        try:
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+                await asyncio.wait([self._heartbeat])  # a cancel of this close goes through
+            if self._channel is not None and not self._channel.lost.is_set():
+                # What still runs ends as a timeout ends it: SIGTERM to every group at once
+                # (and a SIGHUP to each shell on a terminal), one grace for all, SIGKILL to
+                # what is left.
+                shells = [session.process for session in self._sessions.list()]
+                self._closing_ops = ENDING_OPS  # closed to callers, open to the ending
+                try:
+                    await end_all(self._registry.running(), hang_up=shells)
+                finally:
+                    self._closing_ops = frozenset()
+                with contextlib.suppress(errors.SandboxError, TimeoutError):
+                    async with asyncio.timeout(2):
+                        await self._channel.request("shutdown")
+        except asyncio.CancelledError:
+            # Cancelled in the grace or the shutdown: cut them short (the teardown kills
+            # everything), but tear the box down before the cancellation goes through.
+            interrupted = True
+        # The teardown runs to its end whatever is cancelled meanwhile: cut half way, it left
+        # the workspace's mount, cgroups and state behind, and this close cannot run again.
+        teardown = asyncio.ensure_future(self._teardown())
+        while not teardown.done():
             try:
-                await end_all(self._registry.running(), hang_up=shells)
+                await asyncio.shield(teardown)
             except asyncio.CancelledError:
-                # Cancelled in the grace: cut it short (shutdown SIGKILLs everything), but
-                # tear the box down before the cancellation goes through.
                 interrupted = True
-            finally:
-                self._closing_ops = frozenset()
-            with contextlib.suppress(errors.SandboxError, TimeoutError):
-                async with asyncio.timeout(2):
-                    await self._channel.request("shutdown")
+        teardown.result()
+        if interrupted:
+            raise asyncio.CancelledError
+
+    async def _teardown(self) -> None:
+        """What :meth:`aclose` does once the box's processes have ended: the box, its
+        network, its state, sessions and workspace, and the audit's last record."""
         if self._channel is not None:
             await self._channel.close()
         if self._box is not None:
@@ -532,8 +548,6 @@ class Sandbox:
             await blocking(tempws.remove, self.sandbox_id, self._owned_workspace)
         self.audit.record("sandbox", event="close", broken=self._broken)
         self.audit.close()
-        if interrupted:
-            raise asyncio.CancelledError
 
     @property
     def closed(self) -> bool:
