@@ -940,6 +940,10 @@ async def test_a_person_answers_an_agents_prompt_over_a_websocket(server: Served
         ) as ws:
             screen = await ws.recv()
             assert b"Continue?" in screen  # the person sees what the agent saw
+            # Control messages it cannot take are ignored, the terminal kept (1e400 is an
+            # infinity, which no int takes: it cut the connection with a traceback).
+            for bad in ('{"resize": [1e400, 30]}', '{"resize": ["x", 2]}', "{", "[]"):
+                await ws.send(bad)
             await ws.send(b"yes\r")
             assert (await session.expect("got-yes"))["matched"]
         await session.write("echo still-here\n")  # detached: the session goes on

@@ -1209,7 +1209,9 @@ async def _ws_input(websocket: WebSocket, stream: Any) -> None:
 
 
 async def _control(session: Any, text: str) -> None:
-    with contextlib.suppress(ValueError, TypeError, KeyError):
+    """A terminal's text message: ``{"resize": [cols, rows]}`` or ``{"data": text}``; one it
+    cannot take (not JSON, not numbers, ``1e400``'s infinity) is ignored, the terminal kept."""
+    with contextlib.suppress(ValueError, TypeError, KeyError, OverflowError):
         msg = json.loads(text)
         if "resize" in msg:
             cols, rows = (int(v) for v in msg["resize"])
