@@ -897,6 +897,29 @@ def test_a_killed_server_leaves_no_box_and_restarts_empty(tmp_path: Path) -> Non
         assert again.stop() == 0
 
 
+def test_a_paused_box_dies_with_a_killed_server(tmp_path: Path) -> None:
+    """A frozen process acts on no signal until thawed: the kills that end a box with its
+    server stayed pending, and a paused box's processes lived on, frozen, until a later
+    start swept them. A guard outside the box thaws it once the server is gone."""
+    served = start(tmp_path / "run", "--socket", str(tmp_path / "s.sock"))
+    try:
+        with http(served) as client:
+            box = client.post("/v1/boxes", json={}).json()["id"]
+            client.post(f"/v1/boxes/{box}/run", json={"cmd": "sleep 1000", "background": True})
+            assert client.post(f"/v1/boxes/{box}/pause").status_code == 200
+            assert client.get(f"/v1/boxes/{box}").json()["state"] == "paused"
+        boxes = _descendants(served.proc.pid)
+        assert boxes, "the box's processes are the server's descendants"
+    finally:
+        served.stop(signal.SIGKILL)
+    # Within seconds (a later start's orphan sweep would end them too, but only when some
+    # corral process starts a box: none does here).
+    deadline = time.monotonic() + 10
+    while alive := _alive(boxes):
+        assert time.monotonic() < deadline, f"a paused box outlived the server: {alive}"
+        time.sleep(0.05)
+
+
 async def test_a_tcp_server_restarted_at_its_address_keeps_its_token(tmp_path: Path) -> None:
     """The clients of a server that was killed go on with the restarted one: the same token
     (from its 0600 file), and their boxes are gone (reaped), not 'unauthorized'."""

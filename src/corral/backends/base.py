@@ -14,12 +14,14 @@ It builds on :mod:`.layout` (policy -> mounts), :mod:`.users` (uid maps) and :mo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -28,8 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from corral.backends.host import tempws
+from corral.backends.host.child import HostChild, spawn
 from corral.backends.host.state import orphaned_boxes, pid_alive, state_root
 from corral.backends.host.threads import blocking
+from corral.backends.layout import SYSTEM_PATH
 from corral.backends.limits import agent_rlimits
 from corral.backends.users import BOX_UID, COMMAND_HOST_ID, GUEST_HOME
 from corral.errors import BackendError, BackendUnavailable
@@ -305,14 +309,69 @@ class BoxBase:
             owner.release()  # the box's processes are gone: another box may own its uid
 
 
+class ThawGuard:
+    """A process outside the box that thaws its cgroup once this one is gone.
+
+    A frozen process acts on no signal, SIGKILL included, until thawed: when the host
+    process of a paused box died (``kill -9`` of ``corral serve``), the kills meant to end
+    the box with it (bwrap's and its init's parent-death signals) stayed pending, and the
+    box's processes lived on, frozen, until some later start swept them. The guard is a
+    shell (~1 ms to start, no Python) reading a pipe only this process writes to: the read
+    ends when this process closes its end or dies, and the guard then writes the thaw, the
+    pending kills land, and it exits. In a session of its own, so a terminal's ^C to the
+    host process's group does not take it along."""
+
+    def __init__(self, child: HostChild, write_end: int) -> None:
+        self._child = child
+        self._write_end = write_end
+
+    @classmethod
+    async def start(cls, thaw: tuple[Path, str]) -> ThawGuard:
+        read_end, write_end = os.pipe()
+        try:
+            child = await spawn(
+                ["/bin/sh", "-c", 'read _; printf %s "$2" > "$1"', "corral-thaw", *map(str, thaw)],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                env={"PATH": SYSTEM_PATH},
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        child.reap_on_exit()
+        return cls(child, write_end)
+
+    async def release(self) -> None:
+        """The box is thawed or gone: the guard writes once more (harmless) and exits."""
+        if self._write_end >= 0:
+            os.close(self._write_end)
+            self._write_end = -1
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):
+                    await self._child.wait()
+            self._child.close()
+
+
 class CgroupBox(BoxBase):
     """A box with a cgroup of its own (bwrap, OCI): ``stats()``, ``oom_kills()`` and
     ``pids_limit_hits()`` read from it, and ``freeze()`` through its freezer."""
 
     _cgroup: Cgroup | None
+    _thaw_guard: ThawGuard | None = None
     _own_pids: int = 0
     """The backend's own processes in the cgroup (bwrap's monitor and init): not counted in
     :attr:`BoxStats.pids`, which counts what ``limits.max_pids`` limits."""
+
+    async def close(self) -> None:
+        try:
+            await super().close()
+        finally:
+            if self._thaw_guard is not None:
+                await self._thaw_guard.release()
 
     def oom_kills(self) -> int:
         return self._cgroup.oom_kills() if self._cgroup is not None else 0
@@ -339,6 +398,9 @@ class CgroupBox(BoxBase):
         if self._cgroup is None:
             await super().freeze(frozen)  # BackendUnavailable: no cgroup of its own
             return
+        thaw = self._cgroup.thaw_write()
+        if frozen and self._thaw_guard is None and thaw is not None:
+            self._thaw_guard = await ThawGuard.start(thaw)  # lives until the box is closed
         if not await self._cgroup.freeze_async(frozen, deadline=PAUSE_DEADLINE_S):
             if frozen:  # half-frozen is no state to leave a box in
                 await self._cgroup.freeze_async(False)

@@ -776,6 +776,16 @@ class Cgroup:
                 raise BackendError(f"processes {self.pids()} in {self!r} survived cgroup.kill")
             yield next(pauses)
 
+    def thaw_write(self) -> tuple[Path, str] | None:
+        """The write that thaws the group (file and value), for a process other than this
+        one to make (see ``backends.base.ThawGuard``); None without a freezer."""
+        d2 = self._dirs.get("")
+        if d2 is not None:
+            return d2 / "cgroup.freeze", "0"
+        if "freezer" in self._dirs:
+            return self._dirs["freezer"] / "freezer.state", "THAWED"
+        return None
+
     def _freeze(
         self, frozen: bool, deadline_s: float = _FREEZE_DEADLINE_S
     ) -> Generator[float, None, bool]:
