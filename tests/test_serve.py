@@ -825,6 +825,76 @@ def test_a_run_cut_by_its_box_s_lease_says_so(server: Served) -> None:
         assert "its ttl lease ended" in r.json()["error"]["message"]
 
 
+def test_every_way_to_wait_for_a_command_says_its_box_s_lease_ended(server: Served) -> None:
+    """A streamed command and a waited one, cut by their box's lease, end with the error
+    (an error frame on a stream), not with the SIGTERM of the reaper as their own end."""
+    from corral.client import frames
+
+    with http(server) as client:
+        box = client.post("/v1/boxes", json={"ttl_secs": 1}).json()["id"]
+        started = client.post(
+            f"/v1/boxes/{box}/run", json={"cmd": "sleep 60", "background": True}
+        ).json()
+        streamed = client.post(
+            f"/v1/boxes/{box}/exec", params={"cmd": ["sh", "-c", "echo start; sleep 60"]}
+        )
+        kinds = dict(frames.split_frames(bytearray(streamed.content)))
+        assert frames.END not in kinds, kinds
+        assert json.loads(kinds[frames.ERROR])["error"]["code"] == "sandbox_closed", kinds
+        assert kinds[frames.STDOUT] == b"start\n"
+        box2 = client.post("/v1/boxes", json={"ttl_secs": 1}).json()["id"]
+        started = client.post(
+            f"/v1/boxes/{box2}/run", json={"cmd": "sleep 60", "background": True}
+        ).json()
+        r = client.post(f"/v1/boxes/{box2}/processes/{started['pid']}/wait", timeout=60)
+        assert (r.status_code, r.json()["error"]["code"]) == (410, "sandbox_closed"), r.text
+        assert "its ttl lease ended" in r.json()["error"]["message"]
+
+
+def test_a_stopping_server_ends_the_commands_in_flight_with_a_retryable_error(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM closes the boxes as the shutdown begins: a run in flight gets the JSON error
+    ``server_unavailable`` (retryable), a stream its error frame, and nothing logs a
+    traceback. (They were cancelled at the end of uvicorn's graceful window instead: a bare
+    text 500, a stream that just stopped.)"""
+    from corral.client import frames
+
+    served = start(tmp_path / "run", "--socket", str(tmp_path / "s.sock"))
+    try:
+        with http(served) as client:
+            box = client.post("/v1/boxes", json={}).json()["id"]
+
+            def post(path: str, **kwargs: Any) -> httpx.Response:
+                with http(served) as own:  # a connection of its own, closed after
+                    return own.post(path, timeout=60, **kwargs)
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                run = pool.submit(post, f"/v1/boxes/{box}/run", json={"cmd": "sleep 100"})
+                stream = pool.submit(
+                    post,
+                    f"/v1/boxes/{box}/exec",
+                    params={"cmd": ["sh", "-c", "echo tick; sleep 100"]},
+                )
+                deadline = time.monotonic() + 30
+                while len(client.get(f"/v1/boxes/{box}/processes").json()) < 2:
+                    assert time.monotonic() < deadline, "the two commands never started"
+                    time.sleep(0.05)
+                served.proc.send_signal(signal.SIGTERM)
+                ran, streamed = run.result(60), stream.result(60)
+        assert ran.status_code == 503, ran.text
+        assert ran.json()["error"]["code"] == "server_unavailable"
+        assert ran.json()["error"]["retryable"] is True
+        kinds = dict(frames.split_frames(bytearray(streamed.content)))
+        assert json.loads(kinds[frames.ERROR])["error"]["code"] == "server_unavailable", kinds
+        assert served.proc.wait(60) == 0
+        assert served.proc.stderr is not None
+        log = served.proc.stderr.read().decode()
+        assert "Traceback" not in log and "Cancel" not in log, log
+    finally:
+        served.stop()
+
+
 def _descendants(pid: int) -> set[int]:
     found, todo = set(), [pid]
     while todo:

@@ -314,6 +314,28 @@ async def _feed(data: bytes, stream: Any) -> errors.SandboxError | None:
     return None
 
 
+def _closed_by_server(
+    boxes: Boxes, sb: Sandbox, held: HeldBox | None, how: str
+) -> errors.SandboxError | None:
+    """The error for a command whose box the server closed under it (a lease ended, the
+    server is stopping), or None when the end was the command's own (or a caller's delete):
+    the kill that ended it is the box's, and a harness must be able to retry rather than
+    score it. ``how`` is the end the command itself would report."""
+    why = held.ended if held is not None else ("shutdown" if boxes.closing and sb.closed else None)
+    if why is None or why == "deleted":
+        return None
+    if why == "shutdown":
+        return errors.ServerUnavailable(
+            f"the server is shutting down and closed the box while the command ran (its end, "
+            f"{how}, was the box's, not its own); retry on its successor"
+        )
+    name = held.id if held is not None else sb.sandbox_id
+    return errors.SandboxClosed(
+        f"the server closed box {name} while the command ran (its {why} lease ended): the "
+        f"command's end ({how}) was the box's, not its own"
+    )
+
+
 async def _stream_command(
     sb: Sandbox,
     command: list[str] | str,
@@ -323,8 +345,10 @@ async def _stream_command(
     timeout: float | None,
     stdin: bytes | None,
     metrics: Metrics,
+    closed_by_server: Callable[[str], errors.SandboxError | None] = lambda how: None,
 ) -> AsyncIterator[bytes]:
-    """Frames of one command's output, then its end (or the error that stopped it)."""
+    """Frames of one command's output, then its end (or the error that stopped it: the
+    server closing its box under it is one, see :func:`_closed_by_server`)."""
     from corral.net.cli import refusal_lines
 
     oom_before = sb.oom_kills()
@@ -379,6 +403,8 @@ async def _stream_command(
         if timed_out
         else ("oom_killed" if oom else ("signalled" if code < 0 else "exited"))
     )
+    if (closed := closed_by_server(ended)) is not None:
+        raise closed
     metrics.ended(ended, timed_out)
     yield frames.json_frame(
         frames.END,
@@ -704,11 +730,8 @@ def build_api(  # noqa: C901
         result = await sb.run(
             body.cmd, timeout=body.timeout, cwd=body.cwd, env=body.env, stdin=stdin
         )
-        if held.ended is not None and held.ended != "deleted":  # the reaper, not the command
-            raise errors.SandboxClosed(
-                f"the server closed box {box_id} while the command ran (its {held.ended} "
-                f"lease ended): the command's end ({result.ended}) was the box's, not its own"
-            )
+        if (closed := _closed_by_server(boxes, sb, held, result.ended)) is not None:
+            raise closed
         metrics.ended(result.ended, result.timed_out)
         return ResultOut(**result.to_dict())
 
@@ -744,7 +767,8 @@ def build_api(  # noqa: C901
         env: Annotated[list[str] | None, Query(description="K=V")] = None,
         stdin: Annotated[bool, Query(description="the request body is stdin")] = False,
     ) -> StreamingResponse:
-        sb = box(box_id).sandbox
+        held = box(box_id)
+        sb = held.sandbox
         cmd = _exact_all(request, "cmd", cmd)
         cwd = None if cwd is None else _exact(request, "cwd", cwd)
         variables = _env_items(_exact_all(request, "env", env or []))
@@ -757,6 +781,7 @@ def build_api(  # noqa: C901
             timeout=timeout,
             stdin=data,
             metrics=metrics,
+            closed_by_server=lambda how: _closed_by_server(boxes, sb, held, how),
         )
         return _frames_response(gen)
 
@@ -818,6 +843,7 @@ def build_api(  # noqa: C901
                     timeout=args.timeout,
                     stdin=data,
                     metrics=metrics,
+                    closed_by_server=lambda how: _closed_by_server(boxes, sb, None, how),
                 ):
                     yield chunk
 
@@ -841,7 +867,13 @@ def build_api(  # noqa: C901
         pid: int,
         timeout: Annotated[float | None, Query(gt=0, allow_inf_nan=False)] = None,
     ) -> dict[str, Any]:
-        return (await process(box_id, pid).wait(timeout)).to_dict()
+        held = box(box_id)
+        waited = await held.sandbox.process(pid).wait(timeout)
+        if waited.status == "exited":
+            how = "signalled" if (waited.exit_code or 0) < 0 else "exited"
+            if (closed := _closed_by_server(boxes, held.sandbox, held, how)) is not None:
+                raise closed
+        return waited.to_dict()
 
     @app.get(
         "/v1/boxes/{box_id}/processes/{pid}/output",
@@ -1051,7 +1083,8 @@ def build_api(  # noqa: C901
         stdin, ``{"signal": "SIGINT"}`` signals the command. The socket closing ends it."""
         params = websocket.query_params
         try:
-            sb = box(box_id).sandbox
+            held = box(box_id)
+            sb = held.sandbox
             timeout = _timeout_param(params.get("timeout"))
             variables = _env_items(_exact_all(websocket, "env", params.getlist("env")))
             cwd = params.get("cwd")
@@ -1076,8 +1109,14 @@ def build_api(  # noqa: C901
         async def pump() -> None:
             async for chunk in _output_frames(stream, ended):
                 await websocket.send_bytes(chunk)
-            end = {"exit_code": ended[0] if ended else -9, "timed_out": bool(stream.timed_out)}
-            await websocket.send_bytes(frames.json_frame(frames.END, end))
+            code = ended[0] if ended else -9
+            how = "signalled" if code < 0 else "exited"
+            if (closed := _closed_by_server(boxes, sb, held, how)) is not None:
+                body = error_body(closed.code, closed.message)
+                await websocket.send_bytes(frames.json_frame(frames.ERROR, body))
+            else:
+                end = {"exit_code": code, "timed_out": bool(stream.timed_out)}
+                await websocket.send_bytes(frames.json_frame(frames.END, end))
             await websocket.close(code=1000)
 
         feeder = asyncio.ensure_future(_ws_input(websocket, stream))

@@ -64,7 +64,7 @@ class HeldBox:
     last_active: float = field(default_factory=time.monotonic)
     _born: float = field(default_factory=time.monotonic)
     ended: str | None = None
-    """Why the server closed it (``deleted``, ``ttl``, ``idle``, ...), once it has."""
+    """Why the server closed it (``deleted``, ``ttl``, ``idle``, ``shutdown``), once it has."""
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -154,6 +154,8 @@ class Boxes:
         self._pools: OrderedDict[str, SandboxPool] = OrderedDict()
         self._pool_lock = asyncio.Lock()
         self._closing = False
+        self._one_shots: set[Sandbox] = set()
+        """The boxes of one-shot commands in flight (closed at shutdown with the rest)."""
         self._background: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self.audit = AuditFeed()
@@ -165,8 +167,15 @@ class Boxes:
         if self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_forever(), name="corral-reaper")
 
+    @property
+    def closing(self) -> bool:
+        """The server is stopping: its boxes are being closed, none is made."""
+        return self._closing
+
     async def aclose(self) -> None:
-        """Close every box and pool (the server is stopping)."""
+        """Close every box and pool (the server is stopping): held boxes, the one-shots in
+        flight and the pools at once, so that the requests using them end with the error
+        that says so (``server_unavailable``, retryable) while the server still answers."""
         self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
@@ -176,8 +185,11 @@ class Boxes:
             await asyncio.gather(*self._background, return_exceptions=True)
         held, self._held = list(self._held.values()), {}
         pools, self._pools = list(self._pools.values()), OrderedDict()
+        for h in held:
+            h.ended = "shutdown"
         results = await asyncio.gather(
             *(h.sandbox.aclose() for h in held),
+            *(sb.aclose() for sb in list(self._one_shots)),
             *(p.aclose() for p in pools),
             return_exceptions=True,
         )
@@ -378,9 +390,11 @@ class Boxes:
                 sb = await pool.sandbox(workspace)
             if warm:
                 self.metrics.pool_hits.inc()
+        self._one_shots.add(sb)
         try:
             yield sb
         finally:
+            self._one_shots.discard(sb)
             self._count_box(sb)
             # Closed in the background: the caller's answer is complete without waiting for
             # the teardown (a shutdown still waits for it, see aclose).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -43,7 +44,21 @@ def build_app(config: ServeConfig, parse_run: RunParser) -> tuple[ASGIApp, Boxes
 
 class _Server(uvicorn.Server):
     """uvicorn's server without its re-raise of SIGTERM/SIGINT after shutting down: that
-    would kill the process before the boxes are closed (``serve``'s ``finally``)."""
+    would kill the process before the boxes are closed (``serve``'s ``finally``); and whose
+    shutdown closes the boxes first."""
+
+    def __init__(self, config: uvicorn.Config, boxes: Boxes) -> None:
+        super().__init__(config)
+        self._boxes = boxes
+        self.closing_boxes: asyncio.Future[None] | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """The boxes close as the shutdown begins: the requests in flight on them end with
+        ``server_unavailable`` (the JSON error body, retryable; an error frame on a stream)
+        while the server still answers. Closed after it, they were cancelled at the end of
+        the graceful window and got uvicorn's bare text 500 (a stream just stopped)."""
+        self.closing_boxes = asyncio.ensure_future(self._boxes.aclose())
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -65,8 +80,9 @@ async def serve(config: ServeConfig, parse_run: RunParser, *, sock: socket.socke
     kernel queues them until the server accepts."""
     app, boxes = build_app(config, parse_run)
     boxes.start_reaper()
-    server = _Server(http_server_config(app, ws="websockets-sansio", read_whole=reads_whole))
+    http = http_server_config(app, ws="websockets-sansio", read_whole=reads_whole)
+    server = _Server(http, boxes)
     try:
         await server.serve(sockets=[sock])
     finally:
-        await boxes.aclose()
+        await (server.closing_boxes or boxes.aclose())
