@@ -29,7 +29,7 @@ READY_TIMEOUT = 30.0
 # length, digest and headers), and a WebSocket echo (RFC 6455, enough for the test: frames
 # up to 64 KiB, text and binary, close) whose first message is the path it was asked for.
 BOX_SERVER = r"""
-import base64, hashlib, http.server, json, struct, sys
+import base64, hashlib, http.server, json, socket, struct, sys
 
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
@@ -50,6 +50,15 @@ class Handler(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(out)
 
     def do_GET(self):
+        if self.path.startswith("/cut"):  # a chunked answer its server cuts half way
+            self.send_response(200)
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"5\r\nhello\r\n")
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+            return
         if self.path.startswith("/login"):  # an app's session cookie, for the caller that logged in
             self.send_response(200)
             self.send_header("set-cookie", "session=SECRET; Path=/; HttpOnly")
@@ -225,6 +234,20 @@ def test_the_preview_url_streams_large_bodies_exactly_both_ways(
         )
         assert r.status_code == 200, r.text
         assert r.json()["len"] == len(payload)
+
+
+def test_an_answer_the_box_cut_is_cut_through_the_preview_too(served: Served, box: str) -> None:
+    """Relayed as a whole answer (the final chunk added), a cut one reached the caller as
+    a success: it must break as it does from the box's own port."""
+    with client(served) as c:
+        c.post(f"/v1/boxes/{box}/ports", json={"port": 8000})
+        preview = f"/v1/boxes/{box}/ports/8000/"
+        assert wait_serving(c, preview + "server.py").status_code == 200
+        with c.stream("GET", preview + "cut") as r:
+            assert r.status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                r.read()
+        assert c.get(preview + "server.py").status_code == 200  # the next answer is whole
 
 
 def test_the_preview_proxy_keeps_no_cookies_a_box_set(served: Served, box: str) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.cookiejar
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
@@ -28,6 +27,7 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
+from starlette.types import Send
 
 from corral import errors
 from corral.policy import PublishedPort
@@ -103,6 +103,25 @@ def _port_out(box_id: str, published: PublishedPort) -> PortOut:
         url=f"http://{host}:{published.port_on_host}/",
         preview_path=f"/v1/boxes/{box_id}/ports/{published.box_port}/",
     )
+
+
+class _Relayed(StreamingResponse):
+    """A box's answer relayed as it comes. One the box cut (its server died, the box was
+    closed) is cut here too: the connection closes without the final chunk or the rest of
+    the declared length, so the caller sees a broken answer, as it would from the box's
+    port itself, never one ended as if whole (uvicorn logs that the answer was not
+    completed)."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        try:
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.TransportError:
+            return  # no last message: the connection closes mid-answer
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _forwarded(
@@ -199,16 +218,13 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
         try:
             answer = await http_client().send(upstream, stream=True)
         except httpx.TransportError as exc:
+            boxes.get(box_id, touch=False)  # closed meanwhile: box_not_found, not a server hint
             raise _unreachable(port, exc) from None
         boxes.get(box_id)  # a long download keeps the box from its idle timeout: touch it
-
-        async def body() -> AsyncIterator[bytes]:
-            with contextlib.suppress(httpx.TransportError):  # the box cut it: so do we
-                async for chunk in answer.aiter_raw():
-                    yield chunk
-
-        response = StreamingResponse(
-            body(), status_code=answer.status_code, background=BackgroundTask(answer.aclose)
+        response = _Relayed(
+            answer.aiter_raw(),
+            status_code=answer.status_code,
+            background=BackgroundTask(answer.aclose),
         )
         response.raw_headers = [*_forwarded(answer.headers.raw, OWN_ANSWER), SANDBOXED]
         return response
