@@ -158,3 +158,28 @@ def test_corral_mcp_picks_presets_for_its_workspace_too(
     assert "preset rust" in capsys.readouterr().err
     config = config_from_args(parser.parse_args(["mcp", "--workspace", str(ws), "--no-presets"]))
     assert config.policy.filesystem.mounts == ()
+
+
+async def test_a_venv_config_a_box_planted_is_read_as_hostile(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """Host code reads a workspace venv's pyvenv.cfg (``corral run``'s presets, the
+    library's warnings), often as root: a link the box planted there must not be followed
+    (to /dev/zero it ate host memory) and a FIFO must not block it (the event loop)."""
+    import asyncio
+
+    hidden = tmp_path / "py"
+    (hidden / "bin").mkdir(parents=True)
+    host_file = tmp_path / "host.cfg"
+    host_file.write_text(f"home = {hidden}/bin\n")
+    async with Sandbox(workspace=workspace) as sb:
+        r = await sb.run(
+            f"mkdir .venv venv && ln -s {host_file} .venv/pyvenv.cfg && mkfifo venv/pyvenv.cfg"
+        )
+        assert r.exit_code == 0, r.stderr
+        assert (workspace / ".venv" / "pyvenv.cfg").is_symlink()
+        async with asyncio.timeout(10):  # a FIFO read would block its thread for ever
+            bases = await asyncio.to_thread(presets.hidden_venv_bases, workspace)
+            warnings = await asyncio.to_thread(lambda: sb.warnings)
+    assert bases == []  # the link's target, the host's file, was not read
+    assert not any("venv" in w for w in warnings), warnings

@@ -150,16 +150,17 @@ def _pyenv_root(pyenv_root: str | os.PathLike[str]) -> Path | None:
 def hidden_venv_bases(workspace: str | os.PathLike[str], policy: Policy | None = None) -> list[str]:
     """Installations (``<prefix>`` of ``<prefix>/bin/python3``) that a workspace venv's
     interpreter comes from and that a box does not see (a pyenv or a build under a home)."""
+    from corral.backends.host.safepath import read_small_beneath
     from corral.backends.layout import on_root
 
     policy = policy or Policy()
     bases: list[str] = []
     for name in VENV_NAMES:
-        cfg = Path(workspace) / name / "pyvenv.cfg"
-        try:
-            text = cfg.read_text(errors="replace")
-        except OSError:
+        # What a box wrote: read as hostile (a regular file, no link followed, 64 KiB at most).
+        raw = read_small_beneath(workspace, f"{name}/pyvenv.cfg", 64 << 10)
+        if raw is None:
             continue
+        text = raw.decode(errors="replace")
         import configparser  # only for a workspace with a venv
 
         parser = configparser.ConfigParser()

@@ -207,6 +207,26 @@ def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o600) ->
     return fd
 
 
+def read_small_beneath(root: str | os.PathLike[str], rel: str, limit: int) -> bytes | None:
+    """The first ``limit`` bytes of the regular file ``rel`` beneath ``root`` (see
+    :func:`open_beneath`: no symlink followed), or None when it is anything else or cannot
+    be read: a box can leave a link to ``/dev/zero`` or a FIFO where host code reads a
+    small file of its workspace (a venv's ``pyvenv.cfg``), which must not make that code
+    read without end, or block, as root."""
+    try:
+        fd = open_beneath(root, rel, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def make_dirs(area: str | os.PathLike[str], rel: str) -> None:
     """Create the directories of ``rel`` beneath the writable ``area`` (mode 0755, owned like
     the area), following no symlink: a mount point for a mask on a path not there yet."""
