@@ -581,6 +581,56 @@ def test_tcp_needs_a_token_of_the_right_scope(tcp_server: Served) -> None:
     assert any(p.stat().st_mode & 0o777 == 0o600 for p in token_file.glob("serve-*.token"))
 
 
+def test_behind_a_tls_proxy_and_on_every_address(tmp_path: Path, workspace: Path) -> None:
+    """A proxy in front sends the name its clients used, with its own port or none, and its
+    page's origin is https; a server on every address answers at its addresses (loopback's
+    is printed, and the CLI finds its token) and still refuses other names."""
+    with serving(
+        tmp_path / "run",
+        "--listen",
+        "0.0.0.0:0",
+        "--allow-host",
+        "corral.example.com:443",
+    ) as served:
+        assert served.url.startswith("http://127.0.0.1:")
+        port = served.url.rsplit(":", 1)[1]
+        env = {**served.env}
+        env.pop("CORRAL_TOKEN")  # from the token file the server wrote
+        ps = subprocess.run(
+            [*CORRAL, "ps", "--json"], env=env, cwd=workspace, capture_output=True, timeout=60
+        )
+        assert (ps.returncode, json.loads(ps.stdout)) == (0, []), ps.stderr
+        with http(served, served.token) as client:
+            for host in (
+                f"127.0.0.1:{port}",
+                f"localhost:{port}",
+                f"[::1]:{port}",
+                f"10.1.2.3:{port}",  # an address of this machine the client used
+                "corral.example.com",
+                "corral.example.com:443",
+                "Corral.Example.COM:8443",
+            ):
+                assert client.get("/v1/boxes", headers={"Host": host}).status_code == 200, host
+            for host in ("attacker.example", f"attacker.example:{port}", "10.1.2.3:80"):
+                assert client.get("/v1/boxes", headers={"Host": host}).status_code == 421, host
+            proxied = {"Host": "corral.example.com"}
+            for origin, status in (
+                ("https://corral.example.com", 404),  # through the guard: no such box
+                ("https://corral.example.com:8443", 404),
+                ("http://corral.example.com", 404),
+                ("https://attacker.example", 403),
+                ("https://corral.example.com.attacker.example", 403),
+                ("null", 403),
+            ):
+                r = client.post("/v1/boxes/box-nope/pause", headers={**proxied, "Origin": origin})
+                assert r.status_code == status, (origin, r.text)
+            r = client.post(
+                "/v1/boxes/box-nope/pause",
+                headers={"Host": f"127.0.0.1:{port}", "Origin": f"https://127.0.0.1:{port}"},
+            )
+            assert r.status_code == 404, r.text
+
+
 def test_the_cli_finds_a_tcp_servers_token_file(tcp_server: Served, workspace: Path) -> None:
     env = {**tcp_server.env}
     env.pop("CORRAL_TOKEN")  # from the 0600 file the server wrote, as a user would

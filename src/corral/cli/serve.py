@@ -62,7 +62,7 @@ def register(sub: SubParsers) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="another Host header name to answer to (behind a proxy)",
+        help="another Host header name to answer to, with any port or none (behind a proxy)",
     )
     p.add_argument("--max-boxes", type=_count, default=64, help="boxes held at once")
     p.add_argument("--max-starting", type=_count, default=4, help="boxes starting at once")
@@ -93,7 +93,7 @@ def _listen(text: str) -> tuple[str, int]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from corral.cli.run import parse_run_args
     from corral.client.fast import default_socket, token_file_name
-    from corral.server.auth import Access, TokenScope
+    from corral.server.auth import WILDCARDS, Access, TokenScope
     from corral.server.boxes import ServeLimits
     from corral.server.serve import ServeConfig, serve
     from corral.server.transport import (
@@ -126,18 +126,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             ) from None
         sock.listen(128)
         port = sock.getsockname()[1]
+        # On every address, the URL to print (and the token file the CLI looks for) is
+        # loopback's: the one address sure to be there.
+        shown = host if host not in WILDCARDS else "::1" if ":" in host else "127.0.0.1"
         token = args.token or os.environ.get("CORRAL_TOKEN") or None
         where = "token from --token" if args.token else "token from CORRAL_TOKEN"
         if token is None:
-            name = token_file_name(host, port)
+            name = token_file_name(shown, port)
             token = kept_token(name) or new_token()
             path = write_token_file(token, name)
             where = f"token in {path}"
         tokens[token] = "operate"
+        if host in WILDCARDS:
+            where = f"and every other address of this machine; {where}"
         if host not in LOOPBACK:
             where += "; NOT loopback: put TLS in front of it"
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        access = Access(tokens=tokens, hosts=Access.host_names(host, port, args.allow_host))
+        url = f"http://{'[' + shown + ']' if ':' in shown else shown}:{port}"
+        access = Access.tcp(tokens, host, port, args.allow_host)
         said = f"corral serve: listening on {url} ({where})"
         # The token rides in the fragment, which a browser keeps to itself: not in the
         # server's request line, not in a proxy's log, not in a Referer.

@@ -7,11 +7,14 @@
 - **A unix socket** serves its owner only: the connection is refused at accept by peer uid
   (``SO_PEERCRED``, in :mod:`corral.server.transport`), and the owner needs no token.
 - **DNS rebinding.** Over TCP the ``Host`` header must name the address the server listens
-  on (or ``localhost``/``127.0.0.1``/``[::1]`` with its port when that is loopback, or a name
-  given with ``--allow-host``): a page on another site that resolves its own name to
-  127.0.0.1 is refused.
+  on with its port (or ``localhost``/``127.0.0.1``/``[::1]`` when that is loopback; any IP
+  address when it is every address, ``0.0.0.0`` or ``::``), or a name given with
+  ``--allow-host``, with any port or none (a TLS proxy in front sends its own, or none for
+  443): a page on another site that resolves its own name to 127.0.0.1 is refused. (An IP
+  address in ``Host`` is safe to take: a rebinding page's Host is its own name.)
 - **Cross-origin requests.** A request with an ``Origin`` header is served only when that
-  origin is the server's own (``http://`` + the Host it was sent to).
+  origin is the server's own: ``http://`` or ``https://`` (a TLS proxy's page) + the Host it
+  was sent to, or a ``--allow-host`` name that Host names too.
 - **Oversize bodies.** A body over ``max_json_bytes`` is refused with 413 (at once when its
   ``Content-Length`` says so, else while it arrives), whatever its ``Content-Type`` says:
   only the routes that stream a body through (file contents, a process's or a command's
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -124,18 +128,62 @@ class Access:
     unix_owner: bool = False
     """The server listens on a unix socket only: every connection is its owner's."""
     hosts: frozenset[str] = frozenset()
-    """Host header values accepted (empty: any, as on a unix socket)."""
+    """Host header values accepted as they are: the address listened on, with its port
+    (all three fields empty: any Host, as on a unix socket)."""
+    names: frozenset[str] = frozenset()
+    """Host names (lower case) accepted with any port or none: ``--allow-host``. A proxy in
+    front sends the name its clients used, with its own port or none for the default one."""
+    any_ip_port: int | None = None
+    """Listening on every address (``0.0.0.0``, ``::``): a Host that is an IP address with
+    this port is one of this machine's addresses (a client cannot know which ones it has)."""
     max_json_bytes: int = MAX_JSON_BYTES
     body_timeout: float = BODY_TIMEOUT
     """Seconds a capped (read-whole) body may take to arrive."""
 
-    @staticmethod
-    def host_names(host: str, port: int, extra: Iterable[str] = ()) -> frozenset[str]:
-        names = {f"{host}:{port}", f"[{host}]:{port}" if ":" in host else f"{host}:{port}"}
-        if host in ("127.0.0.1", "localhost", "::1"):
+    @classmethod
+    def tcp(
+        cls, tokens: Mapping[str, TokenScope], host: str, port: int, allow: Iterable[str] = ()
+    ) -> Access:
+        """The access of a server listening on ``host:port`` that also answers to the
+        ``--allow-host`` names ``allow`` (a port given with one is dropped: any is taken)."""
+        names = {f"[{host}]:{port}" if ":" in host else f"{host}:{port}"}
+        if host in ("127.0.0.1", "localhost", "::1") or host in WILDCARDS:
             names |= {f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"}
-        names |= {h if ":" in h else f"{h}:{port}" for h in extra}
-        return frozenset(names)
+        return cls(
+            tokens=tokens,
+            hosts=frozenset(names),
+            names=frozenset(_split_host(h)[0] for h in allow),
+            any_ip_port=port if host in WILDCARDS else None,
+        )
+
+    def answers_to(self, host: str) -> bool:
+        """Whether a request whose ``Host`` header is ``host`` is for this server."""
+        if not (self.hosts or self.names or self.any_ip_port):
+            return True
+        if host in self.hosts:
+            return True
+        name, port = _split_host(host)
+        if name in self.names:
+            return True
+        if self.any_ip_port is None or port != self.any_ip_port:
+            return False
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
+    def same_origin(self, origin: str, host: str) -> bool:
+        """Whether a page at ``origin`` is this server's own, as reached at ``host``: served
+        from that very Host (plain, or by a TLS proxy), or from an ``--allow-host`` name that
+        ``host`` names too (a proxy may add or drop the port on its way)."""
+        scheme, sep, authority = origin.partition("://")
+        if not sep or scheme.lower() not in ("http", "https"):
+            return False
+        if authority == host:
+            return True
+        name = _split_host(authority)[0]
+        return name in self.names and name == _split_host(host)[0]
 
     def scope_of(self, token: str | None) -> TokenScope | None:
         if token is None:
@@ -144,6 +192,25 @@ class Access:
             if hmac.compare_digest(token.encode(), known.encode()):
                 return scope
         return None
+
+
+WILDCARDS = frozenset({"0.0.0.0", "::"})
+"""Listen addresses that mean every address of this machine."""
+
+
+def _split_host(host: str) -> tuple[str, int | None]:
+    """A ``Host`` value's name (lower case, IPv6 without brackets) and port (None: none)."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, _, rest = host[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        name, sep, port = host.rpartition(":")
+        if not sep or ":" in name:  # no port, or a bare IPv6 address
+            name, port = host, ""
+    if port and not port.isdigit():
+        return host, None  # not a port: the whole value is a name no one allowed
+    return name, int(port) if port else None
 
 
 def _needs(scope: Scope) -> TokenScope:
@@ -237,7 +304,7 @@ class Guard:
         self, scope: Scope, headers: dict[bytes, bytes]
     ) -> tuple[int, errors.ErrorCode, str] | None:
         host = headers.get(b"host", b"").decode("latin-1")
-        if self.access.hosts and host not in self.access.hosts:
+        if not self.access.answers_to(host):
             return (
                 421,
                 errors.ErrorCode.UNAUTHORIZED,
@@ -245,7 +312,7 @@ class Guard:
                 "use the address it listens on, or start it with --allow-host NAME",
             )
         origin = headers.get(b"origin")
-        if origin is not None and origin.decode("latin-1") != f"http://{host}":
+        if origin is not None and not self.access.same_origin(origin.decode("latin-1"), host):
             return (
                 403,
                 errors.ErrorCode.UNAUTHORIZED,
