@@ -1406,6 +1406,50 @@ def test_start_budget_and_box_cap_refuse_with_a_retryable_error(tmp_path: Path) 
         assert len(client.get("/v1/boxes").json()) == 1
 
 
+def test_one_shots_count_against_the_box_cap(tmp_path: Path) -> None:
+    """``--max-boxes`` bounds the boxes of ``/v1/pools/run`` (and so ``corral run``) too:
+    past it a one-shot waits its turn (never more running at once than the cap), and gets
+    ``server_busy`` when no room comes within the start budget."""
+    with (
+        serving(
+            tmp_path / "run",
+            "--socket",
+            str(tmp_path / "s.sock"),
+            "--max-boxes",
+            "2",
+            "--start-timeout",
+            "2",
+        ) as capped,
+        http(capped) as client,
+    ):
+        timed = {"cmd": "date +%s.%N; sleep 0.4; date +%s.%N"}
+
+        def one_shot(_: int) -> tuple[float, float]:
+            with http(capped) as own:
+                r = own.post("/v1/pools/run", json=timed, timeout=60)
+            assert r.status_code == 200, r.text
+            began, ended = r.json()["stdout"].split()
+            return float(began), float(ended)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            spans = list(pool.map(one_shot, range(4)))
+        at_once = max(sum(b <= t < e for b, e in spans) for t, _ in spans)
+        assert at_once <= 2, spans
+        deadline = time.monotonic() + 30
+        while metric(capped, "corral_one_shots ") > 0:  # their boxes close after the answer
+            assert time.monotonic() < deadline, "one-shot boxes were never closed"
+            time.sleep(0.05)
+        held = [client.post("/v1/boxes", json={}) for _ in range(2)]
+        assert [r.status_code for r in held] == [201, 201]
+        began = time.monotonic()
+        r = client.post("/v1/pools/run", json={"cmd": "true"}, timeout=60)
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "server_busy"), r.text
+        assert "--max-boxes" in r.json()["error"]["message"]
+        assert time.monotonic() - began >= 2  # it waited its start budget for room
+        for box in held:
+            client.delete(f"/v1/boxes/{box.json()['id']}")
+
+
 def test_another_users_socket_is_named_as_such(tmp_path: Path) -> None:
     """A server serves its owner only (the peer uid check drops anyone else): a client
     of another uid is told so, not left with 'connection reset'."""

@@ -3,10 +3,14 @@ idle, and all of them when the server stops.
 
 - **A cap on boxes starting at once** (``max_starting``) and a start-time budget
   (``start_timeout``): past either, the caller gets ``server_busy`` (retryable), never a hang.
-- **A cap on boxes held** (``max_boxes``).
+- **A cap on boxes** (``max_boxes``): those held, those starting for a create, and the
+  one-shots running. A create past it is refused (``server_busy``) at once; a one-shot waits
+  for room up to the start budget, then is refused the same way (``corral run`` is a
+  command a person or a script runs N at once: they take turns rather than fail).
 - **One-shot runs** (``corral run`` through the server) take a box from a warm pool kept per
   policy, as :class:`~corral.pool.SandboxPool` does in-process; the least recently used pool
-  is closed past ``max_pools``.
+  is closed past ``max_pools``. (A pool's warm spares are not counted: ``pool_size`` per
+  pool, ``max_pools`` pools, bound them.)
 - **The reaper** closes a box past its TTL (from creation) or its idle timeout (from the last
   request that touched it, a running process or an attached terminal counting as activity).
 - **No box outlives the server.** Every box process is tied to the server's life (bwrap's
@@ -150,11 +154,16 @@ class Boxes:
         self._reserved = 0
         """Boxes being started for a create or a fork: counted against ``max_boxes`` from
         the request on, so concurrent requests cannot all pass the cap."""
+        self._one_shots = 0
+        """One-shot runs in progress (from the room they found to their box's closing end):
+        counted against ``max_boxes`` too."""
+        self._room: set[asyncio.Future[None]] = set()
+        """One-shots waiting for room under ``max_boxes``: woken when a box goes."""
         self._starting = asyncio.Semaphore(limits.max_starting)
         self._pools: OrderedDict[str, SandboxPool] = OrderedDict()
         self._pool_lock = asyncio.Lock()
         self._closing = False
-        self._one_shots: set[Sandbox] = set()
+        self._in_flight: set[Sandbox] = set()
         """The boxes of one-shot commands in flight (closed at shutdown with the rest)."""
         self._background: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
@@ -189,7 +198,7 @@ class Boxes:
             h.ended = "shutdown"
         results = await asyncio.gather(
             *(h.sandbox.aclose() for h in held),
-            *(sb.aclose() for sb in list(self._one_shots)),
+            *(sb.aclose() for sb in list(self._in_flight)),
             *(p.aclose() for p in pools),
             return_exceptions=True,
         )
@@ -200,6 +209,38 @@ class Boxes:
 
     def _gauge(self) -> None:
         self.metrics.boxes.labels(state="running").set(len(self._held))
+        self.metrics.one_shots.set(self._one_shots)
+
+    def _counted(self) -> int:
+        """What counts against ``max_boxes``."""
+        return len(self._held) + self._reserved + self._one_shots
+
+    def _freed(self) -> None:
+        """A box went (or a start failed): the one-shots waiting for room look again."""
+        waiting, self._room = self._room, set()
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait_for_room(self) -> None:
+        """Room for one more box within the start budget, else ``server_busy``."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.limits.start_timeout):
+                while self._counted() >= self.limits.max_boxes:
+                    waiter = loop.create_future()
+                    self._room.add(waiter)
+                    try:
+                        await waiter
+                    finally:
+                        self._room.discard(waiter)
+        except TimeoutError:
+            self.metrics.start_failures.labels(code="server_busy").inc()
+            raise errors.ServerBusy(
+                f"the server held its maximum of {self.limits.max_boxes} boxes (held and "
+                f"one-shots running) for the whole {self.limits.start_timeout:g} s start "
+                "budget; retry later, or raise corral serve --max-boxes"
+            ) from None
 
     def _refuse_if_closing(self) -> None:
         if self._closing:
@@ -269,16 +310,18 @@ class Boxes:
     def reserve(self, n: int) -> Iterator[None]:
         """Room for ``n`` more boxes while they start (``server_busy`` if the cap has none):
         what is held plus what other requests are starting counts."""
-        if len(self._held) + self._reserved + n > self.limits.max_boxes:
+        if self._counted() + n > self.limits.max_boxes:
             raise errors.ServerBusy(
                 f"the server holds its maximum of {self.limits.max_boxes} boxes (counting "
-                "those starting); delete one or raise corral serve --max-boxes"
+                "those starting and the one-shots running); delete one or raise corral "
+                "serve --max-boxes"
             )
         self._reserved += n
         try:
             yield
         finally:
             self._reserved -= n
+            self._freed()  # room again if the start failed
 
     def adopt(self, sb: Sandbox, labels: dict[str, str]) -> HeldBox:
         """Hold a sandbox started elsewhere (a fork), with the server's default lease."""
@@ -347,6 +390,7 @@ class Boxes:
             return
         held.ended = why
         self._gauge()
+        self._freed()
         if why != "deleted":
             self.metrics.reaped.labels(why=why).inc()
         self._count_box(held.sandbox)
@@ -379,26 +423,46 @@ class Boxes:
     async def one_shot(
         self, policy: Policy, workspace: str | None, *, allow_dangerous_workspace: bool = False
     ) -> AsyncIterator[Sandbox]:
-        """A started box for one command, from the policy's warm pool where it can be."""
+        """A started box for one command, from the policy's warm pool where it can be,
+        once there is room for it under ``max_boxes``."""
         self._refuse_if_closing()
-        if allow_dangerous_workspace:  # pools refuse such workspaces: a box of its own
-            sb = await self._cold(policy, workspace, True)
-        else:
-            pool = await self._pool(policy)
-            warm = pool.ready > 0
-            async with self._start_slot("pool" if warm else "cold"):
-                sb = await pool.sandbox(workspace)
-            if warm:
-                self.metrics.pool_hits.inc()
-        self._one_shots.add(sb)
+        await self._wait_for_room()
+        self._one_shots += 1
+        self._gauge()
+        try:
+            if allow_dangerous_workspace:  # pools refuse such workspaces: a box of its own
+                sb = await self._cold(policy, workspace, True)
+            else:
+                pool = await self._pool(policy)
+                warm = pool.ready > 0
+                async with self._start_slot("pool" if warm else "cold"):
+                    sb = await pool.sandbox(workspace)
+                if warm:
+                    self.metrics.pool_hits.inc()
+        except BaseException:
+            self._one_shot_gone()
+            raise
+        self._in_flight.add(sb)
         try:
             yield sb
         finally:
-            self._one_shots.discard(sb)
+            self._in_flight.discard(sb)
             self._count_box(sb)
             # Closed in the background: the caller's answer is complete without waiting for
-            # the teardown (a shutdown still waits for it, see aclose).
-            self._in_background(sb.aclose())
+            # the teardown (a shutdown still waits for it, see aclose). It counts against
+            # the cap until it is gone: its memory and processes are there until then.
+            self._in_background(self._close_one_shot(sb))
+
+    async def _close_one_shot(self, sb: Sandbox) -> None:
+        try:
+            await sb.aclose()
+        finally:
+            self._one_shot_gone()
+
+    def _one_shot_gone(self) -> None:
+        self._one_shots -= 1
+        self._gauge()
+        self._freed()
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)

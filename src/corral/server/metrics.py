@@ -17,6 +17,11 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.boxes = Gauge("corral_boxes", "Boxes held, by state", ["state"], registry=r)
+        self.one_shots = Gauge(
+            "corral_one_shots",
+            "One-shot runs in progress (they count against --max-boxes with the boxes held)",
+            registry=r,
+        )
         self.starts = Counter(
             "corral_box_starts", "Boxes started, by how (cold or pool)", ["how"], registry=r
         )
