@@ -1113,6 +1113,47 @@ def test_metrics_and_the_checked_in_openapi(server: Served) -> None:
     )
 
 
+async def test_metrics_are_live(server: Served) -> None:
+    """Boxes by their state; a held box's OOM kills and network refusals counted while it
+    lives (not once it is deleted); commands over the exec WebSocket counted too."""
+    paused, oom, refused, timeouts = (
+        'corral_boxes{state="paused"}',
+        "corral_oom_kills_total",
+        "corral_proxy_refusals_total",
+        "corral_command_timeouts_total",
+    )
+    piped = 'corral_commands_total{ended="timed_out"}'
+    running = 'corral_boxes{state="running"}'
+    before = {name: metric(server, name) for name in (oom, refused, timeouts, piped, running)}
+    policy = corral.Policy.model_validate(
+        {
+            "limits": {"memory_bytes": 64 << 20},
+            "network": {"mode": "allowlist", "allow_hosts": ["pypi.org"]},
+        }
+    )
+    async with corral.connect(server.url) as remote:
+        sb = remote.Sandbox(policy=policy)
+        async with sb:
+            hog = await sb.run(["python3", "-c", "x = bytearray(300 << 20)"])
+            assert hog.ended == "oom_killed"
+            probe = "import urllib.request as u; u.urlopen('http://example.com', timeout=5)"
+            assert (await sb.run(["python3", "-c", probe])).exit_code != 0
+            assert metric(server, oom) == before[oom] + 1
+            assert metric(server, refused) == before[refused] + 1
+            assert metric(server, running) == before[running] + 1
+            with http(server) as client:
+                assert client.post(f"/v1/boxes/{sb.id}/pause").status_code == 200
+                assert (metric(server, paused), metric(server, running)) == (1, before[running])
+                assert client.post(f"/v1/boxes/{sb.id}/resume").status_code == 200
+            stream: Any = await sb.exec_stream(["sleep", "30"], stdin="pipe", timeout=0.5)
+            assert [e async for e in stream][-1] == Exited(-15)
+            assert metric(server, timeouts) == before[timeouts] + 1
+            assert metric(server, piped) == before[piped] + 1
+        assert metric(server, oom) == before[oom] + 1  # counted once, not again at the delete
+        assert metric(server, refused) == before[refused] + 1
+        assert metric(server, paused) == 0
+
+
 def test_responses_are_counted_by_status_class(server: Served, workspace: Path) -> None:
     client_errors = 'corral_http_requests_total{status="4xx"}'
     answered = 'corral_http_requests_total{status="2xx"}'

@@ -398,11 +398,7 @@ async def _stream_command(
         yield frames.frame(frames.NOTE, b"corral: the memory limit killed a process (--memory)")
     for line in refusal_lines(sb.network_refusals()[refused_before:]):
         yield frames.frame(frames.NOTE, line.encode())
-    ended = (
-        "timed_out"
-        if timed_out
-        else ("oom_killed" if oom else ("signalled" if code < 0 else "exited"))
-    )
+    ended = _how_ended(code, timed_out, oom)
     if (closed := closed_by_server(ended)) is not None:
         raise closed
     metrics.ended(ended, timed_out)
@@ -416,6 +412,13 @@ async def _stream_command(
             "ended": ended,
         },
     )
+
+
+def _how_ended(code: int, timed_out: bool, oom: bool) -> str:
+    """A streamed command's ``ended``, as :class:`~corral.models.ExecResult` says it."""
+    if timed_out:
+        return "timed_out"
+    return "oom_killed" if oom else ("signalled" if code < 0 else "exited")
 
 
 def truncated_note(box_id: str) -> str:
@@ -623,6 +626,7 @@ def build_api(  # noqa: C901
 
     @app.get("/metrics", tags=["server"], response_class=Response)
     async def prometheus() -> Response:
+        boxes.observe()
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     add_dashboard(app, boxes.audit, Approvals())
@@ -1088,6 +1092,7 @@ def build_api(  # noqa: C901
             timeout = _timeout_param(params.get("timeout"))
             variables = _env_items(_exact_all(websocket, "env", params.getlist("env")))
             cwd = params.get("cwd")
+            oom_before = sb.oom_kills()
             stream = await sb.exec_stream(
                 _exact_all(websocket, "cmd", params.getlist("cmd")),
                 stdin="pipe",
@@ -1109,13 +1114,14 @@ def build_api(  # noqa: C901
         async def pump() -> None:
             async for chunk in _output_frames(stream, ended):
                 await websocket.send_bytes(chunk)
-            code = ended[0] if ended else -9
-            how = "signalled" if code < 0 else "exited"
+            code, timed_out = ended[0] if ended else -9, bool(stream.timed_out)
+            how = _how_ended(code, timed_out, sb.oom_kills() > oom_before)
             if (closed := _closed_by_server(boxes, sb, held, how)) is not None:
                 body = error_body(closed.code, closed.message)
                 await websocket.send_bytes(frames.json_frame(frames.ERROR, body))
             else:
-                end = {"exit_code": code, "timed_out": bool(stream.timed_out)}
+                metrics.ended(how, timed_out)
+                end = {"exit_code": code, "timed_out": timed_out, "ended": how}
                 await websocket.send_bytes(frames.json_frame(frames.END, end))
             await websocket.close(code=1000)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral import errors
+from corral.models import NetworkRefusal
 from corral.policy import Policy
 from corral.pool import SandboxPool
 from corral.sandbox import Sandbox
@@ -69,6 +70,19 @@ class HeldBox:
     _born: float = field(default_factory=time.monotonic)
     ended: str | None = None
     """Why the server closed it (``deleted``, ``ttl``, ``idle``, ``shutdown``), once it has."""
+    oom_counted: int = 0
+    """Its OOM kills already in ``corral_oom_kills_total``."""
+    refusal_counted: NetworkRefusal | None = None
+    """The newest of its network refusals already in ``corral_proxy_refusals_total``."""
+
+    @property
+    def state(self) -> str:
+        sb = self.sandbox
+        if sb.closed:
+            return "closed"
+        if sb.broken is not None:
+            return "broken"
+        return "paused" if sb.paused else "running"
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -101,13 +115,7 @@ class HeldBox:
         out: dict[str, Any] = {
             "id": self.id,
             "sandbox_id": sb.sandbox_id,
-            "state": "closed"
-            if sb.closed
-            else "broken"
-            if sb.broken is not None
-            else "paused"
-            if sb.paused
-            else "running",
+            "state": self.state,
             "labels": dict(self.labels),
             "created_at": self.created_at,
             "ttl_secs": self.ttl,
@@ -138,6 +146,10 @@ class HeldBox:
                 "oom_kills": stats.oom_kills,
             }
         return out
+
+
+BOX_STATES = ("running", "paused", "broken")
+"""The states ``corral_boxes`` counts the boxes held in (0 included, for alerts)."""
 
 
 def new_box_id() -> str:
@@ -208,8 +220,20 @@ class Boxes:
         self._gauge()
 
     def _gauge(self) -> None:
-        self.metrics.boxes.labels(state="running").set(len(self._held))
+        states = dict.fromkeys(BOX_STATES, 0)
+        for held in self._held.values():
+            states[held.state] = states.get(held.state, 0) + 1
+        for state, count in states.items():
+            self.metrics.boxes.labels(state=state).set(count)
         self.metrics.one_shots.set(self._one_shots)
+
+    def observe(self) -> None:
+        """Bring ``/metrics`` up to now: boxes by state (a pause, a resume, an agent's death
+        change it outside any request of ours) and the OOM kills and network refusals of the
+        boxes held so far, counted as they happen rather than when a box goes."""
+        self._gauge()
+        for held in self._held.values():
+            self._count_held(held)
 
     def _counted(self) -> int:
         """What counts against ``max_boxes``."""
@@ -393,10 +417,29 @@ class Boxes:
         self._freed()
         if why != "deleted":
             self.metrics.reaped.labels(why=why).inc()
-        self._count_box(held.sandbox)
+        self._count_held(held)
         await held.sandbox.aclose()
 
+    def _count_held(self, held: HeldBox) -> None:
+        """Count what a held box's OOM kills and refusals grew by since last counted."""
+        sb = held.sandbox
+        if sb.closed:
+            return
+        with contextlib.suppress(errors.SandboxError):
+            kills = sb.oom_kills()
+            if kills > held.oom_counted:
+                self.metrics.oom_kills.inc(kills - held.oom_counted)
+                held.oom_counted = kills
+        refusals = sb.network_refusals()
+        if refusals and refusals[-1] is not held.refusal_counted:
+            # The box keeps its most recent refusals: those after the last one counted (all
+            # it keeps when that one has been dropped since).
+            seen = [i for i, r in enumerate(refusals) if r is held.refusal_counted]
+            self.metrics.proxy_refusals.inc(len(refusals) - (seen[-1] + 1 if seen else 0))
+            held.refusal_counted = refusals[-1]
+
     def _count_box(self, sb: Sandbox) -> None:
+        """Count a one-shot's OOM kills and refusals (it lives for one command)."""
         if sb.closed:
             return
         with contextlib.suppress(errors.SandboxError):
