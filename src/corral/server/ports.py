@@ -31,7 +31,7 @@ from starlette.types import Send
 
 from corral import errors
 from corral.policy import PublishedPort
-from corral.server.auth import deny_websocket, error_body
+from corral.server.auth import deny_websocket
 from corral.server.boxes import Boxes
 
 __all__ = ["add_port_routes"]
@@ -271,10 +271,10 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
                 compression=None,
             )
         except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
-            await websocket.accept()
-            error = _unreachable(port, exc)
-            await websocket.send_json(error_body(error.code, error.message))
-            await websocket.close(code=1011, reason=str(error.code))
+            # The box's end is connected before the caller's handshake is answered, so a
+            # port nothing listens on refuses the handshake itself (502 and the JSON body, as
+            # over HTTP): a browser's WebSocket then never fires `open`.
+            await deny_websocket(websocket, _unreachable(port, exc))
             return
         await websocket.accept(subprotocol=upstream.subprotocol)
 
