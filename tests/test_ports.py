@@ -338,6 +338,32 @@ def test_a_port_nothing_listens_on_answers_502_at_once(served: Served, box: str)
     asyncio.run(websocket())
 
 
+def test_a_paused_boxs_preview_answers_409_at_once(served: Served, box: str) -> None:
+    """As every other request to a paused box does: its frozen server would never answer."""
+    path = f"/v1/boxes/{box}/ports/8000/server.py"
+    with client(served) as c:
+        assert wait_serving(c, path).status_code == 200
+        assert c.post(f"/v1/boxes/{box}/pause").status_code == 200
+        try:
+            r = c.get(path, timeout=10)
+            assert (r.status_code, r.json()["error"]["code"]) == (409, "sandbox_paused"), r.text
+            assert "resume" in r.json()["error"]["message"]
+
+            async def websocket() -> None:
+                ws_url = served.url.replace("http://", "ws://") + f"/v1/boxes/{box}/ports/8000/ws"
+                headers = {"Authorization": f"Bearer {served.token}"}
+                async with asyncio.timeout(10):
+                    with pytest.raises(websockets.exceptions.InvalidStatus) as refusal:
+                        await websockets.asyncio.client.connect(ws_url, additional_headers=headers)
+                assert refusal.value.response.status_code == 409
+                assert b'"sandbox_paused"' in refusal.value.response.body
+
+            asyncio.run(websocket())
+        finally:
+            assert c.post(f"/v1/boxes/{box}/resume").status_code == 200
+        assert c.get(path, timeout=10).status_code == 200
+
+
 def refuses(host_port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(10)

@@ -11,7 +11,7 @@ parameter stay here, and the proxy keeps no cookie of its own (:class:`_NoCookie
 of the box are served sandboxed (:data:`SANDBOXED`): a browser gives them an opaque origin,
 so they are not the server's own pages to the Origin check. A port nothing listens on
 answers 502 ``port_not_reachable`` at once (the guest agent closes the data connection when
-its connect fails), never a hang.
+its connect fails), a paused box 409 ``sandbox_paused``: never a hang.
 """
 
 from __future__ import annotations
@@ -172,6 +172,11 @@ def add_port_routes(app: FastAPI, boxes: Boxes) -> None:  # noqa: C901
         """The box port's host port, exposing it now if the box did not yet."""
         _check_port(port)
         sb = boxes.get(box_id).sandbox
+        if sb.paused:  # its server is frozen: a request would wait as long as the pause
+            raise errors.SandboxPaused(
+                f"box {box_id} is paused, so its server on port {port} cannot answer: "
+                f"resume it first (POST /v1/boxes/{box_id}/resume)"
+            )
         for published in sb.published:
             if published.box_port == port:
                 return published
