@@ -855,6 +855,32 @@ def test_ttl_and_idle_timeout_reap_boxes(server: Served) -> None:
         client.delete(f"/v1/boxes/{busy}")
 
 
+def test_a_shell_nobody_uses_does_not_keep_its_box(server: Served) -> None:
+    """A session's shell at its prompt is not a running process to the idle timer: with
+    nobody attached, writing or waiting on it, its box is idle. An ``expect`` that waits
+    longer than the idle timeout keeps it (the agent is using the box)."""
+    with http(server) as client:
+        quiet, waited = (
+            client.post("/v1/boxes", json={"idle_timeout_secs": 1}).json()["id"] for _ in (1, 2)
+        )
+        sessions = {
+            box: client.post(f"/v1/boxes/{box}/sessions", json={}).json()["id"]
+            for box in (quiet, waited)
+        }
+        expect = f"/v1/boxes/{waited}/sessions/{sessions[waited]}/expect"
+
+        def wait_on_it() -> int:
+            with http(server) as own:
+                return own.post(expect, json={"pattern": "never", "timeout": 2.5}).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(wait_on_it)
+            _wait_gone(client, quiet)
+            assert waiting.result(timeout=30) not in (404, 410)  # its box was not reaped
+        assert client.get(f"/v1/boxes/{waited}").status_code == 200
+        _wait_gone(client, waited)  # and idle once nothing waits on it
+
+
 def test_looking_at_a_box_does_not_keep_it_alive(server: Served) -> None:
     # A dashboard tab polls the selected box's processes every 2 s: that must not hold it.
     with http(server) as client:

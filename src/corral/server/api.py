@@ -1065,9 +1065,10 @@ def build_api(  # noqa: C901
 
     @app.post("/v1/boxes/{box_id}/sessions/{session_id}/expect", tags=["terminals"])
     async def session_expect(box_id: str, session_id: str, body: ExpectIn) -> dict[str, Any]:
-        match = (
-            await box(box_id).sandbox.session(session_id).expect(body.pattern, timeout=body.timeout)
-        )
+        held = box(box_id)
+        session = held.sandbox.session(session_id)
+        with held.waited_on():
+            match = await session.expect(body.pattern, timeout=body.timeout)
         return match.to_dict()
 
     @app.get("/v1/boxes/{box_id}/sessions/{session_id}/output", tags=["terminals"])

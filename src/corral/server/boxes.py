@@ -12,7 +12,11 @@ idle, and all of them when the server stops.
   is closed past ``max_pools``. (A pool's warm spares are not counted: ``pool_size`` per
   pool, ``max_pools`` pools, bound them.)
 - **The reaper** closes a box past its TTL (from creation) or its idle timeout (from the last
-  request that touched it, a running process or an attached terminal counting as activity).
+  request that touched it, a running process, an attached terminal or a request waiting on
+  the box counting as activity). A terminal session's shell is not a running process here:
+  it sits at its prompt for as long as the session is open, which would keep every box an
+  agent ever opened ``sb.shell()`` in alive forever. A session nobody is attached to, writes
+  to or waits on (``expect``) is idle, whatever runs in it.
 - **No box outlives the server.** Every box process is tied to the server's life (bwrap's
   monitor dies with its parent thread; qemu and OCI runtimes likewise), and each backend's
   orphan sweep clears what a killed server left (state directories, cgroups, mounts) on the
@@ -74,6 +78,8 @@ class HeldBox:
     """Its OOM kills already in ``corral_oom_kills_total``."""
     refusal_counted: NetworkRefusal | None = None
     """The newest of its network refusals already in ``corral_proxy_refusals_total``."""
+    waiting: int = 0
+    """Requests waiting on the box (an ``expect`` on a session): activity while they wait."""
 
     @property
     def state(self) -> str:
@@ -87,14 +93,30 @@ class HeldBox:
     def touch(self) -> None:
         self.last_active = time.monotonic()
 
+    @contextlib.contextmanager
+    def waited_on(self) -> Iterator[None]:
+        """A request waiting on the box for as long as it takes (an ``expect`` longer than
+        the idle timeout must not lose its box under it)."""
+        self.waiting += 1
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+            self.touch()
+
     def busy(self) -> bool:
-        """A process still running or a person attached: activity the idle timer respects."""
+        """A process still running (not a session's shell: see the module's docstring), a
+        person attached or a request waiting: activity the idle timer respects."""
         sb = self.sandbox
         if sb.closed or sb.paused:
             return False
-        if any(p.status == "running" for p in sb.processes()):
+        if self.waiting:
             return True
-        return any(s.attached for s in sb.sessions())
+        sessions = sb.sessions()
+        shells = {s.process.pid for s in sessions}
+        if any(p.status == "running" and p.pid not in shells for p in sb.processes()):
+            return True
+        return any(s.attached for s in sessions)
 
     def expired(self, now: float) -> str | None:
         """Why the reaper should close this box now (``ttl``/``idle``), or None."""
