@@ -243,6 +243,35 @@ async def test_an_agents_approval_request_is_answered_by_a_person(server: Served
         assert late.json()["error"]["code"] == "invalid_input"
 
 
+async def test_a_request_whose_asker_left_is_withdrawn(server: Served) -> None:
+    """The agent that asked goes away (its request ends): the request leaves the list at
+    once, not at its timeout, and a person's answer to it is refused, not taken as received."""
+    assert server.token is not None
+    headers = {"Authorization": f"Bearer {server.token}"}
+    ask = {"tool": "run_command", "command_line": "rm -rf /", "timeout_secs": 600}
+    async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30) as person:
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=700) as agent:
+            asking = asyncio.ensure_future(agent.post("/v1/approvals", json=ask))
+            async with asyncio.timeout(30):
+                while not (pending := (await person.get("/v1/approvals")).json()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            asking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asking
+        # The agent's connection is closed: the server notices, the request is withdrawn.
+        async with asyncio.timeout(30):
+            while (await person.get("/v1/approvals")).json():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        answer = await person.post(f"/v1/approvals/{pending[0]['id']}", json={"approve": True})
+        assert answer.status_code == 400
+        error = answer.json()["error"]
+        assert error["code"] == "invalid_input"
+        assert "withdrawn" in error["message"]
+        # One that was never asked says so too.
+        unknown = await person.post("/v1/approvals/appr-never", json={"approve": True})
+        assert "no such request" in unknown.json()["error"]["message"]
+
+
 async def test_an_audit_stream_is_subscribed_before_its_response_starts() -> None:
     """GET /v1/audit takes its reader before the response's headers go out, so a record
     published between the headers and the body's first read reaches it; a reader whose

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,11 +72,17 @@ class ApprovalAnswer(BaseModel):
 
 def add_approvals(app: FastAPI, approvals: Approvals) -> None:
     @app.post("/v1/approvals", tags=["approvals"])
-    async def ask_approval(body: ApprovalAsk) -> dict[str, Any]:
+    async def ask_approval(body: ApprovalAsk, request: Request) -> dict[str, Any]:
         """Ask a person (on the dashboard) about a tool call; answers when they decide, or
-        denied at ``timeout_secs``."""
+        denied at ``timeout_secs``. A request whose asker disconnects is withdrawn at once
+        (no longer listed; answering it is refused)."""
         approval_id, approved, by = await approvals.ask(
-            body.tool, body.command_line, body.reason, body.box, body.timeout_secs
+            body.tool,
+            body.command_line,
+            body.reason,
+            body.box,
+            body.timeout_secs,
+            asker_gone=_disconnect(request),
         )
         return {"id": approval_id, "approved": approved, "decided_by": by}
 
@@ -149,6 +155,12 @@ def add_dashboard(app: FastAPI, feed: AuditFeed, approvals: Approvals) -> None:
             media_type="text/event-stream",
             headers={"cache-control": "no-store", "x-accel-buffering": "no"},
         )
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client of ``request`` (its body read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(record: dict[str, object]) -> bytes:
