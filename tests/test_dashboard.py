@@ -192,6 +192,34 @@ async def test_a_websocket_from_another_origin_is_refused(server: Served) -> Non
             assert (await session.expect("same-origin"))["matched"]
 
 
+async def test_a_terminal_gives_the_agent_its_size_back_when_it_detaches(server: Served) -> None:
+    """The page's terminal resizes the agent's PTY to its own; once the last person has left,
+    the agent's program sees the size it had again (as after ``corral attach``)."""
+    assert server.token is not None
+    headers = {"Authorization": f"Bearer {server.token}"}
+    async with (
+        corral.connect(server.url, server.token) as remote,
+        remote.Sandbox() as sb,
+        httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30) as client,
+    ):
+        session = await sb.shell(cols=132, rows=40)
+        await session.write("stty size\n")
+        assert (await session.expect("40 132"))["matched"]
+        path = f"/v1/boxes/{sb.id}/sessions/{session.session_id}/attach?token={server.token}"
+        url = server.url.replace("http://", "ws://") + path
+        async with websockets.asyncio.client.connect(url, origin=Origin(server.url)) as ws:
+            await ws.send(json.dumps({"resize": [100, 24]}))
+            await ws.send(b"stty size\r")  # after the resize: one socket, in order
+            assert (await session.expect("24 100"))["matched"]
+        sessions = f"/v1/boxes/{sb.id}/sessions"
+        async with asyncio.timeout(30):  # the server notices the close: nobody attached
+            while (await client.get(sessions)).json()[0]["attached"]:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await session.write("stty size; echo size-$((1+1))\n")
+        after = await session.expect(r"(\d+ \d+)\r?\nsize-2")
+        assert after["captures"][1] == "40 132"
+
+
 async def test_the_audit_stream_is_live(server: Served) -> None:
     assert server.token is not None
     headers = {"Authorization": f"Bearer {server.token}"}

@@ -1142,13 +1142,15 @@ def build_api(  # noqa: C901
     async def attach(websocket: WebSocket, box_id: str, session_id: str) -> None:
         """A person's terminal on an agent's session: binary messages are keystrokes in and
         screen bytes out; a text message ``{"resize": [cols, rows]}`` resizes. The session
-        goes on when the socket closes (detach)."""
+        goes on when the socket closes (detach), and gets the window size it had back when
+        the last person leaves, as ``corral attach`` gives it back."""
         try:
             session = box(box_id).sandbox.session(session_id)
         except errors.SandboxError as exc:
             await deny_websocket(websocket, exc)
             return
         await websocket.accept()
+        before = (session.cols, session.rows)
         out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1024)
 
         def watcher(chunk: bytes | None) -> None:
@@ -1178,8 +1180,15 @@ def build_api(  # noqa: C901
         except (WebSocketDisconnect, errors.SandboxError):
             pass
         finally:
-            unwatch()
             sender.cancel()
+            # Before unwatch, so whoever waits for the detach sees the size already back.
+            try:
+                last = session.attached == 1
+                if last and not session.closed and before != (session.cols, session.rows):
+                    with contextlib.suppress(errors.SandboxError):
+                        await session.resize(*before)
+            finally:
+                unwatch()
 
     from corral.server.ports import add_port_routes
 
