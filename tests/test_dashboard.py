@@ -144,6 +144,41 @@ async def test_a_person_answers_an_agents_prompt_in_the_browser(
         assert page.problems == []
 
 
+async def test_output_the_server_cut_is_shown_with_a_marker(server: Served, tmp_path: Path) -> None:
+    """A process wrote more than the box's output cap: the server keeps the first and last
+    halves and says where the middle is missing; the page shows a marker there."""
+    policy = corral.Policy.from_dict({"limits": {"output_bytes": "64K"}})
+    written = b"".join(b"%d\n" % n for n in range(1, 100_001))
+    async with (
+        corral.connect(server.url, server.token) as remote,
+        remote.Sandbox(policy) as sb,
+        browser_page(tmp_path) as page,
+    ):
+        proc = await sb.spawn(["seq", "1", "100000"])
+        assert (await proc.wait(timeout=60)).exit_code == 0
+        headers = {"Authorization": f"Bearer {server.token}"}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers) as client:
+            path = f"/v1/boxes/{sb.id}/processes/{proc.pid}/output"
+            cut = await client.get(path, params={"stream": "stdout"})
+            whole = await client.get(path, params={"stream": "stderr"})
+        assert cut.headers["x-corral-cut-at"] == str(32 << 10)
+        assert cut.headers["x-corral-cut-bytes"] == str(len(written) - (64 << 10))
+        assert "x-corral-cut-at" not in whole.headers  # stderr is whole
+
+        await page.goto(dashboard_url(server))
+        await page.locator(f"#boxes tr[data-box='{sb.id}']").click()
+        await page.locator(f"#processes tr[data-pid='{proc.pid}']").click()
+        marker = f"[... {len(written) - (64 << 10)} bytes truncated"
+        await page.locator("#output").filter(has_text=marker).wait_for()
+        shown = await page.locator("#output").text_content()
+        assert shown is not None
+        head, _, tail = shown.partition(marker)
+        assert written.decode().startswith(head.removesuffix("\n"))
+        assert written.decode().endswith(tail.split("]\n", 1)[1])
+        await page.screenshot(path=tmp_path / "dashboard-output-cut.png", full_page=True)
+        assert page.problems == []
+
+
 async def test_the_page_loads_no_data_without_a_token(server: Served, tmp_path: Path) -> None:
     async with browser_page(tmp_path) as page:
         asked: list[str] = []

@@ -243,6 +243,11 @@ class HeadTailBuffer:
     def truncated(self) -> bool:
         return self._total > self._cap
 
+    @property
+    def cut_at(self) -> int | None:
+        """Where in :meth:`getvalue` the dropped middle was (the head's end), or None."""
+        return len(self._head) if self.truncated else None
+
     def append(self, data: bytes) -> None:
         if not data:
             return

@@ -306,6 +306,14 @@ class Process:
     def output_bytes(self, stream: Literal["stdout", "stderr"] = "stdout") -> bytes:
         return self._buffers[stream].getvalue()
 
+    def output_cut(self, stream: Literal["stdout", "stderr"] = "stdout") -> tuple[int, int] | None:
+        """Where :meth:`output_bytes` misses the middle of ``stream`` (over the output cap):
+        (the offset of the gap in those bytes, how many bytes were dropped there), or None
+        when it holds all of it."""
+        buffer = self._buffers[stream]
+        at = buffer.cut_at
+        return None if at is None else (at, buffer.dropped)
+
     @property
     def output_held(self) -> bool:
         """Whether the box stopped reading this process's output because a subscriber (an

@@ -883,13 +883,40 @@ def build_api(  # noqa: C901
         "/v1/boxes/{box_id}/processes/{pid}/output",
         tags=["processes"],
         response_class=Response,
-        responses={200: {"content": {"application/octet-stream": {}}}},
+        responses={
+            200: {
+                "content": {"application/octet-stream": {}},
+                "headers": {
+                    "x-corral-truncated": {
+                        "description": "1 when the middle of a stream of the process was cut "
+                        "(over the box's output cap)",
+                        "schema": {"type": "string", "enum": ["0", "1"]},
+                    },
+                    "x-corral-cut-at": {
+                        "description": "this stream was cut: the offset in the body where "
+                        "its middle is missing",
+                        "schema": {"type": "integer"},
+                    },
+                    "x-corral-cut-bytes": {
+                        "description": "this stream was cut: how many bytes are missing "
+                        "at x-corral-cut-at",
+                        "schema": {"type": "integer"},
+                    },
+                },
+            }
+        },
     )
     async def process_output(
         box_id: str, pid: int, stream: Literal["stdout", "stderr"] = "stdout"
     ) -> Response:
+        """What a process wrote so far: the first and last halves of the output cap when
+        it wrote more (``x-corral-cut-at`` and ``x-corral-cut-bytes`` say where the middle is
+        missing and how much of it)."""
         proc = process(box_id, pid, look=True)
         headers = {"x-corral-truncated": "1" if proc.truncated else "0"}
+        cut = proc.output_cut(stream)
+        if cut is not None:
+            headers["x-corral-cut-at"], headers["x-corral-cut-bytes"] = str(cut[0]), str(cut[1])
         return Response(
             proc.output_bytes(stream), media_type="application/octet-stream", headers=headers
         )

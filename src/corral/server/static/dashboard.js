@@ -167,12 +167,26 @@ async function refreshBox(box) {
   if (!box.sessions.length) list.append(el("li", "no sessions", "none"));
 }
 
+// One stream's output as text; where the server cut its middle (over the box's output cap)
+// a marker line says how much is missing, as the library's own rendering does.
+async function streamText(url) {
+  const response = await api(url);
+  const data = new Uint8Array(await response.arrayBuffer());
+  const at = response.headers.get("x-corral-cut-at");
+  const decode = (part) => new TextDecoder().decode(part);
+  if (at === null) return decode(data);
+  const missing = response.headers.get("x-corral-cut-bytes");
+  return decode(data.subarray(0, Number(at))) +
+    "\n[... " + missing + " bytes truncated: over the box's output cap, the middle is missing ...]\n" +
+    decode(data.subarray(Number(at)));
+}
+
 async function showOutput(boxId, pid) {
   document.getElementById("output-of").textContent = "of pid " + pid;
   try {
     const base = "/v1/boxes/" + boxId + "/processes/" + pid + "/output?stream=";
-    const out = await (await api(base + "stdout")).text();
-    const err = await (await api(base + "stderr")).text();
+    const out = await streamText(base + "stdout");
+    const err = await streamText(base + "stderr");
     document.getElementById("output").textContent = out + (err ? "\n[stderr]\n" + err : "");
   } catch (e) {
     document.getElementById("output").textContent = e.message;
