@@ -40,12 +40,13 @@ CHROMIUM_ARGS = [
 ARTEFACTS = Path(__file__).resolve().parents[1] / "artefacts"
 VENDORED = Path(corral.__file__).parent / "server" / "static" / "vendor" / "xterm.js"
 WAIT_MS = 30_000
+READ_TOKEN = "read-only-token-for-the-page"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     runtime = tmp_path_factory.mktemp("run")
-    with serving(runtime, "--listen", "127.0.0.1:0") as served:
+    with serving(runtime, "--listen", "127.0.0.1:0", "--read-token", READ_TOKEN) as served:
         yield served
 
 
@@ -192,6 +193,36 @@ async def test_the_page_loads_no_data_without_a_token(server: Served, tmp_path: 
         await page.locator("#status.error").filter(has_text="unauthorized").wait_for()
         assert await page.locator("#boxes tr[data-box]").count() == 0
         assert "token" not in page.url
+
+
+async def test_a_read_only_token_is_offered_no_attach(server: Served, tmp_path: Path) -> None:
+    """The page asks the server what its token may do: with a read-only one it offers no
+    Attach (nor Approve), and an attach the server refuses says why."""
+    if not VENDORED.exists():
+        pytest.skip("xterm.js is not vendored: make vendor")
+    async with (
+        corral.connect(server.url, server.token) as remote,
+        remote.Sandbox() as sb,
+        browser_page(tmp_path) as page,
+    ):
+        session = await sb.shell()
+        for token, scope in ((READ_TOKEN, "read"), (server.token, "operate")):
+            headers = {"Authorization": f"Bearer {token}"}
+            async with httpx.AsyncClient(base_url=server.url, headers=headers) as client:
+                assert (await client.get("/v1/info")).json()["scope"] == scope
+        await page.goto(f"{server.url}/#token={READ_TOKEN}")
+        await page.locator(f"#boxes tr[data-box='{sb.id}']").click()
+        button = page.locator(f"#sessions button[data-session='{session.session_id}']")
+        await button.wait_for()
+        assert await button.is_disabled()
+        assert "read-only" in (await page.locator("#sessions").inner_text())
+        # A stale button (or a hand-made call) is refused by the server: the page says why.
+        await page.evaluate("([box, sid]) => attach(box, sid)", [sb.id, session.session_id])
+        await page.locator("#terminal .xterm-rows").filter(has_text="read-only").wait_for()
+        await page.locator("#status.error").filter(has_text="read-only").wait_for()
+        await page.screenshot(path=tmp_path / "dashboard-read-only.png", full_page=True)
+        refused = [p for p in page.problems if "WebSocket connection" not in p]
+        assert refused == []
 
 
 def test_the_page_is_served_with_a_strict_csp(server: Served) -> None:

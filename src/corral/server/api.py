@@ -621,8 +621,16 @@ def build_api(  # noqa: C901
         return {"ok": True}
 
     @app.get("/v1/info", tags=["server"])
-    async def server_info() -> dict[str, Any]:
-        return {**info, "uptime_secs": time.time() - started, "boxes": len(boxes.matching())}
+    async def server_info(request: Request) -> dict[str, Any]:
+        """The server, and ``scope``: what the caller's token may do (``read``: look only;
+        ``operate``: everything), which the dashboard shows its buttons by."""
+        scope = getattr(request.state, "corral_scope", "operate")
+        return {
+            **info,
+            "uptime_secs": time.time() - started,
+            "boxes": len(boxes.matching()),
+            "scope": scope,
+        }
 
     @app.get("/metrics", tags=["server"], response_class=Response)
     async def prometheus() -> Response:

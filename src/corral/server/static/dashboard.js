@@ -7,7 +7,8 @@
 
 const TOKEN_KEY = "corral-token";
 const POLL_MS = 2000;
-const state = { token: null, box: null, pid: null, ws: null, term: null, cpu: new Map() };
+const state = { token: null, scope: null, box: null, pid: null, ws: null, term: null, cpu: new Map() };
+const READ_ONLY = "this token is read-only: it may look, not attach a terminal or answer approvals";
 
 function takeToken() {
   const found = /(?:^#|&)token=([^&]*)/.exec(location.hash);
@@ -110,6 +111,7 @@ async function refreshApprovals() {
     for (const [label, approve] of [["Approve", true], ["Deny", false]]) {
       const button = el("button", label);
       button.type = "button";
+      if (state.scope === "read") { button.disabled = true; button.title = READ_ONLY; }
       button.addEventListener("click", () => {
         api("/v1/approvals/" + encodeURIComponent(ask.id), {
           method: "POST",
@@ -125,6 +127,7 @@ async function refreshApprovals() {
 }
 
 async function refresh() {
+  if (state.scope === null) state.scope = (await (await api("/v1/info")).json()).scope;
   await refreshApprovals();
   const boxes = await (await api("/v1/boxes")).json();
   renderBoxes(boxes);
@@ -160,8 +163,10 @@ async function refreshBox(box) {
     button.type = "button";
     button.dataset.session = sid;
     button.disabled = Boolean(state.ws && state.ws.sid === sid);
+    if (state.scope === "read") { button.disabled = true; button.title = READ_ONLY; }
     button.addEventListener("click", () => attach(box.id, sid));
     item.append(button);
+    if (state.scope === "read") item.append(el("span", "read-only token: cannot attach", "none"));
     list.append(item);
   }
   if (!box.sessions.length) list.append(el("li", "no sessions", "none"));
@@ -220,6 +225,7 @@ function attach(boxId, sid) {
   ws.sid = sid;
   const encoder = new TextEncoder();
   ws.onopen = () => {
+    ws.opened = true;
     ws.send(JSON.stringify({ resize: [term.cols, term.rows] }));
     term.focus();
     say("attached to " + sid, false);
@@ -228,17 +234,37 @@ function attach(boxId, sid) {
     term.write(typeof event.data === "string" ? event.data : new Uint8Array(event.data));
   };
   ws.onclose = (event) => {
-    if (state.ws === ws) {
+    if (state.ws !== ws) return;
+    state.ws = null;
+    document.getElementById("terminal-bar").hidden = true;
+    if (ws.opened) {
       term.write("\r\n[detached: " + (event.reason || event.code) + "]\r\n");
-      state.ws = null;
-      document.getElementById("terminal-bar").hidden = true;
+      return;
     }
+    // A refused handshake shows the page nothing but code 1006: ask the API why.
+    refusal(boxId, sid).then((why) => {
+      if (state.term === term) term.write("[could not attach: " + why + "]\r\n");
+      say("could not attach to " + sid + ": " + why, true);
+    });
   };
   term.onData((data) => { if (ws.readyState === WebSocket.OPEN) ws.send(encoder.encode(data)); });
   state.ws = ws;
   state.term = term;
   document.getElementById("terminal-title").textContent = "session " + sid;
   document.getElementById("terminal-bar").hidden = false;
+}
+
+async function refusal(boxId, sid) {
+  if (state.scope === "read") return READ_ONLY;
+  try {
+    const sessions = await (await api("/v1/boxes/" + encodeURIComponent(boxId) + "/sessions")).json();
+    const found = sessions.find((s) => s.id === sid);
+    if (!found) return "the session is gone";
+    if (found.closed) return "the session has ended (exit status " + found.exit_code + ")";
+    return "the server refused the terminal's connection";
+  } catch (e) {
+    return e.message;
+  }
 }
 
 function detach() {
@@ -286,6 +312,7 @@ let started = false;
 
 function begin() {
   state.token = takeToken();
+  state.scope = null;
   if (!state.token) {
     say("no token: open the dashboard URL that corral serve printed (it ends in #token=...)", true);
     return;
