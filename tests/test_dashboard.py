@@ -225,6 +225,22 @@ async def test_a_read_only_token_is_offered_no_attach(server: Served, tmp_path: 
         assert refused == []
 
 
+async def test_a_malformed_token_in_the_address_is_told(server: Served, tmp_path: Path) -> None:
+    """A token pasted cut short (``%E0%A4%A`` is no valid escape): the page says so, asks for
+    nothing and throws nothing; the whole URL pasted into the same tab then works."""
+    async with browser_page(tmp_path) as page:
+        asked: list[str] = []
+        page.on("request", lambda request: asked.append(request.url))
+        await page.goto(server.url + "/#token=%E0%A4%A")
+        await page.locator("#status.error").filter(has_text="malformed").wait_for()
+        await page.screenshot(path=tmp_path / "dashboard-malformed-token.png")
+        assert not [url for url in asked if "/v1/" in url]
+        assert "token" not in page.url
+        assert page.problems == []
+        await page.goto(dashboard_url(server))
+        await page.locator("#status").filter(has_text="updated").wait_for()
+
+
 def test_the_page_is_served_with_a_strict_csp(server: Served) -> None:
     with httpx.Client(base_url=server.url) as client:
         page = client.get("/")

@@ -10,11 +10,23 @@ const POLL_MS = 2000;
 const state = { token: null, scope: null, box: null, pid: null, ws: null, term: null, cpu: new Map() };
 const READ_ONLY = "this token is read-only: it may look, not attach a terminal or answer approvals";
 
+const MALFORMED = "the token in the address is malformed (cut short when pasted?): open the " +
+  "dashboard URL that corral serve printed, whole (it ends in #token=...)";
+
+// The token of the address's fragment (then dropped from the address), else the tab's; a
+// fragment that is not a valid escape throws MALFORMED, and the tab's token is forgotten.
 function takeToken() {
   const found = /(?:^#|&)token=([^&]*)/.exec(location.hash);
   if (found) {
-    sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(found[1]));
     history.replaceState(null, "", location.pathname + location.search);
+    let token;
+    try {
+      token = decodeURIComponent(found[1]);
+    } catch (e) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      throw new Error(MALFORMED);
+    }
+    sessionStorage.setItem(TOKEN_KEY, token);
   }
   return sessionStorage.getItem(TOKEN_KEY);
 }
@@ -279,6 +291,10 @@ function detach() {
 async function followAudit() {
   const pane = document.getElementById("audit");
   for (;;) {
+    if (!state.token) {  // a malformed token replaced it: wait for a good one
+      await new Promise((resolve) => setTimeout(resolve, POLL_MS));
+      continue;
+    }
     try {
       const response = await api("/v1/audit");
       const reader = response.body.getReader();
@@ -311,13 +327,19 @@ async function followAudit() {
 let started = false;
 
 function begin() {
-  state.token = takeToken();
   state.scope = null;
+  try {
+    state.token = takeToken();
+  } catch (e) {
+    state.token = null;
+    say(e.message, true);
+    return;
+  }
   if (!state.token) {
     say("no token: open the dashboard URL that corral serve printed (it ends in #token=...)", true);
     return;
   }
-  const tick = () => refresh().catch((e) => say(e.message, true));
+  const tick = () => { if (state.token) refresh().catch((e) => say(e.message, true)); };
   tick();
   if (started) return;
   started = true;
