@@ -195,6 +195,27 @@ async def test_the_page_loads_no_data_without_a_token(server: Served, tmp_path: 
         assert "token" not in page.url
 
 
+async def test_an_ended_session_is_marked_with_no_attach(server: Served, tmp_path: Path) -> None:
+    """A session whose shell exited stays in the box's list; the page marks it ended, with
+    its exit status, and offers no Attach for it (a live one keeps its button)."""
+    async with (
+        corral.connect(server.url, server.token) as remote,
+        remote.Sandbox() as sb,
+        browser_page(tmp_path) as page,
+    ):
+        live, ended = await sb.shell(), await sb.shell()
+        await ended.write("exit 7\n")
+        assert (await ended.expect("never-printed", timeout=30))["reason"] == "eof"
+        await page.goto(dashboard_url(server))
+        await page.locator(f"#boxes tr[data-box='{sb.id}']").click()
+        item = page.locator(f"#sessions li[data-session='{ended.session_id}']")
+        await item.filter(has_text="ended (exit 7)").wait_for()
+        assert await item.locator("button").count() == 0
+        attach = page.locator(f"#sessions button[data-session='{live.session_id}']")
+        assert await attach.is_enabled()
+        assert page.problems == []
+
+
 async def test_a_read_only_token_is_offered_no_attach(server: Served, tmp_path: Path) -> None:
     """The page asks the server what its token may do: with a read-only one it offers no
     Attach (nor Approve), and an attach the server refuses says why."""

@@ -167,10 +167,20 @@ async function refreshBox(box) {
     body.append(row);
   }
   if (state.pid !== null) await showOutput(box.id, state.pid);
+  // The box lists every session it holds, ended ones too: ask for each one's state.
+  const sessions = await (await api("/v1/boxes/" + box.id + "/sessions")).json();
   const list = document.getElementById("sessions");
   list.replaceChildren();
-  for (const sid of box.sessions) {
+  for (const session of sessions) {
+    const sid = session.id;
     const item = el("li", sid);
+    item.dataset.session = sid;
+    if (session.closed) {
+      const how = session.exit_code === null ? "" : " (exit " + session.exit_code + ")";
+      item.append(el("span", " ended" + how, "none"));
+      list.append(item);
+      continue;
+    }
     const button = el("button", state.ws && state.ws.sid === sid ? "attached" : "Attach");
     button.type = "button";
     button.dataset.session = sid;
@@ -181,7 +191,7 @@ async function refreshBox(box) {
     if (state.scope === "read") item.append(el("span", "read-only token: cannot attach", "none"));
     list.append(item);
   }
-  if (!box.sessions.length) list.append(el("li", "no sessions", "none"));
+  if (!sessions.length) list.append(el("li", "no sessions", "none"));
 }
 
 // One stream's output as text; where the server cut its middle (over the box's output cap)
