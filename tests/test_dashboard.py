@@ -216,6 +216,34 @@ async def test_an_ended_session_is_marked_with_no_attach(server: Served, tmp_pat
         assert page.problems == []
 
 
+async def test_a_box_closed_under_an_open_terminal_is_told(server: Served, tmp_path: Path) -> None:
+    """The agent closes its box while a person has its terminal open: the pane goes, and the
+    page says the box was closed (it vanished with no word)."""
+    if not VENDORED.exists():
+        pytest.skip("xterm.js is not vendored: make vendor")
+    async with (
+        corral.connect(server.url, server.token) as remote,
+        browser_page(tmp_path) as page,
+    ):
+        sb = remote.Sandbox()
+        await sb.start()
+        try:
+            session = await sb.shell()
+            await session.write("echo ready-$((6*7))\n")
+            assert (await session.expect("ready-42"))["matched"]
+            await page.goto(dashboard_url(server))
+            await page.locator(f"#boxes tr[data-box='{sb.id}']").click()
+            await page.locator(f"#sessions button[data-session='{session.session_id}']").click()
+            await page.locator("#terminal .xterm-rows").filter(has_text="ready-42").wait_for()
+        finally:
+            await sb.aclose()
+        await page.locator("#notice").filter(has_text=f"box {sb.id} was closed").wait_for()
+        assert "terminal was detached" in await page.locator("#notice").inner_text()
+        assert await page.locator("#box-section").is_hidden()
+        await page.screenshot(path=tmp_path / "dashboard-box-closed.png", full_page=True)
+        assert page.problems == []
+
+
 async def test_a_read_only_token_is_offered_no_attach(server: Served, tmp_path: Path) -> None:
     """The page asks the server what its token may do: with a read-only one it offers no
     Attach (nor Approve), and an attach the server refuses says why."""

@@ -145,6 +145,8 @@ async function refresh() {
   renderBoxes(boxes);
   const current = boxes.find((b) => b.id === state.box);
   if (state.box && !current) {
+    const attached = Boolean(state.term);  // its terminal still shown (its socket may have gone)
+    notice("box " + state.box + " was closed" + (attached ? "; its terminal was detached" : ""));
     detach();
     state.box = null;
     document.getElementById("box-section").hidden = true;
@@ -220,7 +222,15 @@ async function showOutput(boxId, pid) {
   }
 }
 
+// A note that stays until the person selects a box (the status line is rewritten every poll).
+function notice(text) {
+  const node = document.getElementById("notice");
+  node.textContent = text;
+  node.hidden = !text;
+}
+
 function selectBox(id) {
+  notice("");
   if (state.box !== id) { detach(); state.pid = null; }
   state.box = id;
   document.getElementById("box-section").hidden = false;
