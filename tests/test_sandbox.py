@@ -194,3 +194,60 @@ def test_a_bad_ready_timeout_is_refused_by_name(bad: object) -> None:
     with pytest.raises(SandboxError, match="ready_timeout") as info:
         Sandbox(ready_timeout=bad)  # type: ignore[arg-type]
     assert info.value.code == ErrorCode.INVALID_INPUT
+
+
+SYNC_INTERRUPTED = r"""
+import glob, json, os, signal, sys, threading, time
+import corral
+
+ws = sys.argv[1]
+mine = lambda: [p for p in glob.glob("/run/corral/boxes/*/owner.json")
+                if json.load(open(p)).get("host_pid") == os.getpid()]
+
+def interrupt_when(path):
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the command in the box is up: the user's Ctrl-C now
+    os.kill(os.getpid(), signal.SIGINT)
+
+# 1. Ctrl-C during run(): the command ends (TERM, grace, KILL) before the interrupt goes on.
+with corral.SyncSandbox(workspace=ws) as sb:
+    threading.Thread(target=interrupt_when, args=(ws + "/started",)).start()
+    try:
+        sb.run("touch /workspace/started; sleep 30; touch /workspace/finished")
+        print("run returned")
+    except KeyboardInterrupt:
+        left = [l for l in sb.run("ps -eo args").stdout.splitlines() if "sleep 30" in l]
+        print("after run:", json.dumps(left))
+
+# 2. Ctrl-C while a box starts: the start is undone, nothing of the box is left.
+for delay in (0.002, 0.01, 0.03):
+    threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        with corral.SyncSandbox(workspace=ws) as sb:
+            time.sleep(5)
+    except KeyboardInterrupt:
+        pass
+    mounts = [l for l in open("/proc/self/mountinfo") if ws + " " in l]
+    print("after start:", json.dumps([mine(), mounts]))
+"""
+
+
+def test_ctrl_c_in_the_sync_api_ends_what_it_interrupted(workspace: Path, tmp_path: Path) -> None:
+    """An interrupt of a SyncSandbox call cancels the call in the loop's thread, as an async
+    cancellation does: the command ended (it ran on to its end after the caller saw the
+    interrupt), and a start undone (it left its box and the workspace's mount behind)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(SYNC_INTERRUPTED)
+    out = subprocess.run(
+        [sys.executable, str(script), str(workspace)], capture_output=True, timeout=120
+    )
+    lines = out.stdout.decode().splitlines()
+    assert out.returncode == 0 and len(lines) == 4, (out.stdout, out.stderr)
+    assert lines[0] == "after run: []", lines
+    assert not (workspace / "finished").exists()
+    assert all(line == "after start: [[], []]" for line in lines[1:]), lines
+    assert b"Traceback" not in out.stderr and b"destroyed" not in out.stderr, out.stderr

@@ -39,7 +39,31 @@ class _Loop:
         self.thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        """``coro`` run in the loop's thread, its result here. Interrupted here (Ctrl-C's
+        KeyboardInterrupt), the call is cancelled there and waited for before the interrupt
+        goes on, as an async caller's cancellation would: the command ends (TERM, the
+        grace, KILL), a start is undone. Left running, a command finished after the caller
+        saw the interrupt, and a start left its box behind. A second interrupt while the
+        cancellation finishes goes through at once."""
+        done = threading.Event()
+        tasks: list[asyncio.Task[T]] = []
+
+        def begin() -> None:
+            task = self.loop.create_task(coro)
+            task.add_done_callback(lambda _: done.set())
+            tasks.append(task)
+
+        def cancel() -> None:  # after begin: call_soon_threadsafe keeps the order
+            tasks[0].cancel()
+
+        self.loop.call_soon_threadsafe(begin)
+        try:
+            done.wait()
+        except BaseException:
+            self.loop.call_soon_threadsafe(cancel)
+            done.wait()
+            raise
+        return tasks[0].result()
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
