@@ -122,3 +122,14 @@ def test_network_and_backend_fields_parse() -> None:
 def test_bad_backend_and_network_fields_are_named(data: dict[str, object], needle: str) -> None:
     with pytest.raises(PolicyError, match=needle):
         Policy.from_dict(data)
+
+
+@pytest.mark.parametrize("env", [{"A=B": "1"}, {"X": "a\0b"}, {"": "1"}, {"N\0": "1"}])
+def test_an_environment_the_kernel_cannot_take_is_refused_naming_env(env: dict[str, str]) -> None:
+    """As ``run(env=...)`` refuses it: the start failed on one as a retryable
+    ``backend_failed`` (a bare ValueError), and an empty name was dropped in silence."""
+    with pytest.raises(PolicyError) as info:
+        Policy.from_dict({"env": env})
+    assert info.value.code == ErrorCode.INVALID_POLICY
+    assert info.value.message.startswith("invalid policy: env: ")
+    assert Policy.from_dict({"env": {"NAME": "a=b c"}}).env == {"NAME": "a=b c"}

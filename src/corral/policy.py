@@ -435,6 +435,19 @@ class Policy(_Model):
     process_tracking: ProcessTracking = ProcessTracking()
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment of every command (on top of PATH, HOME, LANG, TERM)."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_the_kernel_takes(cls, env: dict[str, str]) -> dict[str, str]:
+        """Names without ``=`` or NUL, values without NUL, as ``run(env=...)`` checks: the
+        start failed on one as a retryable ``backend_failed``, and an empty name was
+        silently dropped."""
+        for name, value in env.items():
+            if not name or "=" in name or "\0" in name or "\0" in value:
+                raise ValueError(
+                    f"{name!r}: a name is non-empty, without '=' or NUL, and a value without NUL"
+                )
+        return env
     workdir: str = DEFAULT_WORKDIR
     """Where the workspace appears inside the box, and the default cwd."""
     audit_log: Path | None = None
