@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -208,4 +209,25 @@ async def test_a_mount_behind_a_private_directory_reaches_pooled_boxes(
     async with SandboxPool(policy, size=1) as pool:
         r = await pool.run("cat /data/tool/version", workspace=workspace)
         assert (r.exit_code, r.stdout) == (0, "1.2.3\n"), r.stderr
+    assert not _pool_mounts()
+
+
+@pytest.mark.parametrize("turns", [1, 2, 5])
+async def test_a_cancelled_claim_gives_its_box_back_to_the_pool(
+    workspace: Path, turns: int
+) -> None:
+    """A claim cancelled after it took a ready box refills the pool as a finished one-shot
+    does: the pool held one box less for good, and wait_idle() waited for nothing."""
+    import asyncio
+
+    async with SandboxPool(size=2) as pool:
+        await pool.wait_idle()
+        claim = asyncio.create_task(pool.run(["true"], workspace=workspace))
+        for _ in range(turns):  # the claim has taken its box, it is attaching the workspace
+            await asyncio.sleep(0)
+        claim.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await claim
+        await pool.wait_idle(timeout=30)  # TimeoutError when the pool stayed short
+        assert pool.ready == 2
     assert not _pool_mounts()

@@ -251,6 +251,10 @@ class SandboxPool:
             await blocking(self._attach, box, ws)
         except BaseException:
             await self._discard(box)
+            # A claim cancelled (or failed) after taking a ready box refills as a finished
+            # one does: otherwise the pool held one box less for good, and wait_idle()
+            # waited for a box nothing would start.
+            self._refill()
             raise
         return box
 
