@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import urllib.request
@@ -17,6 +18,7 @@ import pytest
 import uvicorn
 from mcp import Client, StdioServerParameters
 from mcp.client.context import ClientRequestContext
+from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
@@ -36,8 +38,12 @@ PROMPT_SCRIPT = (
 
 
 def stdio_params(*extra: str, env: dict[str, str] | None = None) -> StdioServerParameters:
+    # The SDK passes the server only a few variables: PYTHONPATH picks the corral under test.
+    path = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
     return StdioServerParameters(
-        command=sys.executable, args=["-m", "corral", "mcp", *extra], env=env
+        command=sys.executable,
+        args=["-m", "corral", "mcp", *extra],
+        env={**get_default_environment(), **path, **(env or {})},
     )
 
 
@@ -197,6 +203,27 @@ async def test_stdio_asks_the_human_through_elicitation(mode: Any) -> None:
         declined = await call(client, "run_command", {"command": "rm -rf /tmp/nothing"})
         assert declined["error"]["code"] == "approval_denied"
     assert len(asked) == 2
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+@pytest.mark.parametrize("approve", ["false", "no", "true", 1, None])
+async def test_only_a_boolean_true_answer_approves(mode: Any, approve: Any) -> None:
+    """A form-based client may send its fields as strings: ``"false"`` is not a yes."""
+
+    async def elicit(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult:
+        return types.ElicitResult(action="accept", content={"approve": approve})
+
+    async with (
+        asyncio.timeout(30),
+        Client(stdio_params(), elicitation_callback=elicit, mode=mode) as client,
+    ):
+        await call(client, "run_command", {"command": "mkdir -p build"})
+        refused = await call(client, "run_command", {"command": "rm -rf build && echo DELETED"})
+        assert refused["error"]["code"] == "approval_denied", refused
+        left = await call(client, "run_command", {"command": "test -d build"})
+        assert left["exit_code"] == 0
 
 
 async def test_stdio_without_elicitation_returns_approval_unavailable() -> None:

@@ -186,6 +186,13 @@ def _approval_prompt(result: dict[str, Any]) -> str:
     return f"The agent wants to run: {what}" + (f" ({reason})" if reason else "")
 
 
+def _approved(answer: types.ElicitResult) -> bool:
+    """Only ``accept`` with ``approve`` the JSON boolean ``true`` approves. A form-based
+    client may send its fields as strings, and ``bool("false")`` is true: an answer of any
+    other shape (``"false"``, ``"no"``, ``1``, a missing field) is a refusal."""
+    return answer.action == "accept" and (answer.content or {}).get("approve") is True
+
+
 async def _ask_human(
     ctx: ServerRequestContext[Any, Any],
     params: types.CallToolRequestParams,
@@ -206,7 +213,7 @@ async def _ask_human(
             )
             return types.InputRequiredResult(input_requests={APPROVAL_KEY: request})
         answer = reply
-    return answer.action == "accept" and bool((answer.content or {}).get("approve"))
+    return _approved(answer)
 
 
 def build_server(
