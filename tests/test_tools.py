@@ -170,6 +170,72 @@ async def test_sandbox_exec_secret_reaches_process_but_is_redacted(sandbox: Sand
     assert await sandbox.files.read_text("leaked") == "sk-live-abcdef123456\n"
 
 
+SECRET = "sk-live-abcdef123456"
+HALVES = "head -c 10 s; {wait}; tail -c +11 s"  # the value in two writes, a pause between
+GO = "while [ ! -e go ]; do sleep 0.01; done"
+
+
+def _no_piece_of_the_secret(*texts: str) -> None:
+    for text in texts:
+        for i in range(len(SECRET) - 5):
+            assert SECRET[i : i + 6] not in text, text
+
+
+async def test_a_secret_printed_across_two_shell_reads_is_redacted(sandbox: Sandbox) -> None:
+    """shell_read returns the output since the last read: a value printed in two pieces must
+    not reach the model as two clear halves (the first half is held back)."""
+    tools = box(sandbox)
+    await sandbox.files.write("s", SECRET)
+    sid = (await tools.call("open_shell", {"shell": "/bin/sh"}))["session_id"]
+    session = sandbox.session(sid)
+    seen = bytearray()
+    half_out = asyncio.Event()
+
+    def watch(data: bytes | None) -> None:
+        seen.extend(data or b"")
+        if SECRET[:10].encode() in seen:
+            half_out.set()
+
+    session.watch(watch)
+    command = HALVES.format(wait=GO) + "; echo EN''D\n"
+    await tools.call("shell_write", {"session_id": sid, "input": command})
+    async with asyncio.timeout(10):
+        await half_out.wait()  # the shell printed the first half and waits for go
+    first = (await tools.call("shell_read", {"session_id": sid}))["output"]
+    await tools.call("vfs_write", {"path": "go", "content": ""})
+    rest = await tools.call("shell_expect", {"session_id": sid, "pattern": "END"})
+    assert rest["matched"], rest
+    _no_piece_of_the_secret(first, rest["output"])
+    assert "[REDACTED:my-api-key]END" in first + rest["output"]
+
+
+async def test_a_running_process_s_partial_secret_is_held_back(sandbox: Sandbox) -> None:
+    tools = box(sandbox)
+    await sandbox.files.write("s", SECRET)
+    script = "while [ ! -e start ]; do sleep 0.01; done; " + HALVES.format(wait=GO)
+    pid = (await tools.call("run_command", {"command": script, "wait": False}))["pid"]
+    events = sandbox.registry.get(pid).subscribe(hold=False)
+    await tools.call("vfs_write", {"path": "start", "content": ""})
+    async with asyncio.timeout(10):
+        assert await events.get() == ("stdout", SECRET[:10].encode())
+    partial = await tools.call("read_process_output", {"pid": pid})
+    assert partial["status"] == "running" and partial["output"] == "", partial
+    await tools.call("vfs_write", {"path": "go", "content": ""})
+    await tools.call("wait_for_process", {"pid": pid, "timeout_ms": 10_000})
+    final = await tools.call("read_process_output", {"pid": pid})
+    assert final["output"] == "[REDACTED:my-api-key]"
+
+
+def test_redact_stream_holds_the_start_of_a_value_until_it_is_decided() -> None:
+    store = SecretStore({"tok": SECRET})
+    shown, held = store.redact_stream("", "key: sk-live-ab", final=False)
+    assert (shown, held) == ("key: ", "sk-live-ab")
+    assert store.redact_stream(held, "cdef123456\n", final=False) == ("[REDACTED:tok]\n", "")
+    assert store.redact_stream(held, "x", final=False) == ("sk-live-abx", "")  # not the value
+    assert store.redact_stream("", "a sk-l", final=True) == ("a [REDACTED:tok]", "")
+    assert store.redact_stream("", "ends with s", final=True) == ("ends with s", "")
+
+
 async def test_unknown_secret_and_raw_values_are_refused(sandbox: Sandbox) -> None:
     tools = box(sandbox)
     unknown = await tools.call(

@@ -11,11 +11,11 @@ import asyncio
 import base64
 import codecs
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from corral.sandbox import Sandbox
-from corral.sessions.expect import Case
+from corral.sessions.expect import Case, Match
 from corral.sessions.pty import PtySession
 from corral.tools import results as r
 from corral.tools import schemas as s
@@ -49,6 +49,9 @@ class ToolContext:
     output_chars: int = 30_000
     """The toolbox's cap on a result's strings: binary reads are paged to fit in it (cut
     base64 would be garbage)."""
+    held: dict[str, str] = field(default_factory=dict)
+    """Per shell session, the end of its last output that began a secret value: held back
+    from the model until the next read shows whether the value follows (then redacted)."""
 
 
 def bind(ctx: ToolContext) -> dict[str, Callable[[Any], Awaitable[r.ToolResult]]]:
@@ -139,9 +142,13 @@ class Handlers:
     async def read_process_output(self, a: s.ReadProcessOutputArgs) -> r.ReadProcessOutputResult:
         found = self.box.scope.find_visible(a.pid, a.owner)
         proc = found.process
-        out = r.ReadProcessOutputResult(
-            pid=proc.pid, stream=a.stream, status=proc.status, output=proc.output(a.stream)
+        status = proc.status
+        # The output so far: while the process runs, its end may be the start of a secret
+        # the next bytes complete, so that end waits for a later read.
+        output, _ = self.box.secrets.redact_stream(
+            "", proc.output(a.stream), final=status == "exited"
         )
+        out = r.ReadProcessOutputResult(pid=proc.pid, stream=a.stream, status=status, output=output)
         if found.owner != SELF:
             out.owner = found.owner
         if proc.exit_code is not None:
@@ -186,24 +193,45 @@ class Handlers:
         await self._session(a.session_id).write(a.input)
         return r.ShellWriteResult(session_id=a.session_id, written=len(a.input))
 
+    def _shown(self, session: PtySession, text: str, *, final: bool) -> str:
+        """The next piece of a shell's output as the model may see it: redacted together
+        with the tail held back from the previous piece, and minus a new such tail."""
+        key = session.session_id
+        held = self.box.held.pop(key, "")
+        shown, held = self.box.secrets.redact_stream(held, text, final=final)
+        if held:
+            self.box.held[key] = held
+        return shown
+
+    def _match_shown(self, session: PtySession, match: Match, cases: bool) -> dict[str, Any]:
+        data = match.to_dict(cases=cases)
+        final = not match.matched and match.reason == "eof"
+        data["output"] = self._shown(session, match.output, final=final)
+        return data
+
     async def shell_read(self, a: s.ShellReadArgs) -> r.ShellReadResult:
-        output = self._session(a.session_id).read()
+        session = self._session(a.session_id)
+        output = self._shown(session, session.read(), final=session.closed)
         return r.ShellReadResult(session_id=a.session_id, output=output)
 
     async def shell_expect(self, a: s.ShellExpectArgs) -> r.ExpectResult:
-        match = await self._session(a.session_id).expect(a.pattern, a.timeout_secs)
-        return r.ExpectResult.model_validate(match.to_dict())
+        session = self._session(a.session_id)
+        match = await session.expect(a.pattern, a.timeout_secs)
+        return r.ExpectResult.model_validate(self._match_shown(session, match, cases=False))
 
     async def shell_expect_cases(self, a: s.ShellExpectCasesArgs) -> r.ExpectCasesResult:
         session = self._session(a.session_id)
         match = await session.expect_cases(_cases(a.cases), a.timeout_secs)
-        return r.ExpectCasesResult.model_validate(match.to_dict(cases=True))
+        return r.ExpectCasesResult.model_validate(self._match_shown(session, match, cases=True))
 
     async def shell_batch(self, a: s.ShellBatchArgs) -> r.ShellBatchResult:
         session = self._session(a.session_id)
         steps = [step.model_dump(exclude_none=True) for step in a.steps]
-        result = await session.batch(steps, a.timeout_secs)
-        return r.ShellBatchResult.model_validate(result.to_dict())
+        result = (await session.batch(steps, a.timeout_secs)).to_dict()
+        for step in result["steps"]:  # in order: each expect's output follows the last one's
+            if isinstance(step.get("output"), str):
+                step["output"] = self._shown(session, step["output"], final=False)
+        return r.ShellBatchResult.model_validate(result)
 
     async def shell_signal(self, a: s.ShellSignalArgs) -> r.ShellSignalResult:
         delivered = await self._session(a.session_id).signal(a.signal)

@@ -4,8 +4,10 @@ The model names a secret with a handle, ``{{secret:my-api-key}}``; the store, fi
 operator from ``CORRAL_SECRET_<NAME>`` environment variables or a secrets file, resolves it
 only when a process starts. Every string a tool returns passes through :meth:`redact`, so a
 value the program prints (or writes to a file that is read back later) comes back as
-``[REDACTED:my-api-key]``. Redaction is textual: a program that encodes a secret (base64,
-reversed) defeats it, which is why values are also never put in tool inputs or logs.
+``[REDACTED:my-api-key]``; output the model reads in pieces (a shell, a running process)
+is redacted across its reads (:meth:`SecretStore.redact_stream`). Redaction is textual: a
+program that encodes a secret (base64, reversed) defeats it, which is why values are also
+never put in tool inputs or logs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from corral import errors
 from corral.backends.host.safepath import open_regular
 
 ENV_PREFIX = "CORRAL_SECRET_"
+MIN_PARTIAL = 4
+"""The shortest start of a value that the end of a stream redacts (see ``redact_stream``)."""
 HANDLE = re.compile(r"^\{\{\s*secret:([A-Za-z0-9_.-]{1,128})\s*\}\}$")
 
 
@@ -126,6 +130,40 @@ class SecretStore:
             self._names = {value: name for name, value in values}
             self._pattern = re.compile("|".join(re.escape(v) for _, v in values))
         return self._pattern.sub(lambda m: f"[REDACTED:{self._names[m.group(0)]}]", text)
+
+    def redact_stream(self, held: str, text: str, *, final: bool) -> tuple[str, str]:
+        """One read of a stream that reaches the model in pieces (a shell's output since
+        the last read, a running process's output so far): ``held + text`` redacted, minus
+        a tail that a secret value begins with, returned second for the caller to hold and
+        pass back as ``held`` on the next read. Redacting each read on its own would let a
+        value printed across two reads through as two clear halves.
+
+        ``final`` (no more output will come): nothing is held; a tail of at least
+        :data:`MIN_PARTIAL` characters that begins a value is redacted, a shorter one (a
+        lone ``s``) is common text and is shown.
+        """
+        whole = self.redact(held + text)
+        start, name = self._partial_tail(whole)
+        if name is None:
+            return whole, ""
+        if not final:
+            return whole[:start], whole[start:]
+        tail = whole[start:]
+        return whole[:start] + (f"[REDACTED:{name}]" if len(tail) >= MIN_PARTIAL else tail), ""
+
+    def _partial_tail(self, text: str) -> tuple[int, str | None]:
+        """Where the longest tail of ``text`` that is the start of a secret value (but not
+        the whole value) begins, and that secret's name; ``(len(text), None)`` if none."""
+        best, found = len(text), None
+        for name, value in self._values.values():
+            first = value[0]
+            i = text.find(first, max(0, len(text) - len(value) + 1))
+            while 0 <= i < best:
+                if value.startswith(text[i:]):
+                    best, found = i, name
+                    break
+                i = text.find(first, i + 1)
+        return best, found
 
     def redact_all(self, data: Any) -> Any:
         """Redact every string in a JSON-like structure (keys included)."""
