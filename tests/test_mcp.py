@@ -469,3 +469,113 @@ def test_the_http_token_file_goes_with_the_server() -> None:
     finally:
         proc.kill()
         proc.communicate()
+
+
+class RawStdio:
+    """``corral mcp`` on stdio driven by hand (newline-delimited JSON-RPC): what a client
+    that dies, or sends bytes the SDK client never would, does to the server."""
+
+    def __init__(self, *args: str) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "corral", "mcp", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.pending = b""
+        self.ids = 0
+
+    def send_line(self, line: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + b"\n")
+        self.proc.stdin.flush()
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.send_line(json.dumps(message).encode())
+
+    def recv(self, timeout: float = 60) -> dict[str, Any]:
+        import select
+        import time
+
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, left))
+            assert ready, f"no answer within {timeout} s"
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 20)
+            assert chunk, "the server closed stdout"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        self.ids += 1
+        self.send({"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params})
+        answer = self.recv()
+        assert answer.get("id") == self.ids, answer
+        return answer
+
+    def initialize(self) -> None:
+        hello = {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "1"},
+        }
+        assert "result" in self.request("initialize", hello)
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+
+    def finish(self) -> tuple[int, str]:
+        """Close stdin (if still open) and return the exit status and stderr."""
+        assert self.proc.stdin is not None and self.proc.stderr is not None
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            rc = self.proc.wait(timeout=60)
+        finally:
+            self.proc.kill()
+        return rc, self.proc.stderr.read().decode()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_a_client_that_dies_with_a_call_in_flight_leaves_nothing_behind() -> None:
+    """A killed client closes both pipes while its server still has a call to answer: the
+    answer is dropped, the server exits 0 without a traceback, and its sandbox is closed
+    (temp workspace, mount, cgroups, state) as on a normal end of stdin."""
+    raw = RawStdio()
+    try:
+        raw.initialize()
+        info = raw.request("tools/call", {"name": "sandbox_info", "arguments": {}})
+        box = info["result"]["structuredContent"]
+        workspace, box_id = Path(box["workspace"]), box["sandbox_id"]
+        os.mkfifo(workspace / "ready", 0o666)
+        command = {"command": "echo > ready; sleep 100"}
+        raw.send(
+            {
+                "jsonrpc": "2.0",
+                "id": 99,
+                "method": "tools/call",
+                "params": {"name": "run_command", "arguments": command},
+            }
+        )
+        with open(workspace / "ready", "rb") as ready:  # opens once the box writes to it
+            ready.read()
+        assert raw.proc.stdin is not None and raw.proc.stdout is not None
+        raw.proc.stdin.close()
+        raw.proc.stdout.close()  # as a killed client's pipes close
+        rc, stderr = raw.finish()
+    finally:
+        raw.close()
+    assert rc == 0 and "Traceback" not in stderr, stderr
+    assert not workspace.exists()
+    assert box_id not in Path("/proc/self/mountinfo").read_text()
+    assert not list(Path("/sys/fs/cgroup").glob(f"**/corral/{box_id}"))

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hmac
 import json
 import logging
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -25,12 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import mcp_types as types
 import uvicorn
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
-from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
+from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
@@ -304,15 +310,88 @@ def build_server(
 
 async def serve_stdio(config: ServerConfig, after: Callable[[], None] | None = None) -> None:
     """Serve MCP on stdin/stdout until the client closes stdin. ``after`` runs once the
-    server has stopped and its sessions' sandboxes are closed, before the SDK's stdin reader
-    is waited for (a thread that only the client closing stdin ends)."""
+    server has stopped and its sessions' sandboxes are closed, before the stdin reader is
+    waited for (a thread that only the client closing stdin ends)."""
     server = build_server(config)
-    async with stdio_server() as (read_stream, write_stream):
+    async with _stdio_streams() as (read_stream, write_stream):
         try:
             await server.run(read_stream, write_stream, server.create_initialization_options())
         finally:
             if after is not None:
                 after()
+
+
+def _take_std_fd(fd: int, stand_in: int) -> int:
+    """A private duplicate of standard descriptor ``fd`` for the protocol, with ``fd`` itself
+    pointed at ``stand_in``: a stray read or print of this process (or a child's) misses the
+    wire. The duplicate is never closed: the stdin reader's thread may still block on it."""
+    wire = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.dup2(stand_in, fd)
+    os.close(stand_in)
+    return wire
+
+
+@contextlib.asynccontextmanager
+async def _stdio_streams() -> AsyncIterator[
+    tuple[
+        MemoryObjectReceiveStream[SessionMessage | Exception],
+        MemoryObjectSendStream[SessionMessage],
+    ]
+]:
+    """The stdio transport (newline-delimited JSON-RPC), in place of the SDK's: a client
+    that dies with a call in flight closes both pipes, and the SDK's writer then raised
+    ``BrokenPipeError`` through the server, which crashed with a traceback and cut its
+    sessions' teardown short (the sandbox's workspace, mount and cgroups left behind).
+    Here a write to a client that is gone drops the message; the server ends, closing its
+    sandboxes, when stdin ends."""
+    wire_in = _take_std_fd(0, os.open(os.devnull, os.O_RDONLY))
+    wire_out = _take_std_fd(1, os.dup(2))
+    stdin = anyio.wrap_file(os.fdopen(wire_in, "rb", closefd=False))
+    stdout = os.fdopen(wire_out, "wb", buffering=0, closefd=False)
+    to_server, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    write_stream, from_server = anyio.create_memory_object_stream[SessionMessage](0)
+    client_gone = False
+
+    def write(line: bytes) -> None:
+        view = memoryview(line)
+        while view:
+            view = view[stdout.write(view) or 0 :]
+
+    async def emit(message: types.JSONRPCMessage) -> None:
+        nonlocal client_gone
+        if client_gone:
+            return
+        line = message.model_dump_json(by_alias=True, exclude_unset=True).encode() + b"\n"
+        try:
+            await anyio.to_thread.run_sync(write, line)
+        except OSError as exc:  # EPIPE, ECONNRESET: nobody reads the answers any more
+            logger.info("stdout closed (%s): answers are dropped until stdin ends", exc)
+            client_gone = True
+
+    async def reader() -> None:
+        async with to_server:
+            async for raw in stdin:
+                line = raw.decode("utf-8", "replace")
+                try:
+                    message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+                except ValidationError as exc:
+                    await to_server.send(exc)
+                    continue
+                await to_server.send(SessionMessage(message))
+
+    async def writer() -> None:
+        async with from_server:
+            async for session_message in from_server:
+                await emit(session_message.message)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            tg.start_soon(writer)
+            yield read_stream, write_stream
+    finally:
+        os.dup2(wire_in, 0)
+        os.dup2(wire_out, 1)
 
 
 def parse_capabilities(values: Iterable[str] | None) -> frozenset[str] | None:
