@@ -293,6 +293,34 @@ async def test_http_session_gets_a_sandbox_closed_at_session_end(
         assert len(app.sessions) == 0
 
 
+async def test_http_session_left_idle_has_its_sandbox_closed_on_time() -> None:
+    """A client that goes silent without deleting its session (it crashed): its sandbox and
+    what runs in it are closed once the session has been idle for the timeout, with no
+    other session's call needed to notice."""
+    app = build_http_app(ServerConfig(secrets=SecretStore(), idle_timeout=1.0), token="t0ken")
+    sock = _listening_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
+    headers = {"Authorization": "Bearer t0ken"}
+    try:
+        async with (
+            asyncio.timeout(30),
+            create_mcp_http_client(headers=headers) as http,
+            Client(streamable_http_client(url, http_client=http)) as client,
+        ):
+            job = await call(client, "run_command", {"command": "sleep 1000", "wait": False})
+            [session] = app.sessions._open.values()
+            proc = session.toolbox.sandbox.registry.get(job["pid"])
+            await proc.wait()  # the client is silent: this ends when the sandbox is closed
+            assert len(app.sessions) == 0
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
+        sock.close()
+
+
 async def test_http_refuses_requests_without_the_bearer_token(
     http_server: tuple[str, HttpApp],
 ) -> None:

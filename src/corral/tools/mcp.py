@@ -90,15 +90,26 @@ class ServerConfig:
 class _Session:
     toolbox: Toolbox
     last_used: float
+    busy: int = 0
+    """Tool calls of the session in progress: a session is idle only when it has none."""
 
 
 class Sessions:
-    """Sandboxes by MCP session key, made on first use and closed at session end."""
+    """Sandboxes by MCP session key, made on first use and closed at session end.
 
-    def __init__(self, config: ServerConfig) -> None:
+    With ``idle_timer`` (HTTP, where a session ends when its client says so), a session
+    left idle for ``config.idle_timeout`` is closed by a timer (a task that runs while
+    sandboxes are open): a client that dies without deleting its session (the usual way an
+    agent ends) must not leave its sandbox running for the server's lifetime. (On stdio the
+    one session ends with stdin.)
+    """
+
+    def __init__(self, config: ServerConfig, *, idle_timer: bool = False) -> None:
         self.config = config
+        self.idle_timer = idle_timer
         self._open: dict[str, _Session] = {}
         self._starting: dict[str, asyncio.Lock] = {}
+        self._reaper: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self._open)
@@ -125,8 +136,31 @@ class Sessions:
                 )
                 entry = self._open[key] = _Session(toolbox, time.monotonic())
                 logger.info("session %s: started sandbox %s", key, sandbox.sandbox_id)
+                if self.idle_timer and (self._reaper is None or self._reaper.done()):
+                    self._reaper = asyncio.create_task(self._reap_on_time())
         entry.last_used = time.monotonic()
+        entry.busy += 1
         return entry.toolbox
+
+    def release(self, key: str) -> None:
+        """The end of a tool call that :meth:`toolbox` began: the session's idle time
+        counts from here."""
+        entry = self._open.get(key)
+        if entry is not None:
+            entry.busy = max(0, entry.busy - 1)
+            entry.last_used = time.monotonic()
+
+    async def _reap_on_time(self) -> None:
+        """Close each session once it has been idle for the timeout, while any is open."""
+        while self._open:
+            idle = [e.last_used for e in self._open.values() if not e.busy]
+            # A busy session is looked at again a timeout later at the latest.
+            due = min(idle, default=time.monotonic()) + self.config.idle_timeout
+            await asyncio.sleep(max(0.0, due - time.monotonic()) + 0.05)
+            try:
+                await self.reap_idle()
+            except Exception:  # one sandbox failing to close must not stop the timer
+                logger.exception("closing an idle session failed")
 
     async def close(self, key: str) -> None:
         entry = self._open.pop(key, None)
@@ -137,10 +171,19 @@ class Sessions:
 
     async def reap_idle(self, exclude: str | None = None) -> None:
         deadline = time.monotonic() - self.config.idle_timeout
-        for key in [k for k, e in self._open.items() if e.last_used < deadline and k != exclude]:
+        for key in [
+            k
+            for k, e in self._open.items()
+            if e.last_used < deadline and not e.busy and k != exclude
+        ]:
             await self.close(key)
 
     async def aclose(self) -> None:
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None and reaper is not asyncio.current_task():
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
         for key in list(self._open):
             await self.close(key)
 
@@ -222,6 +265,29 @@ async def _ask_human(
     return _approved(answer)
 
 
+async def _call_with_approval(
+    ctx: ServerRequestContext[Sessions, Any],
+    params: types.CallToolRequestParams,
+    toolbox: Toolbox,
+) -> types.CallToolResult | types.InputRequiredResult:
+    """One tool call, with a human asked through elicitation when a rule says ``ask``."""
+    arguments = params.arguments or {}
+    result = await toolbox.call(params.name, arguments)
+    code = result.get("error", {}).get("code")
+    if code == "approval_required" and not _wants_elicitation(ctx):
+        return _to_result(_approval_unavailable(result))
+    if code == "approval_required":
+        answer = await _ask_human(ctx, params, result)
+        if isinstance(answer, types.InputRequiredResult):
+            return answer
+        if answer:
+            result = await toolbox.call(params.name, arguments, approved=True)
+        else:
+            message = f"the user declined: {_approval_prompt(result)}"
+            result = {"error": {"code": "approval_denied", "message": message}}
+    return _to_result(result)
+
+
 def build_server(
     config: ServerConfig, *, http: bool = False, sessions: Sessions | None = None
 ) -> Server[Sessions]:
@@ -272,21 +338,10 @@ def build_server(
             logger.exception("session %s: sandbox failed to start", key)
             message = f"the sandbox failed to start: {type(exc).__name__}: {exc}"
             return _to_result({"error": {"code": "sandbox_start_failed", "message": message}})
-        arguments = params.arguments or {}
-        result = await toolbox.call(params.name, arguments)
-        code = result.get("error", {}).get("code")
-        if code == "approval_required" and not _wants_elicitation(ctx):
-            return _to_result(_approval_unavailable(result))
-        if code == "approval_required":
-            answer = await _ask_human(ctx, params, result)
-            if isinstance(answer, types.InputRequiredResult):
-                return answer
-            if answer:
-                result = await toolbox.call(params.name, arguments, approved=True)
-            else:
-                message = f"the user declined: {_approval_prompt(result)}"
-                result = {"error": {"code": "approval_denied", "message": message}}
-        return _to_result(result)
+        try:
+            return await _call_with_approval(ctx, params, toolbox)
+        finally:
+            ctx.lifespan_context.release(key)
 
     server: Server[Sessions] = Server(
         "corral",
@@ -472,7 +527,7 @@ def build_http_app(
             f"serving MCP over HTTP{where} needs a bearer token: pass --token or set "
             "CORRAL_MCP_TOKEN (corral mcp generates one when neither is given)"
         )
-    sessions = Sessions(config)
+    sessions = Sessions(config, idle_timer=True)
     server = build_server(config, http=True, sessions=sessions)
     app = server.streamable_http_app(host=host, session_idle_timeout=config.idle_timeout)
     return HttpApp(app, sessions, token)
