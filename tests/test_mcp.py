@@ -607,3 +607,26 @@ def test_a_client_that_dies_with_a_call_in_flight_leaves_nothing_behind() -> Non
     assert not workspace.exists()
     assert box_id not in Path("/proc/self/mountinfo").read_text()
     assert not list(Path("/sys/fs/cgroup").glob(f"**/corral/{box_id}"))
+
+
+def test_stdio_answers_a_line_it_cannot_read() -> None:
+    """A lone surrogate escape (what json.dumps writes for a non-UTF-8 file name), a cut
+    line or a request of the wrong shape is answered at once, as over HTTP; the server then
+    goes on serving."""
+    raw = RawStdio()
+    try:
+        raw.initialize()
+        head = '"method":"tools/call","params":{"name":"vfs_write","arguments":'
+        raw.send_line(b'{"jsonrpc":"2.0","id":50,' + head.encode() + rb'{"path":"caf\udce9"}}}')
+        surrogate = raw.recv(30)
+        assert (surrogate["id"], surrogate["error"]["code"]) == (None, -32700), surrogate
+        raw.send_line(b'{"jsonrpc":"2.0","id":53,"method":"tools/list"')
+        assert raw.recv(30)["error"]["code"] == -32700
+        raw.send_line(b'{"jsonrpc":"2.0","id":54,"method":5}')
+        wrong = raw.recv(30)
+        assert (wrong["id"], wrong["error"]["code"]) == (54, -32602), wrong
+        assert "tools" in raw.request("tools/list", {})["result"]
+        rc, stderr = raw.finish()
+        assert rc == 0 and "Traceback" not in stderr, stderr
+    finally:
+        raw.close()

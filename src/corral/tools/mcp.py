@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import mcp_types as types
+import pydantic_core
 import uvicorn
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.server.context import ServerRequestContext
@@ -386,6 +387,26 @@ def _take_std_fd(fd: int, stand_in: int) -> int:
     return wire
 
 
+def _unreadable(line: str, exc: ValidationError) -> types.JSONRPCError:
+    """The answer to a line that is no JSON-RPC message, as the HTTP transport gives it: a
+    parse error (-32700, id null) for text that is not JSON (a lone surrogate escape, a cut
+    line), invalid params (-32602) with the request's id for a request of the wrong shape,
+    else an invalid request (-32600, id null). A client must not wait for ever."""
+    try:
+        data = pydantic_core.from_json(line)
+    except ValueError as bad:
+        error = types.ErrorData(code=types.PARSE_ERROR, message=f"Parse error: {bad}")
+        return types.JSONRPCError(jsonrpc="2.0", id=None, error=error)
+    request_id = data.get("id") if isinstance(data, dict) and "method" in data else None
+    if isinstance(request_id, str | int) and not isinstance(request_id, bool):
+        message = f"Validation error: {exc.error_count()} invalid field(s) in the request"
+        error = types.ErrorData(code=types.INVALID_PARAMS, message=message)
+        return types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
+    message = "Invalid request: not a JSON-RPC 2.0 message"
+    error = types.ErrorData(code=types.INVALID_REQUEST, message=message)
+    return types.JSONRPCError(jsonrpc="2.0", id=None, error=error)
+
+
 @contextlib.asynccontextmanager
 async def _stdio_streams() -> AsyncIterator[
     tuple[
@@ -406,6 +427,7 @@ async def _stdio_streams() -> AsyncIterator[
     to_server, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_stream, from_server = anyio.create_memory_object_stream[SessionMessage](0)
     client_gone = False
+    writing = anyio.Lock()  # the reader answers unreadable lines: one line at a time
 
     def write(line: bytes) -> None:
         view = memoryview(line)
@@ -418,7 +440,8 @@ async def _stdio_streams() -> AsyncIterator[
             return
         line = message.model_dump_json(by_alias=True, exclude_unset=True).encode() + b"\n"
         try:
-            await anyio.to_thread.run_sync(write, line)
+            async with writing:
+                await anyio.to_thread.run_sync(write, line)
         except OSError as exc:  # EPIPE, ECONNRESET: nobody reads the answers any more
             logger.info("stdout closed (%s): answers are dropped until stdin ends", exc)
             client_gone = True
@@ -429,8 +452,8 @@ async def _stdio_streams() -> AsyncIterator[
                 line = raw.decode("utf-8", "replace")
                 try:
                     message = types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-                except ValidationError as exc:
-                    await to_server.send(exc)
+                except ValidationError as exc:  # the SDK's server drops these unanswered
+                    await emit(_unreadable(line, exc))
                     continue
                 await to_server.send(SessionMessage(message))
 
