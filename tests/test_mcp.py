@@ -547,10 +547,10 @@ class RawStdio:
         assert answer.get("id") == self.ids, answer
         return answer
 
-    def initialize(self) -> None:
+    def initialize(self, capabilities: dict[str, Any] | None = None) -> None:
         hello = {
             "protocolVersion": "2025-11-25",
-            "capabilities": {},
+            "capabilities": capabilities or {},
             "clientInfo": {"name": "raw", "version": "1"},
         }
         assert "result" in self.request("initialize", hello)
@@ -630,3 +630,59 @@ def test_stdio_answers_a_line_it_cannot_read() -> None:
         assert rc == 0 and "Traceback" not in stderr, stderr
     finally:
         raw.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        ({"error": {"code": -32603, "message": "client blew up"}}, "client blew up"),
+        ({"result": {"action": "maybe"}}, "not understood"),
+    ],
+)
+def test_an_elicitation_that_fails_is_a_tool_error(answer: dict[str, Any], says: str) -> None:
+    """A client that answers the approval question with an error, or an answer of no known
+    shape: the tool call gets a structured result (isError, a code), not a protocol error."""
+    raw = RawStdio()
+    try:
+        raw.initialize({"elicitation": {}})
+        params = {"name": "run_command", "arguments": {"command": "git push"}}
+        raw.send({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params})
+        asked = raw.recv(30)
+        assert asked["method"] == "elicitation/create", asked
+        raw.send({"jsonrpc": "2.0", "id": asked["id"], **answer})
+        done = raw.recv(30)
+        assert done["id"] == 7 and done["result"]["isError"] is True, done
+        error = done["result"]["structuredContent"]["error"]
+        assert error["code"] == "approval_unavailable" and says in error["message"], error
+        assert "git push" in error["message"]
+    finally:
+        raw.close()
+
+
+async def test_an_elicitation_nobody_answers_ends_in_a_tool_error() -> None:
+    async def never(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    config = ServerConfig(secrets=SecretStore(), approval_timeout=0.5)
+    app = build_http_app(config, token="t0ken")
+    sock = _listening_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
+    try:
+        async with (
+            asyncio.timeout(30),
+            create_mcp_http_client(headers={"Authorization": "Bearer t0ken"}) as http,
+            Client(streamable_http_client(url, http_client=http), elicitation_callback=never) as c,
+        ):
+            result = await call(c, "run_command", {"command": "git push"})
+            assert result["error"]["code"] == "approval_unavailable"
+            assert "no answer within 0.5 s" in result["error"]["message"]
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
+        sock.close()

@@ -56,6 +56,8 @@ logger = logging.getLogger("corral.mcp")
 
 STDIO_SESSION = "stdio"
 IDLE_TIMEOUT = 30 * 60.0
+APPROVAL_TIMEOUT = 300.0
+"""How long a call waits for the human's answer to an elicitation (as the dashboard's)."""
 APPROVAL_KEY = "corral_approval"
 APPROVAL_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -76,6 +78,8 @@ class ServerConfig:
     rules: tuple[Rule, ...] | None = None
     secrets: SecretStore = field(default_factory=SecretStore.from_env)
     idle_timeout: float = IDLE_TIMEOUT
+    approval_timeout: float = APPROVAL_TIMEOUT
+    """How long a call that needs a human waits for the client's elicitation answer."""
     share_shells: bool = True
     """The agent's shells can be joined with ``corral attach`` (the human hand-off)."""
     allow_dangerous_workspace: bool = False
@@ -243,15 +247,36 @@ def _approved(answer: types.ElicitResult) -> bool:
     return answer.action == "accept" and (answer.content or {}).get("approve") is True
 
 
+def _no_answer(pending: dict[str, Any], why: str) -> dict[str, Any]:
+    """The tool error for an elicitation that brought no answer: the call did not run."""
+    message = f"could not ask a human ({why}), so the call did not run: {_approval_prompt(pending)}"
+    return {"error": {"code": "approval_unavailable", "message": message}}
+
+
 async def _ask_human(
     ctx: ServerRequestContext[Any, Any],
     params: types.CallToolRequestParams,
     pending: dict[str, Any],
-) -> bool | types.InputRequiredResult:
-    """True/False from the human, or the InputRequiredResult that asks them (2026 era)."""
+    timeout: float,
+) -> bool | types.InputRequiredResult | dict[str, Any]:
+    """True/False from the human, the InputRequiredResult that asks them (2026 era), or a
+    tool error when the client answered with an error, an answer of no known shape, or
+    nothing within ``timeout`` seconds: a tool failure is a result, not a protocol error
+    (and never a call that hangs for ever)."""
     message = _approval_prompt(pending)
     if ctx.session.can_send_request:
-        answer = await ctx.session.elicit_form(message, APPROVAL_SCHEMA, ctx.request_id)
+        try:
+            async with asyncio.timeout(timeout):
+                answer = await ctx.session.elicit_form(message, APPROVAL_SCHEMA, ctx.request_id)
+        except TimeoutError:
+            return _no_answer(pending, f"the client gave no answer within {timeout:g} s")
+        except MCPError as exc:
+            return _no_answer(
+                pending, f"the client answered with an error: {exc.error.message[:200]}"
+            )
+        except Exception as exc:  # a malformed answer (an unknown action, a wrong type)
+            logger.info("elicitation answer not understood: %s", exc)
+            return _no_answer(pending, "the client's answer was not understood")
     else:
         responses = params.input_responses or {}
         reply = responses.get(APPROVAL_KEY)
@@ -270,18 +295,22 @@ async def _call_with_approval(
     ctx: ServerRequestContext[Sessions, Any],
     params: types.CallToolRequestParams,
     toolbox: Toolbox,
+    timeout: float,
 ) -> types.CallToolResult | types.InputRequiredResult:
-    """One tool call, with a human asked through elicitation when a rule says ``ask``."""
+    """One tool call, with a human asked through elicitation when a rule says ``ask``
+    (``timeout``: how long the human's answer is waited for)."""
     arguments = params.arguments or {}
     result = await toolbox.call(params.name, arguments)
     code = result.get("error", {}).get("code")
     if code == "approval_required" and not _wants_elicitation(ctx):
         return _to_result(_approval_unavailable(result))
     if code == "approval_required":
-        answer = await _ask_human(ctx, params, result)
+        answer = await _ask_human(ctx, params, result, timeout)
         if isinstance(answer, types.InputRequiredResult):
             return answer
-        if answer:
+        if isinstance(answer, dict):
+            result = answer
+        elif answer:
             result = await toolbox.call(params.name, arguments, approved=True)
         else:
             message = f"the user declined: {_approval_prompt(result)}"
@@ -340,7 +369,7 @@ def build_server(
             message = f"the sandbox failed to start: {type(exc).__name__}: {exc}"
             return _to_result({"error": {"code": "sandbox_start_failed", "message": message}})
         try:
-            return await _call_with_approval(ctx, params, toolbox)
+            return await _call_with_approval(ctx, params, toolbox, config.approval_timeout)
         finally:
             ctx.lifespan_context.release(key)
 
