@@ -289,6 +289,29 @@ async def test_approver_decides_ask_rules(sandbox: Sandbox) -> None:
     assert [r.command_line for r in asked] == ["echo yes", "echo no"]
 
 
+async def test_an_approver_that_fails_is_not_a_user_s_no(
+    sandbox: Sandbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An approver that cannot reach its human (the approval server is down): the model
+    learns that nobody could be asked, with the cause, not that the user declined."""
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+
+    async def approver(request: ApprovalRequest) -> bool:
+        await asyncio.open_connection("127.0.0.1", port)  # refused
+        return True
+
+    result = await box(sandbox, approver=approver).call("run_command", {"command": "git push"})
+    assert result["error"]["code"] == "approval_unavailable", result
+    message = result["error"]["message"]
+    assert "could not ask a human" in message and "Connect call failed" in message, message
+    assert "declined" not in message and "git push" in message
+    assert not any(r.exc_info for r in caplog.records)  # one line, no traceback
+
+
 @pytest.mark.parametrize(
     ("mode", "tool", "arguments", "allowed"),
     [

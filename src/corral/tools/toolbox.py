@@ -312,9 +312,17 @@ class Toolbox:
             )
         try:
             ok = await self.approver(request)
-        except Exception:
-            logger.exception("approver failed for %s", tool)
-            ok = False
+        except Exception as exc:
+            # Not a "no": nobody was asked (the approval server is down, refused the
+            # request). The model must not tell the user they declined.
+            cause = str(exc) or type(exc).__name__
+            logger.warning("approver failed for %s: %s", tool, cause)
+            decided("approval_failed")
+            return error(
+                "approval_unavailable",
+                f"could not ask a human ({cause[:300]}), so the call did not run: "
+                f"{request.describe()}",
+            )
         decided("approved" if ok else "declined")
         return None if ok else error("approval_denied", f"the user declined: {request.describe()}")
 
