@@ -107,3 +107,33 @@ def test_ask_rules_see_typed_responses() -> None:
     case = {"pattern": "[$] $", "respond": "/usr/bin/git push -f\n"}
     verdict = gate.verdict("shell_expect_cases", {"session_id": "s", "cases": [case]})
     assert verdict.outcome == "ask"
+
+
+ASKED = [
+    "git -C . push",
+    "git -c user.name=x push",
+    "git --git-dir=.git --no-pager push origin main",
+    "rm -r -f build",
+    "rm -R -f build",
+    "rm --recursive --force build",
+    "rm -f -r build",
+    "terraform -chdir=infra apply",
+    "kubectl -n prod delete pod x",
+    "kubectl --context prod --namespace=prod delete pod x",
+]
+NOT_ASKED = ["git -C . status", "rm -r build", "rm -f x", "kubectl -n prod get pods"]
+
+
+@pytest.mark.parametrize("command", ASKED)
+async def test_default_rules_see_global_options_and_split_flags(
+    sandbox: Sandbox, command: str
+) -> None:
+    """The default rules' tools take options before the subcommand, and rm's flags come
+    split or long: these are the common spellings, no runtime trick."""
+    result = await Toolbox(sandbox).call("run_command", {"command": command})
+    assert result.get("error", {}).get("code") == "approval_required", (command, result)
+
+
+@pytest.mark.parametrize("command", NOT_ASKED)
+def test_default_rules_still_let_the_harmless_spellings_run(command: str) -> None:
+    assert Gate().verdict("run_command", {"command": command}).outcome == "allow"

@@ -19,7 +19,9 @@ batch steps). In ``read-only`` mode none of them runs. A command regex is search
 as given *and* in each simple command it contains after normalising (see
 :func:`command_variants`): line continuations joined, split on ``; && || | &`` and newlines,
 quotes removed, ``VAR=value`` prefixes and wrappers (``env``, ``command``, ``exec``, ``nohup``,
-``time``, ``sudo``) dropped, ``/usr/bin/git`` read as ``git``, and ``sh -c '...'`` looked into.
+``time``, ``sudo``) dropped, ``/usr/bin/git`` read as ``git``, the options of ``git``,
+``terraform`` and ``kubectl`` before the subcommand dropped, ``rm``'s flags joined (``rm -r -f``
+is ``rm -rf``), and ``sh -c '...'`` looked into.
 A rule is a tripwire for the spellings it can see, not a promise: a shell can build a command
 at runtime (``$(printf 'gi%s' t) push``, a script written to a file first, an alias).
 """
@@ -136,6 +138,9 @@ def _normalise(words: list[str], depth: int) -> list[str]:
     program = words[0].rsplit("/", 1)[-1] or words[0]
     words = [program, *words[1:]]
     out = [" ".join(words)]
+    canonical = _canonical(words)
+    if canonical is not None and canonical != words:
+        out.append(" ".join(canonical))
     if program in _SHELLS and depth < _MAX_DEPTH:
         rest = words[1:]
         if program == "busybox" and rest and rest[0] in _SHELLS:
@@ -146,6 +151,61 @@ def _normalise(words: list[str], depth: int) -> list[str]:
                     out.extend(_variants(rest[index + 1], depth + 1))
                 break
     return out
+
+
+# Options a tool takes before its subcommand whose value is the next word (``git -C dir
+# push``); other leading options are single words (``--no-pager``, ``-chdir=x``).
+_GLOBAL_VALUE_OPTIONS: dict[str, frozenset[str]] = {
+    "git": frozenset(
+        {"-C", "-c", "--git-dir", "--work-tree", "--namespace", "--config-env", "--exec-path"}
+    ),
+    "terraform": frozenset(),
+    "kubectl": frozenset(
+        {
+            "-n",
+            "--namespace",
+            "--context",
+            "--kubeconfig",
+            "--cluster",
+            "--user",
+            "-s",
+            "--server",
+            "--as",
+            "--as-group",
+            "--token",
+            "--request-timeout",
+            "-v",
+            "--v",
+        }
+    ),
+}
+_RM_LONG = {"--recursive": "r", "--force": "f", "--dir": "d", "--verbose": "v"}
+
+
+def _canonical(words: list[str]) -> list[str] | None:
+    """The spelling the rules are written for, when ``words`` say the same otherwise:
+    ``git -C . push`` / ``kubectl -n prod delete`` / ``terraform -chdir=x apply`` with the
+    global options before the subcommand dropped; ``rm -r -f`` / ``rm --recursive --force``
+    with the flags joined as ``rm -rf``."""
+    program, rest = words[0], words[1:]
+    if program in _GLOBAL_VALUE_OPTIONS:
+        takes_value = _GLOBAL_VALUE_OPTIONS[program]
+        i = 0
+        while i < len(rest) and rest[i].startswith("-") and rest[i] != "--":
+            i += 2 if rest[i] in takes_value else 1
+        return [program, *rest[i:]]
+    if program == "rm":
+        letters, operands = [], []
+        for word in rest:
+            if word.startswith("--") and word != "--":
+                letters.append(_RM_LONG.get(word, ""))
+            elif word.startswith("-") and len(word) > 1 and word != "--":
+                letters.append(word[1:])
+            else:
+                operands.append(word)
+        flags = "".join(letters)
+        return [program, *([f"-{flags}"] if flags else []), *operands]
+    return None
 
 
 def _variants(text: str, depth: int) -> list[str]:
