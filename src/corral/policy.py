@@ -448,6 +448,7 @@ class Policy(_Model):
                     f"{name!r}: a name is non-empty, without '=' or NUL, and a value without NUL"
                 )
         return env
+
     workdir: str = DEFAULT_WORKDIR
     """Where the workspace appears inside the box, and the default cwd."""
     audit_log: Path | None = None
