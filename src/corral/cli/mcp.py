@@ -229,21 +229,23 @@ def cmd_mcp(args: argparse.Namespace) -> int:
             code=errors.ErrorCode.INVALID_INPUT,
         ) from None
     bound = sock.getsockname()[1]
-    where = "no token (--insecure-no-token: any local user can connect)"
-    token_file: Path | None = None
-    if token is None and not insecure:
-        token = new_token()
-        token_file = write_token_file(token, f"mcp-{host}-{bound}.token")
-        where = f"token in {token_file} (send Authorization: Bearer <token>)"
-    elif token is not None:
-        where = "token from --token" if args.token else "token from CORRAL_MCP_TOKEN"
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}/mcp"
-    _say(f"serving streamable HTTP on {url}; {where}; {describe_config(config)}")
     import signal
 
     # uvicorn shuts down on SIGTERM, then raises it again: exit (143) through the finally.
+    # Set before the token file exists and the line is printed: a SIGTERM sent as soon as
+    # the line was read found the default action, and the token file stayed.
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(128 + number))
+    where = "no token (--insecure-no-token: any local user can connect)"
+    token_file: Path | None = None
     try:
+        if token is None and not insecure:
+            token = new_token()
+            token_file = write_token_file(token, f"mcp-{host}-{bound}.token")
+            where = f"token in {token_file} (send Authorization: Bearer <token>)"
+        elif token is not None:
+            where = "token from --token" if args.token else "token from CORRAL_MCP_TOKEN"
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{bound}/mcp"
+        _say(f"serving streamable HTTP on {url}; {where}; {describe_config(config)}")
         with sock:
             asyncio.run(
                 serve_http(config, host, bound, token=token, insecure_no_token=insecure, sock=sock)
