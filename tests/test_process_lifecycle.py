@@ -371,3 +371,20 @@ async def test_a_timeout_ends_children_that_left_the_command_s_group(box: Sandbo
             break
     assert stream.process.ended == "signalled"
     assert (await box.run(SLEEPERS)).stdout == "0\n"
+
+
+async def test_no_grace_sends_sigkill_alone(box_policy: Policy, workspace: Path) -> None:
+    """``kill_grace_secs = 0`` is SIGKILL at once, alone: a SIGTERM first let the command's
+    TERM handler run (and exit 0) before the KILL of the next tick."""
+    limits = box_policy.limits.model_copy(update={"kill_grace_secs": 0.0})
+    async with Sandbox(box_policy.model_copy(update={"limits": limits}), workspace=workspace) as sb:
+        trapped = (
+            "trap 'echo TERM >> /tmp/seen; exit 0' TERM; echo up; while :; do sleep 0.01; done"
+        )
+        for _ in range(3):
+            r = await sb.run(["sh", "-c", trapped], timeout=0.3)
+            assert (r.exit_code, r.ended) == (-9, "timed_out"), r
+        proc = await sb.spawn(["sh", "-c", trapped])
+        waited = await proc.terminate()
+        assert waited.exit_code == -9, waited
+        assert (await sb.run("cat /tmp/seen")).stdout == ""

@@ -396,7 +396,15 @@ class Termination:
     on a terminal the foreground job's, and those its descendants moved to (looked up at the
     SIGTERM and again at the SIGKILL)."""
 
-    def __init__(self, uid: int, gid: int, pid: int, pty_fd: int | None, kill_at: float) -> None:
+    def __init__(
+        self,
+        uid: int,
+        gid: int,
+        pid: int,
+        pty_fd: int | None,
+        kill_at: float,
+        kill_now: bool = False,
+    ) -> None:
         self.uid = uid
         self.gid = gid
         self.pid = pid
@@ -409,7 +417,12 @@ class Termination:
         self.groups |= descendant_groups(pid)
         self.kill_at: float | None = kill_at
         self.give_up_at: float | None = None
-        self.signal_all(signal.SIGTERM)
+        if kill_now:  # no grace: SIGKILL alone, or a TERM handler would run (and could exit 0)
+            self.signal_all(signal.SIGKILL)
+            self.kill_at = None
+            self.give_up_at = kill_at + GIVE_UP
+        else:
+            self.signal_all(signal.SIGTERM)
 
     def signal_all(self, sig: int) -> bool:
         delivered = False

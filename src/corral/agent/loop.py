@@ -468,13 +468,16 @@ class Agent:
         return {"delivered": sent}
 
     def op_terminate(self, h: protocol.TerminateRequest, payload: bytes) -> protocol.TerminateReply:
-        """SIGTERM to the group now, SIGKILL at the end of the grace; the exit is reported
-        once nothing of the group is left (:meth:`tick`)."""
+        """SIGTERM to the group now, SIGKILL at the end of the grace (at once, alone, with
+        none); the exit is reported once nothing of the group is left (:meth:`tick`)."""
         child = self.child(h["pid"])
         if child.ending is not None:
             return {"delivered": True}  # already ending: its deadline stands
-        kill_at = time.monotonic() + max(0.0, h["grace"])
-        child.ending = commands.Termination(self.uid, self.gid, child.pid, child.pty, kill_at)
+        grace = max(0.0, h["grace"])
+        kill_at = time.monotonic() + grace
+        child.ending = commands.Termination(
+            self.uid, self.gid, child.pid, child.pty, kill_at, kill_now=grace == 0
+        )
         self.ending.append(child)
         return {"delivered": child.status is None}
 
