@@ -38,6 +38,10 @@ async def test_not_found_and_not_executable(tmp_path: Path) -> None:
         r = await sb.run(["./adir"])
         assert r.exit_code == 126
         assert "is a directory" in r.stderr
+        # The working directory named as the program: the program is at fault, not the cwd.
+        r = await sb.run(["/workspace", "x"])
+        assert (r.exit_code, r.ended) == (126, "not_started"), r
+        assert "/workspace: not executable (is a directory)" in r.stderr
         with pytest.raises(CommandFailed) as failed:
             await sb.run(["nosuchprog"], check=True)
         assert failed.value.result.exit_code == 127  # type: ignore[attr-defined]

@@ -36,8 +36,11 @@ def spawn_error(exc: OSError, program: str, cwd: str | None, path: str) -> tuple
     import errno
 
     c = protocol.ErrorCode
-    if cwd and exc.filename == cwd:
-        what = "not found" if isinstance(exc, FileNotFoundError) else exc.strerror or str(exc)
+    # The chdir's failure, not the exec's: a program named as its own working directory
+    # (run_command "/workspace" in /workspace) is not executable, the directory is fine.
+    if isinstance(exc, CwdError) or (cwd and exc.filename == cwd and program != cwd):
+        missing = exc.errno == errno.ENOENT
+        what = "not found" if missing else exc.strerror or str(exc)
         return c.SPAWN_FAILED, f"working directory {cwd}: {what}"
     if isinstance(exc, FileNotFoundError):
         if "/" in program:
@@ -55,6 +58,10 @@ def spawn_error(exc: OSError, program: str, cwd: str | None, path: str) -> tuple
         why = "is a directory" if is_dir else exc.strerror or "permission denied"
         return c.NOT_EXECUTABLE, f"{program}: not executable ({why.lower()})"
     return c.SPAWN_FAILED, f"cannot start {program}: {exc.strerror or exc}"
+
+
+class CwdError(OSError):
+    """The child could not go to its working directory (``filename``), so nothing ran."""
 
 
 PIPE = -1
@@ -235,9 +242,9 @@ def _spawn(
         raise RuntimeError(f"bad exception data from the child: {bytes(data)!r}") from None
     if name != b"OSError" or not errno_num:
         raise RuntimeError(message.decode(errors="replace"))
-    # "noexec": the child failed before its exec, at the chdir (as CPython reads it).
-    filename = cwd if message.startswith(b"noexec") else argv[0]
-    raise OSError(errno_num, os.strerror(errno_num), filename)
+    if message.startswith(b"noexec"):  # the child failed before its exec, at the chdir
+        raise CwdError(errno_num, os.strerror(errno_num), cwd)
+    raise OSError(errno_num, os.strerror(errno_num), argv[0])
 
 
 def set_winsize(fd: int, rows: int, cols: int) -> None:
