@@ -577,3 +577,26 @@ async def test_a_toolbox_builds_nothing_slow_on_the_event_loop(
         result = await tools.call("run_command", {"command": "echo $K"}, approved=True)
         assert result["exit_code"] == 0
         assert tools.secrets.redact("sk-live-123") == "[REDACTED:api-key]"
+
+
+async def test_bytes_that_are_not_utf8_are_said_and_a_binary_file_goes_back_whole(
+    sandbox: Sandbox,
+) -> None:
+    """Output bytes shown as U+FFFD are flagged (not_utf8), and a binary file vfs_read
+    returned (base64) can be written back as it was (vfs_write took text only)."""
+    tools = box(sandbox)
+    got = await tools.call("run_command", {"command": "printf", "args": ["caf\\351\\n"]})
+    assert (got["stdout"], got.get("not_utf8")) == ("caf\ufffd\n", True), got
+    assert "not_utf8" not in await tools.call("run_command", {"command": "echo", "args": ["ok"]})
+    blob = bytes(range(256)) * 4
+    await sandbox.files.write("blob.bin", blob)
+    read = await tools.call("vfs_read", {"path": "blob.bin"})
+    assert read["encoding"] == "base64"
+    written = await tools.call(
+        "vfs_write", {"path": "copy.bin", "content": read["content"], "encoding": "base64"}
+    )
+    assert written["size"] == len(blob), written
+    assert await sandbox.files.read("copy.bin") == blob
+    bad = await tools.call("vfs_write", {"path": "x", "content": "no!", "encoding": "base64"})
+    assert bad["error"]["code"] == "invalid_input", bad
+    assert not await sandbox.files.exists("x")

@@ -286,8 +286,14 @@ class Handlers:
             eof=a.offset + len(data) >= size,
         )
 
-    async def vfs_write(self, a: s.VfsWriteArgs) -> r.VfsWriteResult:
-        size = await self.sb.files.write(a.path, a.content, append=a.append)
+    async def vfs_write(self, a: s.VfsWriteArgs) -> r.VfsWriteResult | r.ToolError:
+        content: str | bytes = a.content
+        if a.encoding == "base64":
+            try:
+                content = base64.b64decode(a.content, validate=True)
+            except ValueError as exc:
+                return r.ToolError.of("invalid_input", f"content is not base64: {exc}")
+        size = await self.sb.files.write(a.path, content, append=a.append)
         return r.VfsWriteResult(path=a.path, size=size)
 
     async def sandbox_exec(self, a: s.SandboxExecArgs) -> r.SandboxExecResult | r.ToolError:

@@ -55,6 +55,11 @@ class ToolResult(BaseModel):
         default=None,
         description="Set (true) when long strings in this result were cut, keeping head and tail.",
     )
+    not_utf8: bool | None = Field(
+        default=None,
+        description="Set (true) when output in this result had bytes that are not UTF-8, "
+        "shown as U+FFFD; vfs_read a file for its exact bytes (base64).",
+    )
 
     def to_json(self) -> dict[str, Any]:
         """The tool's JSON result (the fields that were given)."""

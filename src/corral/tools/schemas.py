@@ -240,6 +240,11 @@ class VfsWriteArgs(ToolArgs):
     path: str = Field(min_length=1, max_length=4_096)
     content: Text
     append: bool = False
+    encoding: Literal["utf-8", "base64"] = Field(
+        default="utf-8",
+        description="How content is given: text, or base64 for bytes (as vfs_read returns "
+        "a binary file), so a file read can be written back as it was.",
+    )
 
 
 class SandboxExecArgs(ToolArgs):

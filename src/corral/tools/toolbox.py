@@ -330,9 +330,11 @@ class Toolbox:
         """Redact secrets first (a cut could split a value), then cap long strings."""
         redacted = self.secrets.redact_all(result)
         capped, truncated = self._cap(redacted)
-        if truncated and isinstance(capped, dict):
-            capped["truncated"] = True
         assert isinstance(capped, dict)
+        if truncated:
+            capped["truncated"] = True
+        if _has_replacement(capped):  # said, not silent: the model may rely on the bytes
+            capped["not_utf8"] = True
         return capped
 
     def _cap(self, data: Any) -> tuple[Any, bool]:
@@ -348,3 +350,15 @@ class Toolbox:
             items = [self._cap(v) for v in data]
             return [v for v, _ in items], any(c for _, c in items)
         return data, False
+
+
+def _has_replacement(data: Any) -> bool:
+    """Whether a string of ``data`` holds U+FFFD, what output's bytes that are not UTF-8
+    decode to (a program printing U+FFFD itself is flagged too: rare, and said as such)."""
+    if isinstance(data, str):
+        return "\ufffd" in data
+    if isinstance(data, dict):
+        return any(_has_replacement(v) for v in data.values())
+    if isinstance(data, list):
+        return any(_has_replacement(v) for v in data)
+    return False
