@@ -59,6 +59,10 @@ def test_a_venv_whose_interpreter_the_box_cannot_see_asks_for_the_python_preset(
     (ws / ".venv").mkdir(parents=True)
     (ws / ".venv" / "pyvenv.cfg").write_text(f"home = {tmp_path}/py/bin\nversion = 3.12\n")
     (tmp_path / "py" / "bin").mkdir(parents=True)
+    assert presets.hidden_venv_bases(ws) == []  # a directory, no Python installation
+    (tmp_path / "py" / "bin" / "python3").write_text("")
+    (tmp_path / "py" / "lib" / "python3.12").mkdir(parents=True)
+    (tmp_path / "py" / "lib" / "python3.12" / "os.py").write_text("")
     assert presets.hidden_venv_bases(ws) == [str(tmp_path / "py")]
     assert "python" in presets.detect(ws)
     policy = presets.python_toolchain(Policy(), pyenv_root=tmp_path / "none", workspace=ws)
@@ -183,3 +187,19 @@ async def test_a_venv_config_a_box_planted_is_read_as_hostile(
             warnings = await asyncio.to_thread(lambda: sb.warnings)
     assert bases == []  # the link's target, the host's file, was not read
     assert not any("venv" in w for w in warnings), warnings
+
+
+async def test_a_venv_config_a_box_wrote_shares_no_host_directory(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """The home a box writes in its workspace's pyvenv.cfg is shared with the next box only
+    when it is a Python installation: it named any host directory (a root-only one, logs,
+    another project), which the python preset then mounted into the next box."""
+    secret = tmp_path / "hostsecret"
+    (secret / "bin").mkdir(parents=True)
+    (secret / "key").write_text("TOPSECRET")
+    async with Sandbox(workspace=workspace) as sb:
+        r = await sb.run(f"mkdir .venv && echo 'home = {secret}/bin' > .venv/pyvenv.cfg")
+        assert r.exit_code == 0, r.stderr
+    assert presets.hidden_venv_bases(workspace) == []
+    assert "python" not in presets.detect(workspace)

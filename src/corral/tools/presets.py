@@ -172,9 +172,21 @@ def hidden_venv_bases(workspace: str | os.PathLike[str], policy: Policy | None =
         if not home.startswith("/"):
             continue
         prefix = os.path.dirname(os.path.realpath(home))
-        if os.path.isdir(prefix) and not on_root(prefix, policy) and prefix not in bases:
+        if _python_prefix(prefix) and not on_root(prefix, policy) and prefix not in bases:
             bases.append(prefix)
     return bases
+
+
+def _python_prefix(prefix: str) -> bool:
+    """Whether ``prefix`` is a Python installation (``bin/python3`` a file, the standard
+    library's ``lib/python3.X/os.py`` there). The ``home`` a workspace's pyvenv.cfg names is
+    the box's to write: shared as it was, any host directory a box named (logs, another
+    project, a root-only one) was mounted into the next box of that workspace."""
+    import glob
+
+    return os.path.isfile(os.path.join(prefix, "bin", "python3")) and bool(
+        glob.glob(os.path.join(glob.escape(prefix), "lib", "python3.*", "os.py"))
+    )
 
 
 def venv_hints(workspace: str | os.PathLike[str], policy: Policy) -> list[str]:
