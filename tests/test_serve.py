@@ -427,6 +427,36 @@ async def test_the_same_code_runs_local_and_remote(make_box: Any, workspace: Pat
         assert first.data == b"awaited\n"
 
 
+async def test_the_stream_api_is_the_same_local_and_remote(make_box: Any, workspace: Path) -> None:
+    """``async with``, ``wait``, ``kill``, ``signal``, stdin and an early ``break`` behave
+    alike on both (the remote stream had only iteration and, with stdin, writes)."""
+    async with make_box(workspace=workspace) as sb:
+        async with sb.exec_stream(["sh", "-c", "echo hi; exit 4"]) as stream:
+            assert await stream.wait(30) == 4
+        stream = await sb.exec_stream("sleep 60")
+        with pytest.raises(corral.Timeout):
+            await stream.wait(0.3)  # the command goes on
+        assert await stream.kill() is True
+        assert await stream.wait(30) == -9
+        async with sb.exec_stream(["cat"], stdin="pipe") as piped:
+            await piped.write(b"through stdin\n")
+            await piped.close_stdin()
+            got = [e async for e in piped]
+        assert got[0].data == b"through stdin\n" and got[-1].code == 0
+        nopipe = await sb.exec_stream(["true"])
+        with pytest.raises(corral.SandboxError, match="no stdin"):
+            await nopipe.write(b"x")
+        assert await nopipe.wait(30) == 0
+        # Leaving the loop early ends the command (TERM, the grace, KILL).
+        async for event in sb.exec_stream(["sh", "-c", "echo up; exec sleep 60"]):
+            assert event.data == b"up\n"
+            break
+        deadline = time.monotonic() + 30
+        while "sleep 60" in (await sb.run("ps -eo args")).stdout:
+            assert time.monotonic() < deadline, "the command outlived the loop it was read in"
+            await asyncio.sleep(0.05)
+
+
 async def test_file_sizes_and_empty_reads_local_and_remote(make_box: Any, workspace: Path) -> None:
     # Over the server's 4 MiB write chunk: each chunk once added the file's running size.
     data = bytes(range(256)) * 40000

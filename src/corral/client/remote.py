@@ -22,7 +22,9 @@ is a coroutine here: ``processes()``, ``process(pid)``, ``output()``.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator, Generator, Mapping, Sequence
@@ -532,7 +534,7 @@ class RemoteSandbox:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         timeout: float | None = None,
-    ) -> RemoteExecStream | RemotePipedStream:
+    ) -> RemoteExecStream:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         params: list[tuple[str, str | int | float | bool | None]] = [("cmd", a) for a in argv]
         params += [("env", f"{k}={v}") for k, v in (env or {}).items()]
@@ -540,9 +542,7 @@ class RemoteSandbox:
             params.append(("cwd", cwd))
         if timeout is not None:
             params.append(("timeout", str(timeout)))
-        if stdin == "pipe":
-            return RemotePipedStream(self, params)
-        return RemoteExecStream(self, params)
+        return RemoteExecStream(self, params, stdin=stdin == "pipe")
 
     async def shell(
         self,
@@ -617,95 +617,50 @@ class RemoteProcess:
         return data
 
 
-class _FrameEvents:
-    """What both remote exec streams share: the server's frames turned into the library's
-    events, the command's end remembered (``exit_code``, ``timed_out``), its errors raised as
-    the library's classes."""
+WS_STDIN_CHUNK = 1 << 20
+"""Bytes of stdin per WebSocket message (``RemoteExecStream.write``)."""
+
+
+class RemoteExecStream:
+    """A command's events from a server, with the library's stream API (``ExecStream``):
+    ``async for event in sb.exec_stream(...)`` (leaving the loop early ends the command),
+    ``stream = await sb.exec_stream(...)``, ``async with sb.exec_stream(...) as stream``
+    (the command ended on exit if still running), ``wait``, ``signal``, ``kill``, and with
+    ``stdin="pipe"`` ``write`` and ``close_stdin``.
+
+    Over a WebSocket (``/exec/ws``): the command's stdin stays open while it runs (closed at
+    once without ``stdin="pipe"``), signals reach it, and the socket closing ends it (the
+    server's TERM, grace, KILL). The server's frames become the library's events; the end
+    is remembered (``exit_code``, ``timed_out``); errors are the library's classes."""
 
     def __init__(
-        self, sandbox: RemoteSandbox, params: list[tuple[str, str | int | float | bool | None]]
+        self,
+        sandbox: RemoteSandbox,
+        params: list[tuple[str, str | int | float | bool | None]],
+        *,
+        stdin: bool,
     ) -> None:
         self.sandbox = sandbox
         self.params = params
         self.exit_code: int | None = None
         self.timed_out = False
-
-    def _event(self, kind: int, data: bytes) -> ExecEvent | None:
-        if kind == frames.STDOUT:
-            return Stdout(data)
-        if kind == frames.STDERR:
-            return Stderr(data)
-        if kind == frames.END:
-            end = json.loads(data)
-            if "error" in end and end.get("ended") == "not_started":
-                err = end["error"]
-                raise errors.from_code(err["code"], err["message"])
-            self.exit_code = int(end["exit_code"])
-            self.timed_out = bool(end.get("timed_out"))
-            return Exited(self.exit_code)
-        if kind == frames.ERROR:
-            err = json.loads(data)["error"]
-            raise errors.from_code(err["code"], err["message"])
-        return None
-
-
-class RemoteExecStream(_FrameEvents):
-    """``async for event in sb.exec_stream(...)``: ``Stdout``/``Stderr`` bytes, then
-    ``Exited``; or ``stream = await sb.exec_stream(...)`` and iterate that."""
-
-    def __await__(self) -> Generator[Any, None, RemoteExecStream]:
-        async def ready() -> RemoteExecStream:
-            return self
-
-        return ready().__await__()
-
-    def __aiter__(self) -> AsyncIterator[ExecEvent]:
-        return self._events()
-
-    async def _events(self) -> AsyncIterator[ExecEvent]:
-        remote = self.sandbox.remote
-        request = remote.http.build_request(
-            "POST", _with_query(f"{self.sandbox.path}/exec", self.params), timeout=None
-        )
-        try:
-            response = await remote.http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise errors.ServerUnavailable(f"corral serve did not answer ({exc})") from None
-        try:
-            if response.status_code >= 400:
-                await response.aread()
-                _raise_for(response)
-            buffer = bytearray()
-            async for chunk in response.aiter_raw():
-                buffer += chunk
-                for kind, data in frames.split_frames(buffer):
-                    event = self._event(kind, data)
-                    if event is not None:
-                        yield event
-                        if isinstance(event, Exited):
-                            return
-            raise errors.ServerUnavailable("the server's stream ended before the command did")
-        finally:
-            await response.aclose()
-
-
-WS_STDIN_CHUNK = 1 << 20
-"""Bytes of stdin per WebSocket message (``RemotePipedStream.write``)."""
-
-
-class RemotePipedStream(_FrameEvents):
-    """``exec_stream(..., stdin="pipe")`` on a server: the command's stdin stays open over a
-    WebSocket (``/exec/ws``), so what it prints comes back while it is still being fed.
-    ``stream = await sb.exec_stream(cmd, stdin="pipe")``, then ``write``, ``close_stdin``,
-    ``signal`` and ``async for event in stream``."""
-
-    def __init__(
-        self, sandbox: RemoteSandbox, params: list[tuple[str, str | int | float | bool | None]]
-    ) -> None:
-        super().__init__(sandbox, params)
+        self._stdin = stdin
         self._ws: Any = None
+        self._pending: list[ExecEvent] = []
+        self._done = False
 
-    async def _open(self) -> RemotePipedStream:
+    def __repr__(self) -> str:
+        argv = [v for k, v in self.params if k == "cmd"]
+        return f"<RemoteExecStream {argv!r} exit_code={self.exit_code}>"
+
+    @property
+    def stdin(self) -> RemoteExecStream | None:
+        """The writer (this stream) when started with ``stdin="pipe"``."""
+        return self if self._stdin else None
+
+    async def _open(self) -> RemoteExecStream:
+        if self._ws is not None:
+            return self
         from websockets.asyncio.client import connect, unix_connect
         from websockets.exceptions import InvalidHandshake, InvalidStatus
 
@@ -728,26 +683,45 @@ class RemotePipedStream(_FrameEvents):
             raise errors.ServerUnavailable(
                 f"corral serve at {remote.url} did not open a WebSocket ({exc}); is it running?"
             ) from None
+        if not self._stdin:
+            await self._send(json.dumps({"eof": True}))
         return self
 
-    def __await__(self) -> Generator[Any, None, RemotePipedStream]:
+    def __await__(self) -> Generator[Any, None, RemoteExecStream]:
         return self._open().__await__()
 
+    # -- stdin and signals -----------------------------------------------------------------
     async def write(self, data: bytes | str) -> None:
         """Send ``data`` to the command's stdin, in messages the server takes (its
         WebSocket messages are capped at 16 MiB): any size arrives whole."""
+        if not self._stdin:
+            raise errors.SandboxError(
+                "this stream has no stdin; start it with stdin='pipe'",
+                code=errors.ErrorCode.INVALID_INPUT,
+            )
+        await self._open()
         view = memoryview(text_bytes(data))
         for start in range(0, len(view), WS_STDIN_CHUNK):
             await self._send(bytes(view[start : start + WS_STDIN_CHUNK]))
 
     async def close_stdin(self) -> None:
-        await self._send(json.dumps({"eof": True}))
+        if self._stdin:
+            await self._open()
+            self._stdin = False
+            await self._send(json.dumps({"eof": True}))
 
-    async def signal(self, sig: str | int = "SIGTERM") -> None:
+    async def signal(self, sig: str | int = "SIGTERM") -> bool:
         from corral.processes import parse_signal
 
         parse_signal(sig)  # an unknown signal is refused here, as the library does
+        if self._done:
+            return False
+        await self._open()
         await self._send(json.dumps({"signal": sig}))
+        return True
+
+    async def kill(self) -> bool:
+        return await self.signal("SIGKILL")
 
     async def _send(self, message: bytes | str) -> None:
         from websockets.exceptions import ConnectionClosed
@@ -759,29 +733,108 @@ class RemotePipedStream(_FrameEvents):
                 f"the server closed the stream's WebSocket ({exc}); the command has ended"
             ) from None
 
+    # -- events ----------------------------------------------------------------------------
+    def _event(self, kind: int, data: bytes) -> ExecEvent | None:
+        if kind == frames.STDOUT:
+            return Stdout(data)
+        if kind == frames.STDERR:
+            return Stderr(data)
+        if kind == frames.END:
+            end = json.loads(data)
+            if "error" in end and end.get("ended") == "not_started":
+                err = end["error"]
+                raise errors.from_code(err["code"], err["message"])
+            self.exit_code = int(end["exit_code"])
+            self.timed_out = bool(end.get("timed_out"))
+            return Exited(self.exit_code)
+        if kind == frames.ERROR:
+            err = json.loads(data)["error"]
+            raise errors.from_code(err["code"], err["message"])
+        return None
+
+    async def __anext__(self) -> ExecEvent:
+        """The next event. Cancelling it is safe (a ``wait`` with a timeout does): the
+        WebSocket keeps the messages not read yet."""
+        from websockets.exceptions import ConnectionClosed
+
+        await self._open()
+        while not self._pending:
+            if self._done:
+                raise StopAsyncIteration
+            try:
+                message = await self._ws.recv()
+            except ConnectionClosed:
+                self._done = True
+                raise errors.ServerUnavailable(
+                    "the server's stream ended before the command did"
+                ) from None
+            if not isinstance(message, bytes):
+                continue
+            try:
+                for kind, data in frames.split_frames(bytearray(message)):
+                    event = self._event(kind, data)
+                    if event is not None:
+                        self._pending.append(event)
+            except BaseException:
+                await self._close()
+                raise
+        event = self._pending.pop(0)
+        if isinstance(event, Exited):
+            await self._close()
+        return event
+
     def __aiter__(self) -> AsyncIterator[ExecEvent]:
         return self._events()
 
     async def _events(self) -> AsyncIterator[ExecEvent]:
-        from websockets.exceptions import ConnectionClosed
-
-        if self._ws is None:
-            await self._open()
+        """The events; leaving the loop early (``break``, an exception) ends the command,
+        as the library's stream does."""
         try:
-            async for message in self._ws:
-                if not isinstance(message, bytes):
-                    continue
-                for kind, data in frames.split_frames(bytearray(message)):
-                    event = self._event(kind, data)
-                    if event is not None:
-                        yield event
-                        if isinstance(event, Exited):
-                            return
-        except ConnectionClosed:
-            pass
+            while True:
+                try:
+                    event = await self.__anext__()
+                except StopAsyncIteration:
+                    return
+                yield event
         finally:
-            await self._ws.close()
-        raise errors.ServerUnavailable("the server's stream ended before the command did")
+            await self._close()
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit; the status. Events not read are dropped. Past ``timeout``,
+        :class:`corral.Timeout` and the command goes on."""
+        try:
+            async with asyncio.timeout(timeout):
+                while not self._done:
+                    with contextlib.suppress(StopAsyncIteration):
+                        await self.__anext__()
+        except TimeoutError:
+            raise errors.Timeout(f"the command is still running after {timeout:g} s") from None
+        if self.exit_code is None:
+            raise errors.ServerUnavailable("the server's stream ended before the command did")
+        return self.exit_code
+
+    async def _close(self) -> None:
+        """Close the socket: if the command still runs, the server ends it (TERM, grace,
+        KILL)."""
+        self._done = True
+        if self._ws is not None:
+            with contextlib.suppress(Exception):
+                await self._ws.close()
+
+    async def __aenter__(self) -> RemoteExecStream:
+        return await self._open()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._close()
+
+
+RemotePipedStream = RemoteExecStream
+"""The name it had when only ``stdin="pipe"`` went over a WebSocket."""
 
 
 class RemoteFiles:
