@@ -387,3 +387,16 @@ def test_an_image_staging_entry_is_host_roots_until_its_mount_is_made(
     finally:
         for entry in entries:  # the overlay first
             staging.release_staging(entry)
+
+
+async def test_a_mask_on_a_link_an_earlier_box_left_is_refused_naming_its_path(
+    box_policy: Policy, workspace: Path
+) -> None:
+    """An earlier box replaced the masked ``.git`` with a link to ``/etc``: the mask is
+    refused (it would land on the link's target), named as the box sees the path, not as
+    corral's own staging mount of the workspace (a path the user never made)."""
+    await _in_box(box_policy, workspace, "rm -rf .git && ln -s /etc .git")
+    fs = box_policy.filesystem.model_copy(update={"deny_write": [".git"]})
+    message = await _refused(box_policy.model_copy(update={"filesystem": fs}), workspace, ".git")
+    assert f"{box_policy.workdir}/.git is a symlink in a writable area" in message, message
+    assert "/run/corral" not in message, message

@@ -365,8 +365,11 @@ def _no_link_below(
             continue
         current = f"{current}/{part}"
         if host.islink(current):
+            # Named as the box sees it: the host path may be corral's own staging mount of
+            # the workspace, which names nothing the user knows.
+            seen = posixpath.join(area[1], os.path.relpath(current, root))
             raise PolicyError(
-                f"filesystem.{field} {raw!r}: {current} is a symlink in a writable area (left "
+                f"filesystem.{field} {raw!r}: {seen} is a symlink in a writable area (left "
                 "by an earlier box?); a mask cannot follow it: remove the link, or drop the entry"
             )
         if not host.lexists(current):
