@@ -596,27 +596,45 @@ class _Copy:
         if host == "-":
             self._put(box, path, chunks(0, 1 << 20))
             return
-        info = _host_stat(host)
-        found = self._stat(box, path)
-        if (found is not None and found["type"] == "dir") or path.endswith("/"):
-            path = _join(path, os.path.basename(os.path.normpath(host)))
-        if not _is_dir(info):
-            if not _is_regular(_host_stat(host, follow=False)):  # named on its own: refused
+        # Looked at before anything is sent, following no link in any component (SRC may be
+        # in the box's workspace): a link the box planted there, named as SRC, walked the
+        # host directory it points to and made its tree of names in the box.
+        source = _HostPath(host)
+        if os.path.islink(host):  # named on its own: the user's mistake, or the box's plant
+            raise ServerError(
+                "invalid_input",
+                f"{host} is a symbolic link: corral cp copies regular files and directories "
+                "and goes through no link on this host (a box can plant one in its "
+                "workspace); name the real path",
+            )
+        try:
+            top = source.open(source.parts, os.O_PATH | os.O_CLOEXEC)  # no side effect
+        except OSError as exc:
+            raise _host_error(host, exc) from None
+        try:
+            info = os.fstat(top)
+            if not (_is_dir(info) or _is_regular(info)):  # named on its own: refused
                 raise ServerError(
                     "invalid_input",
-                    f"{host} is not a regular file or directory (a link or a special file): "
-                    "corral cp copies regular files and directories",
+                    f"{host} is not a regular file or directory (a special file): corral cp "
+                    "copies regular files and directories",
                 )
-            self._put_file(box, host, path)
-            return
-        for where, dirs, files in os.walk(host, onerror=_raise_host_error):
-            rel = os.path.relpath(where, host)
-            here = path if rel == "." else _join(path, *rel.split(os.sep))
-            self.conn.request("POST", f"/v1/boxes/{q(box)}/files/mkdir?path={q(here)}").read()
-            for name in sorted(files) + sorted(
-                d for d in dirs if os.path.islink(os.path.join(where, d))
-            ):
-                self._put_file(box, os.path.join(where, name), _join(here, name))
+            found = self._stat(box, path)
+            if (found is not None and found["type"] == "dir") or path.endswith("/"):
+                path = _join(path, os.path.basename(os.path.normpath(host)))
+            if not _is_dir(info):
+                self._put_file(box, host, path)
+                return
+            # Through the directory's fd, no link followed (a link inside is a file to
+            # skip, named on stderr, as a FIFO is).
+            for rel, _, files, _ in os.fwalk(".", dir_fd=top, onerror=_raise_host_error):
+                rel = os.path.normpath(rel)
+                here = path if rel == "." else _join(path, *rel.split(os.sep))
+                self.conn.request("POST", f"/v1/boxes/{q(box)}/files/mkdir?path={q(here)}").read()
+                for name in sorted(files):
+                    self._put_file(box, os.path.join(host, rel, name), _join(here, name))
+        finally:
+            os.close(top)
 
     def _put_file(self, box: str, host: str, path: str) -> None:
         info = _host_stat(host, follow=False)
