@@ -958,6 +958,41 @@ def test_every_way_to_wait_for_a_command_says_its_box_s_lease_ended(server: Serv
         r = client.post(f"/v1/boxes/{box2}/processes/{started['pid']}/wait", timeout=60)
         assert (r.status_code, r.json()["error"]["code"]) == (410, "sandbox_closed"), r.text
         assert "its ttl lease ended" in r.json()["error"]["message"]
+        # corral logs -f: the follow stream ends with the error too
+        box3 = client.post("/v1/boxes", json={"ttl_secs": 1}).json()["id"]
+        started = client.post(
+            f"/v1/boxes/{box3}/run", json={"cmd": "sleep 60", "background": True}
+        ).json()
+        followed = client.get(f"/v1/boxes/{box3}/processes/{started['pid']}/follow", timeout=60)
+        kinds = dict(frames.split_frames(bytearray(followed.content)))
+        assert frames.END not in kinds, kinds
+        assert json.loads(kinds[frames.ERROR])["error"]["code"] == "sandbox_closed", kinds
+
+
+def test_a_command_whose_box_another_caller_deleted_says_so(server: Served) -> None:
+    """``corral rm`` under a running ``corral exec``: the exec's end is the box's, not the
+    command's own (it exited 143 without a word)."""
+    from corral.client import frames
+
+    with http(server) as client:
+        box = client.post("/v1/boxes", json={}).json()["id"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+
+            def stream() -> bytes:
+                with http(server) as own:
+                    params = {"cmd": ["sh", "-c", "echo started; sleep 60"]}
+                    return own.post(f"/v1/boxes/{box}/exec", params=params, timeout=60).content
+
+            streamed = pool.submit(stream)
+            deadline = time.monotonic() + 30
+            while not client.get(f"/v1/boxes/{box}/processes").json():
+                assert time.monotonic() < deadline, "the command never started"
+                time.sleep(0.05)
+            assert client.delete(f"/v1/boxes/{box}").status_code == 204
+            kinds = dict(frames.split_frames(bytearray(streamed.result(60))))
+    assert frames.END not in kinds, kinds
+    error = json.loads(kinds[frames.ERROR])["error"]
+    assert error["code"] == "sandbox_closed" and "was deleted" in error["message"], error
 
 
 def test_a_stopping_server_ends_the_commands_in_flight_with_a_retryable_error(

@@ -684,7 +684,12 @@ class RemoteExecStream:
                 f"corral serve at {remote.url} did not open a WebSocket ({exc}); is it running?"
             ) from None
         if not self._stdin:
-            await self._send(json.dumps({"eof": True}))
+            from websockets.exceptions import ConnectionClosed
+
+            # A command that ended at once has its frames sent and the socket closed by now:
+            # its events are still there to read.
+            with contextlib.suppress(ConnectionClosed):
+                await self._ws.send(json.dumps({"eof": True}))
         return self
 
     def __await__(self) -> Generator[Any, None, RemoteExecStream]:

@@ -317,12 +317,12 @@ async def _feed(data: bytes, stream: Any) -> errors.SandboxError | None:
 def _closed_by_server(
     boxes: Boxes, sb: Sandbox, held: HeldBox | None, how: str
 ) -> errors.SandboxError | None:
-    """The error for a command whose box the server closed under it (a lease ended, the
-    server is stopping), or None when the end was the command's own (or a caller's delete):
+    """The error for a command whose box the server closed under it (a lease ended, a
+    caller deleted it, the server is stopping), or None when the end was the command's own:
     the kill that ended it is the box's, and a harness must be able to retry rather than
     score it. ``how`` is the end the command itself would report."""
     why = held.ended if held is not None else ("shutdown" if boxes.closing and sb.closed else None)
-    if why is None or why == "deleted":
+    if why is None:
         return None
     if why == "shutdown":
         return errors.ServerUnavailable(
@@ -330,6 +330,11 @@ def _closed_by_server(
             f"{how}, was the box's, not its own); retry on its successor"
         )
     name = held.id if held is not None else sb.sandbox_id
+    if why == "deleted":
+        return errors.SandboxClosed(
+            f"box {name} was deleted while the command ran: the command's end ({how}) was "
+            "the box's, not its own"
+        )
     return errors.SandboxClosed(
         f"the server closed box {name} while the command ran (its {why} lease ended): the "
         f"command's end ({how}) was the box's, not its own"
@@ -936,8 +941,10 @@ def build_api(  # noqa: C901
         responses={200: {"content": {frames.MEDIA_TYPE: {}}}},
     )
     async def follow_process(box_id: str, pid: int) -> StreamingResponse:
-        """Output captured so far, then live, then the end (``corral logs -f``)."""
-        proc = process(box_id, pid)
+        """Output captured so far, then live, then the end (``corral logs -f``), or the
+        error saying the server closed the box under the process."""
+        held = box(box_id)
+        proc = held.sandbox.process(pid)
 
         async def gen() -> AsyncIterator[bytes]:
             queue = proc.subscribe(hold=False)  # a watcher: it must not slow the process
@@ -955,6 +962,9 @@ def build_api(  # noqa: C901
                     if kind == "exit":
                         assert isinstance(data, int)
                         code = data
+                        how = "signalled" if code < 0 else "exited"
+                        if closed := _closed_by_server(boxes, held.sandbox, held, how):
+                            raise closed
                         yield frames.json_frame(
                             frames.END, {"exit_code": code, "status": _status_for_cli(code, False)}
                         )
