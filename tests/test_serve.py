@@ -1314,6 +1314,55 @@ def test_shell_through_the_server_ends_its_box(server: Served, workspace: Path) 
         assert client.get(f"/v1/boxes/{held[0]}").status_code == 404  # removed with its shell
 
 
+def _raw(fd: int) -> bool:
+    """Whether the terminal of ``fd`` is left without line editing (canonical mode off)."""
+    import termios
+
+    return not termios.tcgetattr(fd)[3] & termios.ICANON
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_shell_through_the_server_killed_restores_the_terminal_and_ends_its_box(
+    server: Served, workspace: Path, sig: int
+) -> None:
+    """As in-process: SIGTERM or SIGHUP of ``corral shell`` restores the terminal (it was
+    left raw, without echo) and removes the box it made (it lived on the server for good)."""
+    term = _Terminal([*CORRAL, "shell", "--shell", "/bin/sh"], server.env, workspace)
+    term.expect(b"exit ends it")
+    term.type(b"echo sum-$((2+3))\r")
+    term.expect(b"sum-5")
+    assert _raw(term.master)
+    with http(server) as client:
+        held = [b["id"] for b in client.get("/v1/boxes").json() if b["labels"].get("via")]
+        assert len(held) == 1
+        term.proc.send_signal(sig)
+        term.expect(b"closing box")
+        assert not _raw(term.master)  # restored before the CLI exits
+        assert term.wait() == 128 + sig
+        assert client.get(f"/v1/boxes/{held[0]}").status_code == 404
+
+
+async def test_attach_to_a_box_removed_underneath_says_so(server: Served, workspace: Path) -> None:
+    """The box closed under a person's attach (corral rm, its lease): said, exit 129 (it
+    ended silently with 1); SIGTERM of an attach restores the terminal, the session runs on."""
+    async with corral.connect(server.url) as remote:
+        sb = await remote.Sandbox().__aenter__()
+        session = await sb.shell()
+        term = _Terminal([*CORRAL, "attach", session.session_id[:8]], server.env, workspace)
+        term.type(b"echo $((40+2))\r")
+        await asyncio.to_thread(term.expect, b"42")  # the box's answer: the bridge is up
+        term.proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(term.expect, b"detached; session")
+        assert not _raw(term.master)
+        assert await asyncio.to_thread(term.wait) == 128 + signal.SIGTERM
+        term = _Terminal([*CORRAL, "attach", session.session_id[:8]], server.env, workspace)
+        term.type(b"echo $((50+5))\r")
+        await asyncio.to_thread(term.expect, b"55")
+        await sb.__aexit__(None, None, None)  # the box is removed under the person
+        await asyncio.to_thread(term.expect, b"was closed")
+        assert await asyncio.to_thread(term.wait) == 129
+
+
 async def test_attach_through_the_server_and_detach(server: Served, workspace: Path) -> None:
     async with corral.connect(server.url) as remote, remote.Sandbox() as sb:
         session = await sb.shell()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import sys
 import termios
 import tty
@@ -66,6 +67,12 @@ class _Bridge(KeyBridge):
         super().__init__(keys, in_fd, out_fd)
         self.ws = ws
         self.outgoing: asyncio.Queue[bytes | str | None] = asyncio.Queue()
+        self.signalled: int | None = None
+        """SIGTERM or SIGHUP that ended the attach (the terminal gone, or a kill)."""
+
+    def on_signal(self, number: int) -> None:
+        self.signalled = number
+        self.finish(AttachOutcome("detached"))
 
     def forward(self, data: bytes) -> None:
         self.outgoing.put_nowait(data)
@@ -85,10 +92,16 @@ class _Bridge(KeyBridge):
         self.finish(AttachOutcome("exited" if self.ws.close_code == 1000 else "lost"))
 
 
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that end an attach as the in-process one ends: the terminal restored first (a
+default action left it raw, with no echo), then the caller's exit as 128 + the signal."""
+
+
 async def bridge(
     conn: Conn, box: str, session: str, keys: bytes, in_fd: int = 0, out_fd: int = 1
-) -> AttachOutcome:
-    """This terminal on the session until detach, the session's end, or a lost server."""
+) -> tuple[AttachOutcome, int | None]:
+    """This terminal on the session until detach, the session's end, a lost server, or
+    SIGTERM/SIGHUP (the second value: that signal's number)."""
     loop = asyncio.get_running_loop()
     ws = await _open(conn, f"/v1/boxes/{q(box)}/sessions/{q(session)}/attach")
     state = _Bridge(ws, keys, in_fd, out_fd)
@@ -96,20 +109,25 @@ async def bridge(
     if os.isatty(in_fd):
         saved = termios.tcgetattr(in_fd)
         tty.setraw(in_fd, termios.TCSANOW)
+    for number in _ENDING_SIGNALS:
+        loop.add_signal_handler(number, state.on_signal, number)
     state.on_winch()
     loop.add_reader(in_fd, state.on_key)
     unwatch = watch_winch(loop, state.on_winch)
     tasks = [asyncio.ensure_future(state.send()), asyncio.ensure_future(state.receive())]
     try:
-        return await state.done
+        return await state.done, state.signalled
     finally:
         loop.remove_reader(in_fd)
         unwatch()
         for task in tasks:
             task.cancel()
-        await ws.close()
-        if saved is not None:
+        if saved is not None:  # first: whatever follows may be cut short
             termios.tcsetattr(in_fd, termios.TCSADRAIN, saved)
+        with contextlib.suppress(Exception):
+            await ws.close()
+        for number in _ENDING_SIGNALS:
+            loop.remove_signal_handler(number)
 
 
 def _say(message: str) -> None:
@@ -133,9 +151,20 @@ def _session_exit(conn: Conn, box: str, session: str) -> int | None:
     return None
 
 
+class _Signalled(Exception):
+    """The attach ended by SIGTERM/SIGHUP: ``corral shell`` removes its box, then exits
+    128 + the signal (``corral attach`` just exits: the session goes on)."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(number)
+        self.number = number
+
+
 def _attach_and_report(conn: Conn, box: str, session: str, keys_text: str) -> int:
     keys = parse_detach_keys(keys_text)
-    ended = asyncio.run(bridge(conn, box, session, keys))
+    ended, signalled = asyncio.run(bridge(conn, box, session, keys))
+    if signalled is not None:
+        raise _Signalled(signalled)
     if ended.reason == "detached":
         _say(
             f"detached from session {session} in {box}; `corral attach {session}` to return, "
@@ -145,7 +174,19 @@ def _attach_and_report(conn: Conn, box: str, session: str, keys_text: str) -> in
     if ended.reason == "lost":
         _say(f"the server dropped session {session} (the box closed or the server stopped)")
         return 1
-    return _status(_session_exit(conn, box, session))
+    code = _session_exit(conn, box, session)
+    if code is None and _box_gone(conn, box):  # closed under the person: say so, as in-process
+        _say(f"box {box} was closed (removed, or its lease ended): session {session} ended")
+        return 129  # hung up
+    return _status(code)
+
+
+def _box_gone(conn: Conn, box: str) -> bool:
+    try:
+        conn.json("GET", f"/v1/boxes/{q(box)}")
+    except ServerError as exc:
+        return exc.code == "box_not_found"
+    return False
 
 
 def list_sessions(conn: Conn) -> list[dict[str, Any]]:
@@ -171,7 +212,11 @@ def find_session(conn: Conn, prefix: str) -> tuple[str, str]:
 
 def attach(conn: Conn, session_prefix: str, keys_text: str = DEFAULT_DETACH_KEYS) -> int:
     box, session = find_session(conn, session_prefix)
-    return _attach_and_report(conn, box, session, keys_text)
+    try:
+        return _attach_and_report(conn, box, session, keys_text)
+    except _Signalled as by:
+        _say(f"{signal.Signals(by.number).name}: detached; session {session} runs on")
+        return 128 + by.number
 
 
 def shell(conn: Conn, flags: list[str], shell_path: str | None, keys_text: str) -> int:
@@ -203,9 +248,13 @@ def shell(conn: Conn, flags: list[str], shell_path: str | None, keys_text: str) 
             file=sys.stderr,
             flush=True,
         )
-        status = _attach_and_report(conn, box_id, sid, keys_text)
-        ended = _session_exit(conn, box_id, sid) is not None
-        if ended:
+        try:
+            status = _attach_and_report(conn, box_id, sid, keys_text)
+        except _Signalled as by:  # as in-process: the box goes with the shell
+            removed = True
+            _say(f"{signal.Signals(by.number).name}: closing box {box_id}")
+            return 128 + by.number
+        if _session_exit(conn, box_id, sid) is not None:
             removed = True
         return status
     finally:
