@@ -304,6 +304,22 @@ def test_create_exec_cp_logs_ps_rm(server: Served, workspace: Path, tmp_path: Pa
         cli(server, "rm", live, cwd=tmp_path)
 
 
+def test_exec_flags_after_the_box_id_are_exec_s(server: Served, workspace: Path) -> None:
+    # `corral exec ID -i -- cat` once ran `-i` as the command (127): REMAINDER took it.
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        r = cli(server, "exec", box, "-i", "--", "cat", cwd=workspace, stdin=b"hi\n")
+        assert (r.returncode, r.stdout) == (0, b"hi\n"), r.stderr
+        r = cli(server, "exec", box, "--timeout", "30", "-w", "/tmp", "--", "pwd", cwd=workspace)
+        assert (r.returncode, r.stdout) == (0, b"/tmp\n"), r.stderr
+        r = cli(server, "exec", box, "-e", "X=1", "sh", "-c", "echo $X -i", cwd=workspace)
+        assert (r.returncode, r.stdout) == (0, b"1 -i\n"), r.stderr  # no --: from the command on
+        r = cli(server, "exec", box, "--", "echo", "--", "-i", cwd=workspace)
+        assert (r.returncode, r.stdout) == (0, b"-- -i\n"), r.stderr  # after --: the command's
+    finally:
+        cli(server, "rm", box, cwd=workspace)
+
+
 def test_a_slow_logs_follower_does_not_slow_the_process(server: Served) -> None:
     # `corral logs -f` watches a background process: a reader that stops must not hold it
     # (an exec stream does hold its own command); it is told what it missed instead.

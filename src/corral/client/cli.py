@@ -135,7 +135,12 @@ def remote_main(argv: Sequence[str]) -> int | None:
     if command not in SERVER_COMMANDS:
         return None
     try:
-        args = server_parser().parse_args(list(argv))
+        if command == "exec":
+            head, tail = _exec_split(rest)
+            args = server_parser().parse_args(["exec", *head])
+            args.command = tail
+        else:
+            args = server_parser().parse_args(list(argv))
     except _Usage as exc:
         print(f"corral: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -369,6 +374,34 @@ def _terminal(conn: Conn, command: str, argv: list[str]) -> int:
 
 
 # ---- commands that need a server -------------------------------------------------------------
+_EXEC_VALUED = ("-w", "--workdir", "-e", "--env", "--timeout")
+"""``corral exec``'s flags that take the next argument as their value."""
+
+
+def _exec_split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``corral exec``'s arguments as (its flags and the box id, the command).
+
+    The command is what follows ``--``, or without one, what starts at the first argument
+    after the box id that is not a flag: exec's own flags are exec's wherever they are
+    before it (``corral exec ID -i -- cat`` as ``corral exec -i ID -- cat``). argparse's
+    REMAINDER right after the box took them as the command, which ran ``-i`` (127).
+    """
+    positionals = 0
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1 :]
+        if arg.startswith("-") and arg != "-":
+            i += 2 if arg in _EXEC_VALUED else 1
+            continue
+        positionals += 1
+        if positionals == 2:
+            return argv[:i], argv[i:]
+        i += 1
+    return argv, []
+
+
 def server_parser() -> argparse.ArgumentParser:
     """The parser of the commands that need a server (create, exec, ps, cp, logs, rm)."""
     import argparse
@@ -392,7 +425,7 @@ def server_parser() -> argparse.ArgumentParser:
     ex.add_argument("--timeout", type=float)
     ex.add_argument("-i", "--stdin", action="store_true", help="pass stdin to the command")
     ex.add_argument("--raw", action="store_true")
-    ex.add_argument("command", nargs=argparse.REMAINDER)
+    ex.add_argument("command", nargs="*", help="the command, after --")
     ex.set_defaults(func=_exec)
     ps = sub.add_parser("ps", help="the server's boxes, or a box's processes")
     ps.add_argument("box", nargs="?")
@@ -497,8 +530,6 @@ def _create(conn: Conn, args: argparse.Namespace) -> int:
 
 def _exec(conn: Conn, args: argparse.Namespace) -> int:
     command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
     if not command:
         raise ServerError("invalid_input", "give a command after --, e.g. corral exec ID -- ls")
     query = "&".join(f"cmd={q(c)}" for c in command)
