@@ -856,6 +856,34 @@ def test_cp_out_writes_through_no_link_the_box_planted(
         cli(server, "rm", box, cwd=tmp_path)
 
 
+@pytest.mark.parametrize("where", ["server", "tcp_server"])
+def test_a_refusal_while_the_body_is_sent_is_the_server_s_answer(
+    where: str, request: pytest.FixtureRequest, workspace: Path, tmp_path: Path
+) -> None:
+    """A server refuses a request before reading all its body (a copy to a path the policy
+    refuses, stdin over its cap) and closes: the send breaks, and the answer it sent is
+    the error, not a retryable ``server_unavailable ... Broken pipe``."""
+    served: Served = request.getfixturevalue(where)
+    big = tmp_path / "big"
+    big.write_bytes(b"\0" * (32 << 20))  # far more than the socket buffers hold
+    box = cli(served, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        r = cli(served, "cp", str(big), f"{box}:/etc/x", cwd=workspace)
+        assert b"[path_outside_sandbox]" in r.stderr, r.stderr
+        assert r.stderr.count(b"\n") == 1, r.stderr
+        script = f'head -c {(256 << 20) + (1 << 20)} /dev/zero | "$@"'
+        r = subprocess.run(
+            ["sh", "-c", script, "sh", *CORRAL, "exec", "-i", box, "--", "wc", "-c"],
+            env=served.env,
+            cwd=workspace,
+            capture_output=True,
+            timeout=120,
+        )
+        assert r.returncode == 125 and b"[request_too_large]" in r.stderr, r.stderr
+    finally:
+        cli(served, "rm", box, cwd=workspace)
+
+
 def test_cp_in_reads_through_no_link_the_box_planted(
     server: Served, workspace: Path, tmp_path: Path
 ) -> None:

@@ -259,8 +259,11 @@ class Conn:
                 sock.sendall(b"0\r\n\r\n")
             response = Response(sock)
         except OSError as exc:
-            sock.close()
-            raise self._broke_off(exc) from None
+            answer = _answer_anyway(sock)
+            if answer is None:
+                sock.close()
+                raise self._broke_off(exc) from None
+            response = answer
         if response.status >= 400:
             raise _error(response)
         return response
@@ -296,6 +299,25 @@ class Conn:
             return "localhost"
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+
+ANSWER_TIMEOUT = 10.0
+"""How long a request whose sending broke waits for the answer the server may have sent."""
+
+
+def _answer_anyway(sock: _socket.socket) -> Response | None:
+    """The response the server sent before it stopped reading the request, or None.
+
+    A server refuses a request while its body is still coming (stdin over its cap, a copy
+    to a path the policy refuses) by answering and closing: sending the rest then breaks
+    (EPIPE, ECONNRESET), but the answer is already here to read. Said as the server's own
+    error (``request_too_large``), not as the server failing, which a caller retries.
+    """
+    try:
+        sock.settimeout(ANSWER_TIMEOUT)
+        return Response(sock)
+    except OSError:
+        return None
 
 
 def _error(response: Response) -> ServerError:
