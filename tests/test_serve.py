@@ -1345,6 +1345,15 @@ class _Terminal:
             os.close(self.master)
 
 
+def test_bad_detach_keys_through_the_server_are_one_line(server: Served, workspace: Path) -> None:
+    # The parser's library error once reached the user as a traceback (exit 1).
+    for args in (("shell", "--detach-keys", "bogus"), ("attach", "x", "--detach-keys=ctrl-1")):
+        r = cli(server, *args, cwd=workspace)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.startswith(b"corral: [invalid_input] invalid detach keys"), r.stderr
+        assert r.stderr.count(b"\n") == 1, r.stderr
+
+
 def test_shell_through_the_server_ends_its_box(server: Served, workspace: Path) -> None:
     term = _Terminal([*CORRAL, "shell", "--shell", "/bin/sh"], server.env, workspace)
     term.expect(b"exit ends it")

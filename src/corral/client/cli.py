@@ -352,6 +352,8 @@ def _terminal(conn: Conn, command: str, argv: list[str]) -> int:
 
     keys, argv = _take(argv, "--detach-keys")
     keys = keys or "ctrl-]"
+    if command != "sessions":
+        _check_detach_keys(keys)
     if command == "shell":
         shell, flags = _take(argv, "--shell")
         return terminal.shell(conn, localize(flags), shell, keys)
@@ -371,6 +373,18 @@ def _terminal(conn: Conn, command: str, argv: list[str]) -> int:
     for s in found:
         print(f"{s['id']:<38} {s['box']:<17} {s['shell']:<14} {s['attached']}")
     return 0
+
+
+def _check_detach_keys(text: str) -> None:
+    """Bad ``--detach-keys`` as one line and status 2, before a box or terminal is touched:
+    the parser raises the library's error, which reached the user as a traceback here."""
+    from corral import errors
+    from corral.sessions.terminal import parse_detach_keys
+
+    try:
+        parse_detach_keys(text)
+    except errors.SandboxError as exc:
+        raise ServerError("invalid_input", exc.message) from None
 
 
 # ---- commands that need a server -------------------------------------------------------------
