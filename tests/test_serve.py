@@ -177,6 +177,27 @@ def test_run_through_the_server_passes_arguments_that_are_not_utf8(
         cli(server, "rm", box, cwd=workspace)
 
 
+def test_a_command_or_directory_not_utf8_that_fails_to_start_is_127_or_126(
+    server: Served, workspace: Path
+) -> None:
+    # Its name in the note once made the server fail (internal_error, 125).
+    name = os.fsdecode(b"caf\xe9")
+    (workspace / name).write_text("a file, not a directory\n")
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        for args, status in (
+            (("run", "--", f"./nope{name}"), 127),
+            (("exec", box, "--", f"./nope{name}"), 127),
+            (("exec", "-w", f"/workspace/{name}", box, "--", "true"), 126),
+        ):
+            r = cli(server, *args, cwd=workspace)
+            assert r.returncode == status, (args, r.stderr)
+            assert r.stderr.startswith(b"corral: ") and b"caf\\udce9" in r.stderr, r.stderr
+            assert r.stderr.count(b"\n") == 1, r.stderr
+    finally:
+        cli(server, "rm", box, cwd=workspace)
+
+
 def test_a_malformed_run_header_is_one_sentence(server: Served) -> None:
     with http(server) as client:
         for header, says in (('{"argv": [1]}', "argv.0: "), ("{nope", "line 1 column 2")):

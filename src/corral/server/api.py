@@ -370,7 +370,11 @@ async def _stream_command(
         )
     except errors.SpawnFailed as exc:
         status = 127 if isinstance(exc, errors.CommandNotFound) else 126
-        yield frames.frame(frames.NOTE, f"corral: {exc.message}".encode())
+        # A name that is not UTF-8 is in the message as surrogates (os.fsdecode): shown
+        # escaped, as the in-process CLI's stderr shows it; a plain encode() raised, and
+        # a command that was not found became internal_error.
+        note = f"corral: {exc.message}".encode("utf-8", "backslashreplace")
+        yield frames.frame(frames.NOTE, note)
         yield frames.json_frame(
             frames.END,
             {
@@ -839,7 +843,8 @@ def build_api(  # noqa: C901
                 plan.policy, plan.workspace, allow_dangerous_workspace=force
             ) as sb:
                 for warning in sb.warnings:
-                    yield frames.frame(frames.NOTE, f"corral: warning: {warning}".encode())
+                    note = f"corral: warning: {warning}"  # may name a path not in UTF-8
+                    yield frames.frame(frames.NOTE, note.encode("utf-8", "backslashreplace"))
                 command = plan.command or list(
                     (sb.image_config.cmd if sb.image_config else None) or ()
                 )
