@@ -198,6 +198,40 @@ def test_a_command_or_directory_not_utf8_that_fails_to_start_is_127_or_126(
         cli(server, "rm", box, cwd=workspace)
 
 
+def test_run_json_through_the_server_says_what_it_says_in_process(
+    server: Served, workspace: Path, tmp_path: Path
+) -> None:
+    # Through the server, errors were a plain line on stderr (stdout empty) and bytes that
+    # are not UTF-8 became U+FFFD without the note: each as in-process now.
+    local = {**server.env, "CORRAL_HOST": "local"}
+    nowhere = {**server.env, "CORRAL_HOST": f"unix:{tmp_path / 'none.sock'}"}
+    for args in (("--memory", "abc", "--", "true"), ("--", "printf", "a\\377b")):
+        here, there = (
+            subprocess.run(
+                [*CORRAL, "run", "--json", *args],
+                env=env,
+                cwd=workspace,
+                capture_output=True,
+                timeout=60,
+            )
+            for env in (local, server.env)
+        )
+        got, want = json.loads(there.stdout), json.loads(here.stdout)
+        for result in (got, want):
+            result.pop("duration_ms", None)
+        assert (there.returncode, got, there.stderr) == (here.returncode, want, here.stderr)
+    assert b"U+FFFD" in there.stderr
+    r = subprocess.run(
+        [*CORRAL, "run", "--json", "--", "true"],
+        env=nowhere,
+        cwd=workspace,
+        capture_output=True,
+        timeout=60,
+    )
+    assert r.returncode == 125, r.stderr
+    assert json.loads(r.stdout)["error"]["code"] == "server_unavailable"
+
+
 def test_a_malformed_run_header_is_one_sentence(server: Served) -> None:
     with http(server) as client:
         for header, says in (('{"argv": [1]}', "argv.0: "), ("{nope", "line 1 column 2")):

@@ -372,16 +372,20 @@ def _status(code: int, timed_out: bool) -> int:
     return code if code >= 0 else 128 - code
 
 
+NOT_UTF8_NOTE = (
+    "corral: output that is not UTF-8 is shown as U+FFFD in --json (JSON holds text); "
+    "run without --json for its bytes"
+)
+"""What ``corral run --json`` says on stderr when the output had bytes that are not UTF-8
+(in-process and through a server alike)."""
+
+
 async def _captured(sb: Sandbox, args: argparse.Namespace, command: list[str], env: Any) -> int:
     stdin = sys.stdin.buffer.read() if args.stdin else None
     result = await sb.run(command, timeout=args.timeout, stdin=stdin, env=env, cwd=args.workdir)
     print(json.dumps(result.to_dict()))
     if "\ufffd" in result.stdout or "\ufffd" in result.stderr:
-        print(
-            "corral: output that is not UTF-8 is shown as U+FFFD in --json (JSON holds text); "
-            "run without --json for its bytes",
-            file=sys.stderr,
-        )
+        print(NOT_UTF8_NOTE, file=sys.stderr)
     if result.truncated:
         cap = sb.policy.limits.output_bytes
         print(

@@ -126,7 +126,7 @@ def remote_main(argv: Sequence[str]) -> int | None:
         try:
             conn = locate()
         except ServerError as exc:
-            return _say_error(exc)
+            return _run_error(exc, rest) if command == "run" else _say_error(exc)
         if conn is None:
             return None
         if command == "run":
@@ -168,9 +168,18 @@ def _run_or_fall_back(conn: Conn, argv: list[str]) -> int | None:
     except ServerError as exc:
         if exc.code == "server_unavailable" and not explicit and exc.status == 0:
             return None
-        return _say_error(exc)
+        return _run_error(exc, argv)
     except BrokenPipeError:
         return 141
+
+
+def _run_error(exc: ServerError, argv: list[str]) -> int:
+    """``corral run``'s error: with ``--json`` the JSON object on stdout, as in-process (a
+    script reads stdout; the plain line on stderr left it nothing), else the line."""
+    if "--json" not in _flags(argv):
+        return _say_error(exc)
+    _print_json({"error": {"code": exc.code, "message": exc.message}})
+    return EXIT_USAGE if exc.code in USAGE_CODES else EXIT_SANDBOX
 
 
 def _guarded(call: Any) -> int:

@@ -456,6 +456,10 @@ async def _captured(
             frames.END, {"exit_code": status, "status": status}
         )
     out = frames.frame(frames.STDOUT, (json.dumps(result.to_dict()) + "\n").encode())
+    if "\ufffd" in result.stdout or "\ufffd" in result.stderr:  # as in-process: said
+        from corral.cli.run import NOT_UTF8_NOTE
+
+        out += frames.frame(frames.NOTE, NOT_UTF8_NOTE.encode())
     if result.truncated:
         cap = sb.policy.limits.output_bytes
         out += frames.frame(
