@@ -232,6 +232,32 @@ def test_run_json_through_the_server_says_what_it_says_in_process(
     assert json.loads(r.stdout)["error"]["code"] == "server_unavailable"
 
 
+def test_run_publish_through_the_server_as_readme_says(server: Served, workspace: Path) -> None:
+    # README's `corral run -p 8080:8000 -- python3 -m http.server 8000` was refused through a
+    # server (a pool cannot publish a fixed host port), and `-p 0:8000` never said its port.
+    (workspace / "index.html").write_text("hello from the box\n")
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        host_port = probe.getsockname()[1]  # a free port, released for corral to take
+    argv = [*CORRAL, "run", "-p", f"{host_port}:8000", "--"]
+    argv += ["python3", "-u", "-m", "http.server", "8000"]
+    proc = subprocess.Popen(
+        argv, env=server.env, cwd=workspace, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and b"Serving HTTP" in proc.stdout.readline()
+        url = f"http://127.0.0.1:{host_port}/index.html"
+        assert httpx.get(url, timeout=30).text == "hello from the box\n"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    r = cli(server, "run", "-p", "0:8000", "--", "true", cwd=workspace)
+    assert r.returncode == 0, r.stderr
+    line = r.stderr.decode()
+    assert line.startswith("corral: published 127.0.0.1:") and line.endswith("->8000/tcp\n")
+
+
 def test_a_malformed_run_header_is_one_sentence(server: Served) -> None:
     with http(server) as client:
         for header, says in (('{"argv": [1]}', "argv.0: "), ("{nope", "line 1 column 2")):

@@ -121,10 +121,15 @@ def apply_network_options(policy: Policy, args: argparse.Namespace) -> Policy:
 
 def say_published(sb: Sandbox) -> None:
     """On stderr, where each ``-p 0:BOX`` (any free host port) landed."""
+    for line in published_lines(sb):
+        print(line, file=sys.stderr, flush=True)
+
+
+def published_lines(sb: Sandbox) -> list[str]:
+    """The lines of :func:`say_published` (``corral run`` through a server sends them as
+    notes)."""
     asked = {(p.host_ip, p.box_port) for p in sb.policy.network.publish if p.port_on_host == 0}
-    for p in sb.published:
-        if (p.host_ip, p.box_port) in asked:
-            print(f"corral: published {p}", file=sys.stderr, flush=True)
+    return [f"corral: published {p}" for p in sb.published if (p.host_ip, p.box_port) in asked]
 
 
 def refusal_lines(refusals: Sequence[NetworkRefusal], limit: int = 10) -> list[str]:

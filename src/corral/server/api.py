@@ -837,6 +837,7 @@ def build_api(  # noqa: C901
             ) from None
         args = parse_run(spec.argv)
         from corral.cli.run import plan_run
+        from corral.net.cli import published_lines
 
         plan = plan_run(args)
         force = bool(getattr(args, "force_workspace", False))
@@ -849,6 +850,8 @@ def build_api(  # noqa: C901
                 for warning in sb.warnings:
                     note = f"corral: warning: {warning}"  # may name a path not in UTF-8
                     yield frames.frame(frames.NOTE, note.encode("utf-8", "backslashreplace"))
+                for line in published_lines(sb):  # where each -p 0:PORT landed
+                    yield frames.frame(frames.NOTE, line.encode())
                 command = plan.command or list(
                     (sb.image_config.cmd if sb.image_config else None) or ()
                 )

@@ -495,8 +495,11 @@ class Boxes:
         self._one_shots += 1
         self._gauge()
         try:
-            if allow_dangerous_workspace:  # pools refuse such workspaces: a box of its own
-                sb = await self._cold(policy, workspace, True)
+            # A box of its own for a workspace pools refuse, and for one that publishes
+            # ports: a pool refuses a fixed host port (its boxes cannot all take it), and
+            # its warm boxes would hold host ports nobody was told of.
+            if allow_dangerous_workspace or policy.network.publish:
+                sb = await self._cold(policy, workspace, allow_dangerous_workspace)
             else:
                 pool = await self._pool(policy)
                 warm = pool.ready > 0
