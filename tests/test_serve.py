@@ -258,6 +258,22 @@ def test_run_publish_through_the_server_as_readme_says(server: Served, workspace
     assert line.startswith("corral: published 127.0.0.1:") and line.endswith("->8000/tcp\n")
 
 
+def test_run_through_the_server_says_the_presets_it_picks(
+    tmp_path: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The line went into the server's log; README: corral run says so on stderr.
+    home = tmp_path / "home"
+    (home / ".cargo" / "bin").mkdir(parents=True)
+    (home / ".cargo" / "bin" / "cargo").write_text("#!/bin/sh\necho fake cargo\n")
+    (home / ".rustup").mkdir()
+    monkeypatch.setenv("HOME", str(home))  # the server's: presets are its user's toolchains
+    (workspace / "Cargo.toml").write_text("[package]\n")
+    with serving(tmp_path / "run", "--socket", str(tmp_path / "s.sock")) as served:
+        r = cli(served, "run", "--", "true", cwd=workspace)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith(b"corral: preset rust (Cargo.toml"), r.stderr
+
+
 def test_a_malformed_run_header_is_one_sentence(server: Served) -> None:
     with http(server) as client:
         for header, says in (('{"argv": [1]}', "argv.0: "), ("{nope", "line 1 column 2")):

@@ -10,6 +10,8 @@ from corral import errors
 from corral.workspaces import refuse_dangerous_workspace, workspace_danger
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from corral.policy import Policy
 
 __all__ = [
@@ -91,9 +93,16 @@ def build_policy(args: argparse.Namespace) -> Policy:
     return apply_network_options(policy, args).derived_from(loaded)
 
 
-def with_presets(policy: Policy, args: argparse.Namespace, workspace: str) -> Policy:
+def with_presets(
+    policy: Policy,
+    args: argparse.Namespace,
+    workspace: str,
+    say: Callable[[str], object] | None = None,
+) -> Policy:
     """``policy`` with the ``--preset`` toolchains and those the workspace asks for
-    (:func:`corral.tools.presets.detect`; each said on stderr), unless ``--no-presets``."""
+    (:func:`corral.tools.presets.detect`; each said on stderr, or to ``say``: ``corral
+    serve`` sends the line to the CLI that asked, not into its own log), unless
+    ``--no-presets``."""
     from corral.tools import presets
 
     names = list(getattr(args, "preset", None) or [])
@@ -101,10 +110,13 @@ def with_presets(policy: Policy, args: argparse.Namespace, workspace: str) -> Po
         for name, why in presets.detect(workspace, policy).items():
             if name not in names:
                 names.append(name)
-                print(
-                    f"corral: preset {name} ({why}), shared read-only; --no-presets turns this off",
-                    file=sys.stderr,
+                line = (
+                    f"corral: preset {name} ({why}), shared read-only; --no-presets turns this off"
                 )
+                if say is None:
+                    print(line, file=sys.stderr)
+                else:
+                    say(line)
     return presets.apply(policy, names, workspace)
 
 

@@ -54,6 +54,7 @@ from corral.net.cli import (
 
 if TYPE_CHECKING:
     import asyncio
+    from collections.abc import Callable
 
     from corral.output import TerminalFilter
     from corral.policy import Policy
@@ -260,15 +261,16 @@ def parse_run_args(argv: list[str]) -> argparse.Namespace:
         ) from None
 
 
-def plan_run(args: argparse.Namespace) -> RunPlan:
-    """The policy, workspace, command and variables of ``corral run``'s parsed flags."""
+def plan_run(args: argparse.Namespace, say: Callable[[str], object] | None = None) -> RunPlan:
+    """The policy, workspace, command and variables of ``corral run``'s parsed flags (the
+    presets it picks said on stderr, or to ``say``)."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command and not getattr(args, "image", None):
         raise _no_command()
     workspace = checked_workspace(args)
-    policy = with_presets(build_policy(args), args, workspace)
+    policy = with_presets(build_policy(args), args, workspace, say)
     if args.mount:
         fs = policy.filesystem
         mounts = [m.model_dump() for m in fs.mounts] + list(args.mount)

@@ -839,11 +839,14 @@ def build_api(  # noqa: C901
         from corral.cli.run import plan_run
         from corral.net.cli import published_lines
 
-        plan = plan_run(args)
+        notes: list[str] = []  # the presets picked: said to the CLI, not into this log
+        plan = plan_run(args, say=notes.append)
         force = bool(getattr(args, "force_workspace", False))
         data = await _body(request) if spec.stdin else None
 
         async def gen() -> AsyncIterator[bytes]:
+            for note in notes:
+                yield frames.frame(frames.NOTE, note.encode("utf-8", "backslashreplace"))
             async with boxes.one_shot(
                 plan.policy, plan.workspace, allow_dangerous_workspace=force
             ) as sb:
