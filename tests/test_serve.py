@@ -981,6 +981,20 @@ def test_a_refusal_while_the_body_is_sent_is_the_server_s_answer(
         cli(served, "rm", box, cwd=workspace)
 
 
+def test_cp_names_a_special_file_in_words(server: Served, workspace: Path) -> None:
+    # The API's type "other" was printed as it is: "is a other", "(a other)".
+    box = cli(server, "create", cwd=workspace).stdout.decode().strip()
+    try:
+        r = cli(server, "exec", box, "--", "sh", "-c", "mkdir d && mkfifo ff d/ff", cwd=workspace)
+        assert r.returncode == 0, r.stderr
+        r = cli(server, "cp", f"{box}:ff", "x", cwd=workspace)
+        assert r.returncode == 2 and b"ff is a special file (a FIFO" in r.stderr, r.stderr
+        r = cli(server, "cp", f"{box}:d", "d-out", cwd=workspace)
+        assert r.returncode == 0 and b"d/ff (a special file (a FIFO" in r.stderr, r.stderr
+    finally:
+        cli(server, "rm", box, cwd=workspace)
+
+
 def test_cp_in_reads_through_no_link_the_box_planted(
     server: Served, workspace: Path, tmp_path: Path
 ) -> None:

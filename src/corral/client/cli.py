@@ -720,7 +720,7 @@ class _Copy:
         if host == "-":
             if kind != "file":
                 raise ServerError(
-                    "invalid_input", f"{box}:{path} is a {kind}: only a file goes to stdout"
+                    "invalid_input", f"{box}:{path} is {_a(kind)}: only a file goes to stdout"
                 )
             self._get_file(box, path, None)
             return
@@ -738,7 +738,7 @@ class _Copy:
         else:  # named on its own: refused (inside a copied directory it is skipped)
             raise ServerError(
                 "invalid_input",
-                f"{box}:{path} is a {kind}: corral cp copies regular files and directories",
+                f"{box}:{path} is {_a(kind)}: corral cp copies regular files and directories",
             )
 
     def _get_dir(self, box: str, path: str, dest: _HostPath, names: tuple[str, ...]) -> None:
@@ -755,7 +755,7 @@ class _Copy:
                 elif entry.get("type") == "file":
                     self._get_file(box, child, (dest, below))
                 else:
-                    self.skipped.append(f"{box}:{child} (a {entry.get('type')})")
+                    self.skipped.append(f"{box}:{child} ({_a(str(entry.get('type')))})")
 
     def _get_file(
         self, box: str, path: str, host: tuple[_HostPath, tuple[str, ...]] | None
@@ -879,6 +879,16 @@ class _HostPath:
             os.close(fd)
             raise
         return fd
+
+
+def _a(kind: str) -> str:
+    """A box file's type as words: the API's ``other`` (a FIFO, socket or device) read
+    "is a other"."""
+    return {
+        "dir": "a directory",
+        "symlink": "a symbolic link",
+        "other": "a special file (a FIFO, socket or device)",
+    }.get(kind, f"a {kind}")
 
 
 def _join(path: str, *names: str) -> str:
