@@ -967,6 +967,7 @@ def test_a_refusal_while_the_body_is_sent_is_the_server_s_answer(
     try:
         r = cli(served, "cp", str(big), f"{box}:/etc/x", cwd=workspace)
         assert b"[path_outside_sandbox]" in r.stderr, r.stderr
+        assert r.returncode == 2  # the caller's mistake, as a bad flag: not 125
         assert r.stderr.count(b"\n") == 1, r.stderr
         script = f'head -c {(256 << 20) + (1 << 20)} /dev/zero | "$@"'
         r = subprocess.run(

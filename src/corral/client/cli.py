@@ -204,10 +204,18 @@ def _on_stderr(text: str) -> str:
 
 
 USAGE_CODES = frozenset(
-    {"invalid_input", "invalid_policy", "box_not_found", "process_not_found", "session_not_found"}
+    {
+        "invalid_input",
+        "invalid_policy",
+        "box_not_found",
+        "process_not_found",
+        "session_not_found",
+        "path_outside_sandbox",
+    }
 )
-"""Codes of the caller's mistakes (a bad flag, an id that is not there): exit 2, as a bad
-command line; anything else is the server's or the box's failure (125)."""
+"""Codes of the caller's mistakes (a bad flag, an id that is not there, a path the policy
+does not grant: ``corral cp f ID:/etc/x``): exit 2, as a bad command line; anything else is
+the server's or the box's failure (125)."""
 
 
 def _say_error(exc: ServerError) -> int:
