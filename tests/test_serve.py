@@ -1466,6 +1466,18 @@ def test_bad_detach_keys_through_the_server_are_one_line(server: Served, workspa
         assert r.stderr.count(b"\n") == 1, r.stderr
 
 
+def test_sessions_and_attach_through_the_server_refuse_what_they_do_not_take(
+    server: Served, workspace: Path
+) -> None:
+    # `corral sessions --bogus` and `corral sessions extra` were run as `corral sessions`.
+    for args in (("sessions", "--bogus"), ("sessions", "extra"), ("attach", "x", "--bogus")):
+        r = cli(server, *args, cwd=workspace)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.startswith(b"corral: [invalid_input] ") and args[-1].encode() in r.stderr
+    r = cli(server, "sessions", "--json", cwd=workspace)
+    assert r.returncode == 0 and isinstance(json.loads(r.stdout), list), r.stderr
+
+
 def test_shell_through_the_server_ends_its_box(server: Served, workspace: Path) -> None:
     term = _Terminal([*CORRAL, "shell", "--shell", "/bin/sh"], server.env, workspace)
     term.expect(b"exit ends it")

@@ -376,9 +376,19 @@ def _terminal(conn: Conn, command: str, argv: list[str]) -> int:
         return terminal.shell(conn, localize(flags), shell, keys)
     if command == "attach":
         ids = [a for a in argv if not a.startswith("-")]
-        if len(ids) != 1:
-            raise ServerError("invalid_input", "corral attach SESSION_ID (see corral sessions)")
+        if len(ids) != 1 or len(ids) != len(argv):
+            raise ServerError(
+                "invalid_input",
+                f"corral attach SESSION_ID [--detach-keys KEYS], not {' '.join(argv) or 'nothing'}"
+                " (see corral sessions)",
+            )
         return terminal.attach(conn, ids[0], keys)
+    unknown = [a for a in argv if a not in ("--json", "--raw")]
+    if unknown:  # as in-process: a typo is not run as if it were not there
+        raise ServerError(
+            "invalid_input",
+            f"corral sessions: unrecognized arguments: {' '.join(unknown)} (it takes --json)",
+        )
     found = terminal.list_sessions(conn)
     if "--json" in argv:
         _print_json(found, indent=2)
