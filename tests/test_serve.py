@@ -417,6 +417,15 @@ def test_exec_flags_after_the_box_id_are_exec_s(server: Served, workspace: Path)
         cli(server, "rm", box, cwd=workspace)
 
 
+def test_a_label_that_is_not_k_v_is_refused(server: Served, workspace: Path) -> None:
+    # `--label nolabel` and `--label =x` were taken as the label "nolabel=" and an empty key.
+    before = json.loads(cli(server, "ps", "--json", cwd=workspace).stdout)
+    for bad in ("nolabel", "=x"):
+        r = cli(server, "create", "--label", bad, cwd=workspace)
+        assert r.returncode == 2 and b"[invalid_input] --label" in r.stderr, r.stderr
+    assert json.loads(cli(server, "ps", "--json", cwd=workspace).stdout) == before
+
+
 def test_a_slow_logs_follower_does_not_slow_the_process(server: Served) -> None:
     # `corral logs -f` watches a background process: a reader that stops must not hold it
     # (an exec stream does hold its own command); it is told what it missed instead.

@@ -537,7 +537,7 @@ def _snapshot(conn: Conn, args: argparse.Namespace) -> int:
 
 
 def _fork(conn: Conn, args: argparse.Namespace) -> int:
-    labels = dict(item.partition("=")[::2] for item in args.label)
+    labels = _labels(args.label)
     body = {
         "n": args.n,
         "labels": labels,
@@ -554,9 +554,21 @@ def _fork(conn: Conn, args: argparse.Namespace) -> int:
     return 0
 
 
+def _labels(items: list[str]) -> dict[str, str]:
+    """``--label K=V`` flags as a dict; ``nolabel`` or ``=x`` refused (they became a label
+    ``nolabel=`` and an empty key), before anything is made."""
+    labels: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ServerError("invalid_input", f"--label {item!r}: give KEY=VALUE, e.g. job=t1")
+        labels[key] = value
+    return labels
+
+
 def _create(conn: Conn, args: argparse.Namespace) -> int:
     flags = [f for f in args.flags if f != "--"]
-    labels = dict(item.partition("=")[::2] for item in args.label)
+    labels = _labels(args.label)
     body: dict[str, Any] = {"cli_argv": localize(flags), "labels": labels}
     if args.ttl is not None:
         body["ttl_secs"] = args.ttl
