@@ -1276,6 +1276,29 @@ def test_a_killed_server_leaves_no_box_and_restarts_empty(tmp_path: Path) -> Non
         assert again.stop() == 0
 
 
+def test_a_server_killed_mid_stream_is_not_said_as_a_cut_head(
+    tmp_path: Path, workspace: Path
+) -> None:
+    # The head and output had long arrived; the message said "ended in its head".
+    served = start(tmp_path / "run", "--socket", str(tmp_path / "s.sock"))
+    try:
+        proc = subprocess.Popen(
+            [*CORRAL, "run", "--", "sh", "-c", "echo started; sleep 60"],
+            env=served.env,
+            cwd=workspace,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.stdout.readline() == b"started\n"
+    finally:
+        served.stop(signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 125, err
+    assert b"[server_unavailable]" in err and b"mid-stream" in err and b"head" not in err, err
+
+
 def test_a_paused_box_dies_with_a_killed_server(tmp_path: Path) -> None:
     """A frozen process acts on no signal until thawed: the kills that end a box with its
     server stayed pending, and a paused box's processes lived on, frozen, until a later

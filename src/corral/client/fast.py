@@ -83,10 +83,10 @@ class Response:
         self._buf += data
         return True
 
-    def _line(self) -> bytes:
+    def _line(self, where: str = "in its head") -> bytes:
         while (end := self._buf.find(b"\r\n")) < 0:
             if len(self._buf) > 1 << 16 or not self._fill():
-                raise OSError("the server's response ended in its head")
+                raise OSError(f"the server's response ended {where}")
         line = bytes(self._buf[:end])
         del self._buf[: end + 2]
         return line
@@ -109,9 +109,10 @@ class Response:
             return b""
         if self._chunked:
             if self._chunk_left == 0:
-                size = int(self._line().split(b";")[0], 16)
+                # Lines of the body too: a server gone mid-stream is not said as a cut head.
+                size = int(self._line("mid-stream").split(b";")[0], 16)
                 if size == 0:
-                    while self._line():  # trailers
+                    while self._line("mid-stream"):  # trailers
                         pass
                     self._done = True
                     return b""
@@ -121,7 +122,7 @@ class Response:
                 raise OSError("the server's response ended mid-chunk")
             self._chunk_left -= len(data)
             if self._chunk_left == 0:
-                self._line()
+                self._line("mid-stream")
             return data
         want = n if self._left is None else min(n, self._left)
         data = self._take(want)
