@@ -1977,3 +1977,26 @@ async def test_a_bug_answers_500_and_keeps_the_connection() -> None:
         server.should_exit = True
         await serving_task
         listening.close()
+
+
+def test_a_client_leaving_mid_upload_is_no_server_failure(tmp_path: Path) -> None:
+    """Ctrl-C during a ``corral exec -i`` upload: the server logged it as its own failure,
+    with a traceback (starlette's ClientDisconnect)."""
+    served = start(tmp_path / "run", "--listen", "127.0.0.1:0")
+    try:
+        with http(served, served.token) as client:
+            box = client.post("/v1/boxes", json={}).json()["id"]
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            head = f"POST /v1/boxes/{box}/exec?cmd=cat&stdin=true HTTP/1.1\r\nHost: {host}:{port}"
+            head += f"\r\nAuthorization: Bearer {served.token}\r\nContent-Length: 100000\r\n\r\n"
+            sock.sendall(head.encode() + b"x" * 1000)  # then gone, the body a tenth sent
+        with http(served, served.token) as client:  # the server goes on, the box too
+            assert client.post(f"/v1/boxes/{box}/run", json={"cmd": "true"}).status_code == 200
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(60) == 0
+        assert served.proc.stderr is not None
+        log = served.proc.stderr.read().decode()
+        assert "Traceback" not in log and "failed on" not in log, log
+    finally:
+        served.stop()

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import HTTPConnection
+from starlette.requests import ClientDisconnect, HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral import errors
@@ -562,6 +562,9 @@ class _AnswerBugs:
 
         try:
             await self.app(scope, receive, watched)
+        except ClientDisconnect:  # the caller left mid-request (^C in an upload): no bug
+            where = f"{scope.get('method', '?')} {scope.get('path', '?')}"
+            logger.info("the client left during %s", where)
         except Exception as exc:
             if started:
                 raise
