@@ -2000,3 +2000,26 @@ def test_a_client_leaving_mid_upload_is_no_server_failure(tmp_path: Path) -> Non
         assert "Traceback" not in log and "failed on" not in log, log
     finally:
         served.stop()
+
+
+def test_a_full_stdout_through_the_server_is_said_as_in_process(
+    server: Served, workspace: Path
+) -> None:
+    """``corral run ... > /dev/full``: this host's stdout refused the output, which is not the
+    server failing (it was ``[server_unavailable]``, 125): one line, 120, as in-process."""
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run(
+            [*CORRAL, "run", "--", "echo", "hi"],
+            env=server.env,
+            cwd=workspace,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
+    assert r.returncode == 120, r.stderr
+    assert (
+        r.stderr.decode()
+        .strip()
+        .endswith("corral: cannot write the output: No space left on device")
+    )
+    assert b"server_unavailable" not in r.stderr

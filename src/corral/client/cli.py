@@ -301,9 +301,39 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+class _OutputFailed(Exception):
+    """This host's stdout or stderr refused the output (told apart from the server's stream
+    breaking, which is also an OSError)."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def _local(write: Any) -> Any:
+    def written(data: bytes) -> None:
+        try:
+            write(data)
+        except OSError as exc:
+            raise _OutputFailed(exc) from None
+
+    return written
+
+
 def _play(response: Any, raw: bool) -> int:
-    """Copy a frames response to stdout/stderr; the command's exit status (or 125)."""
-    out, err = _writer(1, raw), _writer(2, raw)
+    """Copy a frames response to stdout/stderr; the command's exit status (or 125; 120
+    when this host's stdout cannot take it, a full disk say, as in-process)."""
+    out, err = _local(_writer(1, raw)), _local(_writer(2, raw))
+    try:
+        return _played(response, raw, out, err)
+    except _OutputFailed as failed:
+        if failed.cause.errno == errno.EPIPE:
+            raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE)) from None
+        print(f"corral: cannot write the output: {failed.cause.strerror}", file=sys.stderr)
+        return 120
+
+
+def _played(response: Any, raw: bool, out: Any, err: Any) -> int:
     try:
         for kind, data in frames.FrameReader(response):
             if kind == frames.STDOUT:
