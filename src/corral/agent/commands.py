@@ -38,7 +38,9 @@ def spawn_error(exc: OSError, program: str, cwd: str | None, path: str) -> tuple
     c = protocol.ErrorCode
     # The chdir's failure, not the exec's: a program named as its own working directory
     # (run_command "/workspace" in /workspace) is not executable, the directory is fine.
-    if isinstance(exc, CwdError) or (cwd and exc.filename == cwd and program != cwd):
+    if AT_CHDIR in getattr(exc, "__notes__", ()) or (
+        cwd and exc.filename == cwd and program != cwd
+    ):
         missing = exc.errno == errno.ENOENT
         what = "not found" if missing else exc.strerror or str(exc)
         return c.SPAWN_FAILED, f"working directory {cwd}: {what}"
@@ -60,8 +62,9 @@ def spawn_error(exc: OSError, program: str, cwd: str | None, path: str) -> tuple
     return c.SPAWN_FAILED, f"cannot start {program}: {exc.strerror or exc}"
 
 
-class CwdError(OSError):
-    """The child could not go to its working directory (``filename``), so nothing ran."""
+AT_CHDIR = "corral: the child could not go to its working directory"
+"""The note (PEP 678) on the OSError of a child that failed at its chdir, not its exec: the
+error itself stays the one ``Popen`` raises (FileNotFoundError for a missing directory)."""
 
 
 PIPE = -1
@@ -243,7 +246,11 @@ def _spawn(
     if name != b"OSError" or not errno_num:
         raise RuntimeError(message.decode(errors="replace"))
     if message.startswith(b"noexec"):  # the child failed before its exec, at the chdir
-        raise CwdError(errno_num, os.strerror(errno_num), cwd)
+        failed = OSError(errno_num, os.strerror(errno_num), cwd)
+        note = getattr(failed, "add_note", None)  # 3.11: an older guest interpreter has none
+        if note is not None:
+            note(AT_CHDIR)
+        raise failed
     raise OSError(errno_num, os.strerror(errno_num), argv[0])
 
 
