@@ -905,7 +905,7 @@ def build_api(  # noqa: C901
         held = box(box_id)
         waited = await held.sandbox.process(pid).wait(timeout)
         if waited.status == "exited":
-            how = "signalled" if (waited.exit_code or 0) < 0 else "exited"
+            how = _how_ended(waited.exit_code or 0, timed_out=False, oom=False)
             if (closed := _closed_by_server(boxes, held.sandbox, held, how)) is not None:
                 raise closed
         return waited.to_dict()
@@ -980,7 +980,7 @@ def build_api(  # noqa: C901
                     if kind == "exit":
                         assert isinstance(data, int)
                         code = data
-                        how = "signalled" if code < 0 else "exited"
+                        how = _how_ended(code, timed_out=False, oom=False)
                         if closed := _closed_by_server(boxes, held.sandbox, held, how):
                             raise closed
                         yield frames.json_frame(
